@@ -1,0 +1,3 @@
+from plan3d.cli import main
+
+main()

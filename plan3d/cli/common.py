@@ -1,0 +1,68 @@
+"""Options shared by several commands, and turning them into specs and a Layout."""
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+from pydantic import ValidationError
+
+from plan3d.errors import LayoutError, SpecError
+from plan3d.layout import DEFAULT_ORDER, Layout
+from plan3d.specs.catalog import load_cluster, load_model, require_positive
+from plan3d.specs.cluster import ClusterSpec
+from plan3d.specs.loader import validation_problems
+from plan3d.specs.model import ModelSpec
+from plan3d.specs.training import TrainingSpec
+
+ClusterOpt = Annotated[str, typer.Option("--cluster", "-c", help="Bundled cluster name or spec file.")]
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Bundled model name or spec file.")]
+NodesOpt = Annotated[Optional[int], typer.Option("--nodes", help="Override the cluster's node count.")]
+GpnOpt = Annotated[Optional[int], typer.Option("--gpus-per-node", help="Override GPUs per node.")]
+GlobalBatchOpt = Annotated[Optional[int], typer.Option("--global-batch", help="Sequences per step.")]
+SeqLenOpt = Annotated[Optional[int], typer.Option("--seq-len", help="Override the sequence length.")]
+PrecisionOpt = Annotated[str, typer.Option("--precision", help="bf16, fp16, fp8 or fp32.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+OrderOpt = Annotated[str, typer.Option("--order", help="Rank order, first axis fastest.")]
+
+
+def load_specs(cluster: str, model: str, nodes: int | None, gpus_per_node: int | None,
+               global_batch: int | None, seq_len: int | None,
+               precision: str = "bf16") -> tuple[ClusterSpec, ModelSpec, TrainingSpec]:
+    """Resolve names or paths and command-line overrides into validated specs."""
+    for name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node),
+                        ("global_batch", global_batch), ("seq_len", seq_len)):
+        require_positive(name, value)
+    cluster_spec = load_cluster(cluster, nodes, gpus_per_node)
+    model_spec = load_model(model)
+    batch = global_batch or model_spec.default_global_batch
+    if batch is None:
+        raise SpecError("command line", [f"model {model_spec.name!r} has no default_global_batch; pass --global-batch"])
+    training = make_training(global_batch=batch, seq_len=seq_len, precision=precision)
+    return cluster_spec, model_spec, training
+
+
+def make_training(**fields) -> TrainingSpec:
+    try:
+        return TrainingSpec(**{k: v for k, v in fields.items() if v is not None})
+    except ValidationError as err:
+        raise SpecError("command line", validation_problems(err)) from err
+
+
+def make_layout(**fields) -> Layout:
+    """A Layout from command-line flags; a bad value becomes one LayoutError line per field."""
+    try:
+        return Layout(**{k: v for k, v in fields.items() if v is not None})
+    except ValidationError as err:
+        raise LayoutError("; ".join(validation_problems(err))) from err
+
+
+__all__ = ["DEFAULT_ORDER", "load_specs", "make_layout", "make_training"]
+
+TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel degree.")]
+PpOpt = Annotated[int, typer.Option("--pp", help="Pipeline-parallel degree.")]
+DpOpt = Annotated[int, typer.Option("--dp", help="Data-parallel degree.")]
+MicroBatchOpt = Annotated[int, typer.Option("--micro-batch", help="Sequences per micro-batch.")]
+VppOpt = Annotated[int, typer.Option("--vpp", help="Virtual pipeline stages per rank (interleaved 1F1B).")]
+ZeroOpt = Annotated[int, typer.Option("--zero", help="ZeRO stage 0-3.")]
+RecomputeOpt = Annotated[str, typer.Option("--recompute", help="none, selective or full.")]
+SeqParallelOpt = Annotated[bool, typer.Option("--sequence-parallel", help="Megatron sequence parallelism.")]

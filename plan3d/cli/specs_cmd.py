@@ -1,0 +1,71 @@
+"""`plan3d specs list|show|schema`."""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Optional
+
+import typer
+
+from plan3d.cli.app import specs_app
+from plan3d.errors import SpecNotFound
+from plan3d.specs import catalog
+
+
+@specs_app.command("list")
+def specs_list(json_out: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """List the bundled GPUs, clusters and models."""
+    from plan3d.render.specs import catalog_rows, print_catalog
+
+    rows = catalog_rows()
+    if json_out:
+        print(json.dumps(rows, indent=1))
+    else:
+        print_catalog(rows)
+
+
+@specs_app.command("show")
+def specs_show(
+    name: str,
+    kind: Annotated[Optional[str], typer.Option("--kind", help="cluster, model or gpu")] = None,
+    json_out: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Show one bundled spec (or a spec file) with its values in SI and human units."""
+    from plan3d.render.specs import print_spec
+
+    spec = _load_any(name, kind)
+    if json_out:
+        print(spec.model_dump_json(indent=1))
+    else:
+        print_spec(spec)
+
+
+def _load_any(name: str, kind: str | None):
+    loaders = {"cluster": catalog.load_cluster, "model": catalog.load_model, "gpu": catalog.load_gpu}
+    if kind is not None:
+        if kind not in loaders:
+            raise SpecNotFound(f"--kind {kind!r}: use one of cluster, model, gpu")
+        return loaders[kind](name)
+    for loader in loaders.values():
+        try:
+            return loader(name)
+        except SpecNotFound:
+            continue
+    every = [n for k in loaders for n in catalog.bundled_names(k)]
+    import difflib
+
+    close = difflib.get_close_matches(name, every, n=1, cutoff=0.4)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise SpecNotFound(f"no bundled spec named {name!r}: {hint}see `plan3d specs list`")
+
+
+@specs_app.command("schema")
+def specs_schema(
+    kind: Annotated[Optional[str], typer.Argument(help="cluster, model, training, layout, job or plan")] = None,
+) -> None:
+    """Print the JSON Schema of each spec kind (for editors and CI)."""
+    from plan3d.specs.schema import schemas
+
+    all_schemas = schemas()
+    if kind is not None and kind not in all_schemas:
+        raise SpecNotFound(f"unknown schema {kind!r}; use one of {', '.join(all_schemas)}")
+    print(json.dumps(all_schemas[kind] if kind else all_schemas, indent=1))

@@ -1,0 +1,1 @@
+"""Cost models: small pure functions, one formula each, source cited in the docstring."""

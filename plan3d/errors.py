@@ -1,0 +1,52 @@
+"""Error types and exit codes.
+
+Two kinds of failure (style.md, habit 4): a `Plan3dError` is something the user can fix and
+carries a message saying what to change; an `assert` marks an impossible internal state.
+The CLI maps each error type to one exit code in one place (`plan3d.cli`).
+"""
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # no feasible layout, check failed, a rank crashed
+EXIT_BAD_INPUT = 2  # malformed spec, impossible layout, missing file
+
+
+class Plan3dError(Exception):
+    """Base class of every user-facing error. `str(err)` is the message shown to the user."""
+
+    exit_code = EXIT_BAD_INPUT
+
+    def lines(self) -> list[str]:
+        return [str(self)]
+
+
+class SpecError(Plan3dError):
+    """A spec file or value is invalid; one line per bad field."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.source = source
+        self.problems = problems
+        super().__init__(f"{source}: " + "; ".join(problems))
+
+    def lines(self) -> list[str]:
+        return [f"{self.source}: {p}" for p in self.problems]
+
+
+class SpecNotFound(Plan3dError):
+    """A spec name or path that resolves to nothing."""
+
+
+class LayoutError(Plan3dError):
+    """A layout that cannot exist for this model and cluster (tp not dividing heads, ...)."""
+
+
+class InfeasibleError(Plan3dError):
+    """Nothing fits, or a check failed: the input was fine, the answer is no."""
+
+    exit_code = EXIT_FAILED
+
+
+class LaunchError(Plan3dError):
+    """A launched job failed (a rank crashed, a placement mismatch, a timeout)."""
+
+    exit_code = EXIT_FAILED

@@ -1,0 +1,82 @@
+"""Plan: the versioned JSON contract between the planner and `plan3d launch`.
+
+A plan holds the full specs (not names), the chosen Layout, the Estimate and the RankMap, so that
+a launch is reproducible from one file. `digest` covers the specs and the layout.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+from plan3d import __version__
+from plan3d.layout import Layout
+from plan3d.rankmap import RankMap
+from plan3d.specs.base import StrictModel
+from plan3d.specs.cluster import ClusterSpec
+from plan3d.specs.loader import read_mapping, validate
+from plan3d.specs.model import ModelSpec
+from plan3d.specs.training import TrainingSpec
+
+SCHEMA_VERSION = 1
+
+
+class Plan(StrictModel):
+    schema_version: Literal[1] = SCHEMA_VERSION
+    created_by: str = Field(default_factory=lambda: f"plan3d {__version__}")
+    digest: str = ""
+    cluster: ClusterSpec
+    model: ModelSpec
+    training: TrainingSpec
+    layout: Layout
+    estimate: dict[str, Any] = Field(default_factory=dict)
+    rankmap: dict[str, Any] = Field(default_factory=dict)
+
+    def specs_digest(self) -> str:
+        payload = {k: getattr(self, k).model_dump(mode="json") for k in ("cluster", "model", "training", "layout")}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def rankmap_dict(rankmap: RankMap) -> dict[str, Any]:
+    """The rank map as plain JSON: order, world size, every rank's placement, every group."""
+    ranks = [vars(c) for c in rankmap.all_coords()]
+    return {
+        "order": rankmap.order,
+        "world_size": rankmap.world_size,
+        "gpus_per_node": rankmap.gpus_per_node,
+        "ranks": ranks,
+        "groups": {name: rankmap.groups(name) for name in rankmap.group_names},
+    }
+
+
+def build_plan(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, layout: Layout,
+               estimate: dict[str, Any] | None = None) -> Plan:
+    from plan3d.rankmap import rankmap_for
+
+    plan = Plan(cluster=cluster, model=model, training=training, layout=layout, estimate=estimate or {},
+                rankmap=rankmap_dict(rankmap_for(layout, cluster.gpus_per_node)))
+    plan.digest = plan.specs_digest()
+    return plan
+
+
+def save_plan(plan: Plan, path: Path) -> None:
+    """Write atomically: a crash mid-write never leaves a truncated plan."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(plan.model_dump_json(indent=1))
+    tmp.replace(path)
+
+
+def load_plan(path_str: str) -> Plan:
+    from plan3d.errors import SpecError
+
+    data = read_mapping(Path(path_str))
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise SpecError(path_str, [f"schema_version {version!r} is not {SCHEMA_VERSION}; re-create the plan with this plan3d"])
+    plan = validate(Plan, data, path_str)
+    if plan.digest and plan.digest != plan.specs_digest():
+        raise SpecError(path_str, ["digest does not match the specs and layout (edited by hand?); re-create the plan"])
+    return plan

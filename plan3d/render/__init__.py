@@ -1,0 +1,1 @@
+"""Rendering: rich tables and pictures. The library never prints; these modules do."""

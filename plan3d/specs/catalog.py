@@ -1,0 +1,80 @@
+"""Bundled specs: GPUs, clusters, models, jobs. Resolve a name or a path; never the network.
+
+The bundled files live at the repository root (cluster_specs/, model_specs/) and ship inside
+the package as `plan3d/bundled/` (symbolic links in the source tree, copies in a wheel).
+"""
+from __future__ import annotations
+
+import difflib
+from functools import lru_cache
+from pathlib import Path
+from typing import TypeVar
+
+from pydantic import BaseModel
+
+from plan3d.errors import SpecError, SpecNotFound
+from plan3d.specs.loader import read_mapping, validate
+
+BUNDLED = Path(__file__).resolve().parent.parent / "bundled"
+KINDS = {"gpu": "cluster_specs/gpus", "cluster": "cluster_specs", "model": "model_specs"}
+SUFFIXES = (".yaml", ".yml", ".json")
+M = TypeVar("M", bound=BaseModel)
+
+
+def bundled_dir(kind: str) -> Path:
+    return BUNDLED / KINDS[kind]
+
+
+def bundled_names(kind: str) -> list[str]:
+    folder = bundled_dir(kind)
+    return sorted(p.stem for p in folder.iterdir() if p.suffix in SUFFIXES and p.is_file())
+
+
+def resolve_path(kind: str, name_or_path: str) -> Path:
+    """A bundled name (e.g. 'dgx-h100') or a path to a YAML/JSON file."""
+    candidate = Path(name_or_path).expanduser()
+    looks_like_path = candidate.suffix in SUFFIXES or "/" in name_or_path or candidate.exists()
+    if looks_like_path:
+        return candidate
+    for suffix in SUFFIXES:
+        path = bundled_dir(kind) / f"{name_or_path}{suffix}"
+        if path.is_file():
+            return path
+    names = bundled_names(kind)
+    close = difflib.get_close_matches(name_or_path.lower(), names, n=1, cutoff=0.4)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise SpecNotFound(f"unknown {kind} {name_or_path!r}: {hint}bundled {kind}s: {', '.join(names)}; or give a file path")
+
+
+def load_spec(kind: str, model: type[M], name_or_path: str) -> M:
+    path = resolve_path(kind, name_or_path)
+    return validate(model, read_mapping(path), str(path) if path.is_absolute() else path.as_posix())
+
+
+@lru_cache(maxsize=64)
+def load_gpu(name: str):
+    from plan3d.specs.gpu import GPUSpec
+
+    return load_spec("gpu", GPUSpec, name)
+
+
+def load_cluster(name_or_path: str, nodes: int | None = None, gpus_per_node: int | None = None):
+    from plan3d.specs.cluster import ClusterSpec
+
+    cluster = load_spec("cluster", ClusterSpec, name_or_path)
+    if nodes is None and gpus_per_node is None:
+        return cluster
+    data = cluster.model_dump()
+    data.update({k: v for k, v in (("nodes", nodes), ("gpus_per_node", gpus_per_node)) if v is not None})
+    return validate(ClusterSpec, data, f"{name_or_path} (with command-line overrides)")
+
+
+def load_model(name_or_path: str):
+    from plan3d.specs.model import ModelSpec
+
+    return load_spec("model", ModelSpec, name_or_path)
+
+
+def require_positive(name: str, value: int | None) -> None:
+    if value is not None and value <= 0:
+        raise SpecError("command line", [f"--{name.replace('_', '-')} must be a positive integer, got {value}"])

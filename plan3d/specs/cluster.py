@@ -1,0 +1,147 @@
+"""Cluster spec: nodes, GPUs per node, the GPU, and the network as nested tiers.
+
+Bandwidth units (the trap of cost-model.md: one tool reads "400 GB/s" per node, another per GPU):
+a tier states its bandwidth in exactly one of the vendor forms below and the spec converts once,
+to bytes/s per GPU in one direction (`ResolvedTier.bandwidth_bytes_per_s`).
+
+| field                    | meaning                                                      |
+|--------------------------|--------------------------------------------------------------|
+| gbytes_per_s_per_gpu     | GB/s (1e9 bytes) per GPU                                     |
+| gbytes_per_s_per_node    | GB/s for the whole node, shared by its GPUs                  |
+| gbit_per_s_per_nic       | Gbit/s (1e9 bits) per NIC, with `nics_per_node`              |
+| bidirectional            | true when the figure adds both directions (NVLink datasheets)|
+"""
+from __future__ import annotations
+
+from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
+
+from plan3d.specs.base import FrozenModel, StrictModel
+from plan3d.specs.gpu import GPUSpec
+
+
+class Bandwidth(StrictModel):
+    gbytes_per_s_per_gpu: PositiveFloat | None = None
+    gbytes_per_s_per_node: PositiveFloat | None = None
+    gbit_per_s_per_nic: PositiveFloat | None = None
+    nics_per_node: PositiveInt | None = None
+    bidirectional: bool = False
+
+    @model_validator(mode="after")
+    def _exactly_one_form(self) -> "Bandwidth":
+        forms = [self.gbytes_per_s_per_gpu, self.gbytes_per_s_per_node, self.gbit_per_s_per_nic]
+        if sum(f is not None for f in forms) != 1:
+            raise ValueError(
+                "give exactly one of gbytes_per_s_per_gpu, gbytes_per_s_per_node, "
+                "gbit_per_s_per_nic (with nics_per_node)"
+            )
+        if (self.gbit_per_s_per_nic is None) != (self.nics_per_node is None):
+            raise ValueError("gbit_per_s_per_nic and nics_per_node go together")
+        return self
+
+    def bytes_per_s_per_gpu(self, gpus_per_node: int) -> float:
+        """Per-GPU, one-direction bandwidth in bytes/s."""
+        if self.gbytes_per_s_per_gpu is not None:
+            value = self.gbytes_per_s_per_gpu * 1e9
+        elif self.gbytes_per_s_per_node is not None:
+            value = self.gbytes_per_s_per_node * 1e9 / gpus_per_node
+        else:
+            value = self.gbit_per_s_per_nic * 1e9 / 8 * self.nics_per_node / gpus_per_node
+        return value / 2 if self.bidirectional else value
+
+
+class NetworkTier(StrictModel):
+    """One level of the network. Tiers are listed inner to outer.
+
+    `domain_gpus` is how many consecutive GPUs one domain of this tier connects (the first tier
+    defaults to the node; GB200 NVL72 sets 72); the outermost tier leaves it empty (the cluster).
+    """
+
+    name: str
+    domain_gpus: PositiveInt | None = None
+    bandwidth: Bandwidth
+    latency_us: float = Field(ge=0)
+    efficiency: float = Field(0.8, gt=0, le=1, description="Achievable fraction of bandwidth.")
+    oversubscription: float = Field(1.0, ge=1, description="Divides this tier's bandwidth (e.g. 2 for 2:1).")
+
+
+class ResolvedTier(FrozenModel):
+    """A tier in SI units with its domain size filled in."""
+
+    name: str
+    domain_gpus: int
+    bandwidth_bytes_per_s: float
+    latency_s: float
+    efficiency: float
+
+    @property
+    def effective_bytes_per_s(self) -> float:
+        return self.bandwidth_bytes_per_s * self.efficiency
+
+
+class ClusterSpec(StrictModel):
+    name: str
+    description: str = ""
+    nodes: PositiveInt
+    gpus_per_node: PositiveInt
+    gpu: GPUSpec
+    network: list[NetworkTier] = Field(min_length=1)
+    source: str = ""
+
+    @field_validator("gpu", mode="before")
+    @classmethod
+    def _resolve_catalog_gpu(cls, value):
+        if isinstance(value, str):
+            from plan3d.errors import Plan3dError
+            from plan3d.specs.catalog import load_gpu
+
+            try:
+                return load_gpu(value).model_dump()
+            except Plan3dError as err:  # reported with the other fields' problems
+                raise ValueError(str(err)) from None
+        return value
+
+    @model_validator(mode="after")
+    def _tiers_nest(self) -> "ClusterSpec":
+        sizes = [t.domain_gpus for t in self.network[:-1]]
+        if any(s is None for s in sizes[1:]):
+            raise ValueError("only the first and the outermost tier may leave domain_gpus empty")
+        previous = 1
+        for tier, size in zip(self.network, [t.domain_gpus for t in self.network]):
+            if size is None:
+                continue
+            if size % previous:
+                raise ValueError(f"tier {tier.name!r}: domain_gpus={size} must be a multiple of {previous}")
+            previous = size
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def with_size(self, nodes: int | None = None, gpus_per_node: int | None = None) -> "ClusterSpec":
+        """The same node type and fabric with another node count or node width."""
+        data = self.model_dump()
+        if nodes is not None:
+            data["nodes"] = nodes
+        if gpus_per_node is not None:
+            data["gpus_per_node"] = gpus_per_node
+        return ClusterSpec.model_validate(data)
+
+    def tiers(self) -> list[ResolvedTier]:
+        """Tiers inner to outer in SI units; the outermost spans the whole cluster."""
+        resolved = []
+        for i, tier in enumerate(self.network):
+            last = i == len(self.network) - 1
+            domain = tier.domain_gpus or (self.gpus_per_node if i == 0 and not last else self.world_size)
+            if last:
+                domain = max(domain, self.world_size)
+            resolved.append(
+                ResolvedTier(
+                    name=tier.name,
+                    domain_gpus=domain,
+                    bandwidth_bytes_per_s=tier.bandwidth.bytes_per_s_per_gpu(self.gpus_per_node) / tier.oversubscription,
+                    latency_s=tier.latency_us * 1e-6,
+                    efficiency=tier.efficiency,
+                )
+            )
+        return resolved

@@ -1,0 +1,60 @@
+"""Job file: cluster + model + training (+ an optional layout), the input of `check` and `launch`.
+
+    cluster: dgx-a100-80g        # bundled name, path (relative to this file) or inline mapping
+    nodes: 64                    # optional overrides of the cluster size
+    model: gpt3-175b
+    training: {global_batch: 1536, precision: bf16}
+    layout: {tp: 8, pp: 8, dp: 8, micro_batch: 1}
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import PositiveInt
+
+from plan3d.layout import Layout
+from plan3d.specs.base import StrictModel
+from plan3d.specs.catalog import load_cluster, load_model
+from plan3d.specs.cluster import ClusterSpec
+from plan3d.specs.loader import read_mapping, validate
+from plan3d.specs.model import ModelSpec
+from plan3d.specs.training import TrainingSpec
+
+
+class JobSpec(StrictModel):
+    cluster: str | ClusterSpec
+    nodes: PositiveInt | None = None
+    gpus_per_node: PositiveInt | None = None
+    model: str | ModelSpec
+    training: TrainingSpec
+    layout: Layout | None = None
+
+
+class Job(StrictModel):
+    """A job with every name resolved."""
+
+    cluster: ClusterSpec
+    model: ModelSpec
+    training: TrainingSpec
+    layout: Layout | None = None
+
+
+def load_job(path_str: str) -> Job:
+    path = Path(path_str)
+    spec = validate(JobSpec, read_mapping(path), path_str)
+    base = path.parent
+    cluster = spec.cluster
+    if isinstance(cluster, str):
+        cluster = load_cluster(_relative(base, cluster), spec.nodes, spec.gpus_per_node)
+    elif spec.nodes or spec.gpus_per_node:
+        cluster = cluster.with_size(spec.nodes, spec.gpus_per_node)
+    model = load_model(_relative(base, spec.model)) if isinstance(spec.model, str) else spec.model
+    return Job(cluster=cluster, model=model, training=spec.training, layout=spec.layout)
+
+
+def _relative(base: Path, name_or_path: str) -> str:
+    """Paths in a job file are relative to the job file; bare names stay bundled names."""
+    if "/" in name_or_path or name_or_path.endswith((".yaml", ".yml", ".json")):
+        candidate = base / name_or_path
+        return str(candidate if not Path(name_or_path).is_absolute() else name_or_path)
+    return name_or_path

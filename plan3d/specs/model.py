@@ -1,0 +1,69 @@
+"""Model spec: a decoder-only transformer described by its shapes."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, PositiveInt, model_validator
+
+from plan3d.specs.base import StrictModel
+
+
+class MoESpec(StrictModel):
+    """Mixture-of-experts MLP (every `every`-th layer). The planner treats it as dense for now."""
+
+    experts: PositiveInt
+    top_k: PositiveInt = 2
+    expert_ffn_hidden: PositiveInt | None = None
+    every: PositiveInt = 1
+
+    @model_validator(mode="after")
+    def _top_k_fits(self) -> "MoESpec":
+        if self.top_k > self.experts:
+            raise ValueError(f"top_k={self.top_k} exceeds experts={self.experts}")
+        return self
+
+
+class ModelSpec(StrictModel):
+    name: str
+    layers: PositiveInt
+    hidden: PositiveInt
+    heads: PositiveInt
+    kv_heads: PositiveInt | None = Field(None, description="Key/value heads (GQA); default = heads.")
+    head_dim: PositiveInt | None = Field(None, description="Default hidden / heads.")
+    ffn_hidden: PositiveInt | None = Field(None, description="Default 4*hidden (gelu), 8/3*hidden (swiglu).")
+    activation: Literal["gelu", "relu", "swiglu"] = "gelu"
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    bias: bool = Field(True, description="Linear layers carry biases (GPT-2/3: yes, Llama: no).")
+    position: Literal["learned", "rope", "alibi"] = "learned"
+    vocab: PositiveInt
+    seq_len: PositiveInt
+    tied_embeddings: bool = False
+    moe: MoESpec | None = None
+    default_global_batch: PositiveInt | None = Field(
+        None, description="Global batch (sequences) it was trained with; used when none is given."
+    )
+    source: str = ""
+
+    @model_validator(mode="after")
+    def _shapes_agree(self) -> "ModelSpec":
+        if self.kv_heads is not None and self.heads % self.kv_heads:
+            raise ValueError(f"heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
+        if self.head_dim is None and self.hidden % self.heads:
+            raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads}; set head_dim")
+        return self
+
+    @property
+    def kv_heads_(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def head_dim_(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def ffn_hidden_(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        if self.activation == "swiglu":
+            return int(8 * self.hidden / 3)
+        return 4 * self.hidden

@@ -59,14 +59,24 @@ def load_gpu(name: str):
 
 
 def load_cluster(name_or_path: str, nodes: int | None = None, gpus_per_node: int | None = None):
+    """A cluster spec, optionally resized (the spec describes node type and fabric)."""
     from plan3d.specs.cluster import ClusterSpec
 
-    cluster = load_spec("cluster", ClusterSpec, name_or_path)
+    return resize(load_spec("cluster", ClusterSpec, name_or_path), nodes, gpus_per_node, name_or_path)
+
+
+def resize(cluster, nodes: int | None, gpus_per_node: int | None, source: str):
+    """`cluster.with_size(...)`, with a bad size reported as a SpecError naming `source`."""
+    from pydantic import ValidationError
+
+    from plan3d.specs.loader import validation_problems
+
     if nodes is None and gpus_per_node is None:
         return cluster
-    data = cluster.model_dump()
-    data.update({k: v for k, v in (("nodes", nodes), ("gpus_per_node", gpus_per_node)) if v is not None})
-    return validate(ClusterSpec, data, f"{name_or_path} (with command-line overrides)")
+    try:
+        return cluster.with_size(nodes, gpus_per_node)
+    except ValidationError as err:
+        raise SpecError(f"{source} (with size overrides)", validation_problems(err)) from err
 
 
 def load_model(name_or_path: str):

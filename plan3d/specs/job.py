@@ -14,7 +14,7 @@ from pydantic import PositiveInt
 
 from plan3d.layout import Layout
 from plan3d.specs.base import StrictModel
-from plan3d.specs.catalog import load_cluster, load_model
+from plan3d.specs.catalog import load_cluster, load_model, resize
 from plan3d.specs.cluster import ClusterSpec
 from plan3d.specs.loader import read_mapping, validate
 from plan3d.specs.model import ModelSpec
@@ -46,8 +46,8 @@ def load_job(path_str: str) -> Job:
     cluster = spec.cluster
     if isinstance(cluster, str):
         cluster = load_cluster(_relative(base, cluster), spec.nodes, spec.gpus_per_node)
-    elif spec.nodes or spec.gpus_per_node:
-        cluster = cluster.with_size(spec.nodes, spec.gpus_per_node)
+    else:
+        cluster = resize(cluster, spec.nodes, spec.gpus_per_node, path_str)
     model = load_model(_relative(base, spec.model)) if isinstance(spec.model, str) else spec.model
     return Job(cluster=cluster, model=model, training=spec.training, layout=spec.layout)
 

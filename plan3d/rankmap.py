@@ -163,3 +163,43 @@ class RankMap:
 def rankmap_for(layout: Layout, gpus_per_node: int) -> RankMap:
     """Cached RankMap (the search asks for the same shapes many times)."""
     return RankMap(layout, gpus_per_node)
+
+
+@dataclass(frozen=True)
+class GroupPlacement:
+    """Where the groups of one kind sit: size, count, nodes touched and the tier that carries them."""
+
+    name: str
+    size: int
+    count: int
+    nodes_spanned: int
+    tier_index: int
+    tier_name: str
+
+
+def placements(rankmap: RankMap, tiers: list[ResolvedTier]) -> list[GroupPlacement]:
+    """Placement facts of every group kind of `rankmap` on a cluster with `tiers` (inner to outer)."""
+    out = []
+    for name in rankmap.group_names:
+        groups = rankmap.group_array(name)
+        tier = rankmap.tier_index(name, tiers)
+        out.append(GroupPlacement(name, groups.shape[1], groups.shape[0], rankmap.nodes_spanned(name),
+                                  tier, tiers[tier].name))
+    return out
+
+
+def placement_warnings(rankmap: RankMap, tiers: list[ResolvedTier]) -> list[str]:
+    """Warnings for latency-critical groups (tp, cp) that leave the innermost tier.
+
+    Unlike `RankMap.warnings`, this knows the tiers: a TP group spread over two 4-GPU trays of
+    one GB200 NVL72 rack still rides NVLink, so it is not flagged.
+    """
+    out = []
+    for name in ("tp", "cp"):
+        size = rankmap.group_array(name).shape[1]
+        tier = rankmap.tier_index(name, tiers)
+        if size > 1 and tier > 0:
+            nodes = rankmap.nodes_spanned(name)
+            out.append(f"{name.upper()} group spans {nodes} nodes and runs over {tiers[tier].name!r} instead of "
+                       f"{tiers[0].name!r}: keep {name} <= {tiers[0].domain_gpus} GPUs and {name} early in the order")
+    return out

@@ -1,0 +1,102 @@
+"""`plan3d rankmap`: who talks to whom, and where (issue 4)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from plan3d.cli.app import app
+from plan3d.cli.common import ClusterOpt, GpnOpt, NodesOpt, OrderOpt, make_layout
+from plan3d.errors import LayoutError, SpecError
+from plan3d.layout import DEFAULT_ORDER, Layout
+from plan3d.specs.catalog import load_cluster, require_positive
+from plan3d.specs.cluster import ClusterSpec
+
+FORMATS = ("table", "json", "csv")
+MAX_RANKS = 1 << 20  # a picture or a JSON of a million ranks is already more than anyone reads
+
+
+@app.command("rankmap")
+def rankmap(
+    cluster: ClusterOpt,
+    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel degree.")] = 1,
+    pp: Annotated[int, typer.Option("--pp", help="Pipeline-parallel degree.")] = 1,
+    dp: Annotated[Optional[int], typer.Option("--dp", help="Data-parallel degree (default: fill the cluster).")] = None,
+    cp: Annotated[int, typer.Option("--cp", help="Context-parallel degree.")] = 1,
+    ep: Annotated[int, typer.Option("--ep", help="Expert-parallel degree (carved out of dp*cp).")] = 1,
+    order: OrderOpt = DEFAULT_ORDER,
+    nodes: NodesOpt = None,
+    gpus_per_node: GpnOpt = None,
+    fmt: Annotated[str, typer.Option("--format", help="table, json or csv.")] = "table",
+    svg: Annotated[Optional[Path], typer.Option("--svg", help="Also write an SVG picture here.")] = None,
+) -> None:
+    """Rank <-> (tp, pp, dp) coordinates, node and GPU of every rank, every group and its tier."""
+    from plan3d.plan import rankmap_dict
+    from plan3d.rankmap import placement_warnings, placements, rankmap_for
+    from plan3d.render import rankmap as render
+
+    if fmt not in FORMATS:
+        raise SpecError("command line", [f"--format {fmt!r}: use one of {', '.join(FORMATS)}"])
+    require_positive("nodes", nodes)
+    require_positive("gpus_per_node", gpus_per_node)
+    spec = load_cluster(cluster, nodes, gpus_per_node)
+    layout = _fit_layout(spec, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, order=order)
+    rmap = rankmap_for(layout, spec.gpus_per_node)
+    tiers = spec.tiers()
+    facts, warnings, notes = placements(rmap, tiers), placement_warnings(rmap, tiers), _notes(spec, layout)
+    if svg is not None:
+        svg.write_text(render.rankmap_svg(rmap, f"{spec.name}: {layout.short()}, order {layout.order}"))
+        notes.append(f"wrote {svg}")
+    if fmt == "json":
+        payload = rankmap_dict(rmap) | {"cluster": spec.name, "placement": [vars(f) for f in facts],
+                                        "warnings": warnings}
+        print(json.dumps(payload, indent=1))
+    elif fmt == "csv":
+        print(render.rankmap_csv(rmap), end="")
+    else:
+        render.print_rankmap(rmap, facts, notes, warnings)
+
+
+def _fit_layout(spec: ClusterSpec, dp: int | None, **degrees) -> Layout:
+    """The layout of the flags; dp fills the cluster when not given; too large -> LayoutError."""
+    world = spec.world_size
+    for name, value in (("tp", degrees["tp"]), ("pp", degrees["pp"]), ("cp", degrees["cp"]), ("dp", dp)):
+        if value is not None and value <= 0:
+            raise LayoutError(f"--{name} must be a positive integer, got {value}; e.g. {_example(spec, degrees)}")
+    model_parallel = degrees["tp"] * degrees["pp"] * degrees["cp"]
+    if dp is None:
+        if world % model_parallel:
+            raise LayoutError(f"tp*pp*cp = {model_parallel} does not divide the cluster's {world} GPUs, so dp cannot "
+                              f"fill it; pass --dp or choose sizes that multiply to {world}, e.g. {_example(spec, degrees)}")
+        dp = world // model_parallel
+    layout = make_layout(dp=dp, **degrees)
+    if layout.world_size > world:
+        raise LayoutError(f"tp*pp*dp*cp = {layout.world_size} exceeds the cluster's {world} GPUs "
+                          f"({spec.nodes} nodes x {spec.gpus_per_node}); choose sizes that multiply to {world} "
+                          f"(e.g. {_example(spec, degrees)}) or raise --nodes")
+    if layout.world_size > MAX_RANKS:
+        raise LayoutError(f"{layout.world_size} ranks is more than a rank map shows (at most {MAX_RANKS}); "
+                          "use fewer --nodes: the placement repeats node after node")
+    return layout
+
+
+def _example(spec: ClusterSpec, degrees: dict) -> str:
+    """A valid flag set for this cluster close to the requested one: tp fits a node, pp divides the rest."""
+    gpn, world = spec.gpus_per_node, spec.world_size
+    tp = max(1, min(degrees["tp"], gpn))
+    while gpn % tp:
+        tp -= 1
+    pp = max(1, min(degrees["pp"], world // tp))
+    while (world // tp) % pp:
+        pp -= 1
+    return f"--tp {tp} --pp {pp} --dp {world // (tp * pp)}"
+
+
+def _notes(spec: ClusterSpec, layout: Layout) -> list[str]:
+    if layout.world_size == spec.world_size:
+        return []
+    used_nodes = -(-layout.world_size // spec.gpus_per_node)
+    return [f"the layout uses the first {layout.world_size} of the cluster's {spec.world_size} GPUs "
+            f"(nodes 0-{used_nodes - 1} of {spec.nodes})"]

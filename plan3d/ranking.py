@@ -1,0 +1,142 @@
+"""Ranking of searched layouts: feasible first, then the objective, then simplicity.
+
+Order of the keys (first decides):
+1. feasible (fits in memory with headroom and meets the user's thresholds) before infeasible;
+2. the objective: tokens/s (default), MFU, or least memory; values within 1 ppm of each other
+   tie (two layouts the model cannot tell apart are not ranked by rounding noise);
+3. less peak memory per GPU;
+4. fewer moving parts (`moving_parts`): no ZeRO, no recompute, no interleaving, no sequence
+   parallelism, the default rank order, no pipeline, no tensor parallelism;
+5. the knob values themselves, so the order is total and does not depend on enumeration order.
+Infeasible layouts follow, nearest to fitting first (peak memory over capacity).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from plan3d.search import LAYOUT_KNOBS, SearchResult
+
+OBJECTIVES = ("throughput", "mfu", "memory")
+COMM_TERMS = ("tp_comm_s", "pp_comm_s", "dp_comm_s")
+TIME_TERMS = ("compute_s", "bubble_s") + COMM_TERMS
+TIE_PPM = 1e-6
+
+
+def objective_cost(metrics: dict[str, np.ndarray], objective: str) -> np.ndarray:
+    """Lower is better, quantised so values within TIE_PPM of the best tie."""
+    if objective not in OBJECTIVES:
+        from plan3d.errors import LayoutError
+
+        raise LayoutError(f"--objective {objective!r}: use one of {', '.join(OBJECTIVES)}")
+    if objective == "memory":
+        value = np.asarray(metrics["peak_memory_bytes"], dtype=float)
+        scale = value.min() if len(value) else 1.0
+        return np.round(value / (scale * TIE_PPM))
+    value = np.asarray(metrics["tokens_per_s" if objective == "throughput" else "mfu"], dtype=float)
+    scale = value.max() if len(value) and value.max() > 0 else 1.0
+    return -np.round(value / (scale * TIE_PPM))
+
+
+def moving_parts(layouts: dict[str, np.ndarray]) -> np.ndarray:
+    """How many optional mechanisms a layout switches on (fewer is simpler to run and debug)."""
+    return ((layouts["zero"] > 0).astype(int) + layouts["zero"] // 3 + (layouts["recompute"] > 0)
+            + (layouts["vpp"] > 1) + layouts["sequence_parallel"].astype(int) + (layouts["order"] > 0)
+            + (layouts["pp"] > 1) + (layouts["tp"] > 1))
+
+
+def memory_fraction(result: SearchResult) -> np.ndarray:
+    """Peak memory over the capacity a layout may use (> 1: does not fit)."""
+    return result.metrics["peak_memory_bytes"] / result.metrics["capacity_bytes"]
+
+
+def rank(result: SearchResult, objective: str = "throughput") -> np.ndarray:
+    """Row indices of every evaluated layout, best first (see the module docstring)."""
+    if not result.size:
+        return np.zeros(0, dtype=np.int64)
+    feasible = result.feasible
+    cost = objective_cost(result.metrics, objective)
+    miss = np.where(feasible, 0.0, memory_fraction(result))
+    tie_breaks = [result.layouts[k] for k in reversed(LAYOUT_KNOBS)]
+    keys = tie_breaks + [moving_parts(result.layouts), result.metrics["peak_memory_bytes"],
+                         np.where(feasible, cost, 0), miss, ~feasible]
+    return np.lexsort(keys)
+
+
+def pareto_front(result: SearchResult, order: np.ndarray) -> np.ndarray:
+    """Feasible rows not beaten on both tokens/s and memory headroom, by descending tokens/s."""
+    rows = order[result.feasible[order]]
+    tokens = result.metrics["tokens_per_s"][rows]
+    headroom = (result.metrics["capacity_bytes"] - result.metrics["peak_memory_bytes"])[rows]
+    by_tokens = rows[np.lexsort((-headroom, -tokens))]
+    front, best_headroom = [], -np.inf
+    headroom_of = dict(zip(rows.tolist(), headroom.tolist()))
+    for row in by_tokens.tolist():
+        if headroom_of[row] > best_headroom:
+            front.append(row)
+            best_headroom = headroom_of[row]
+    return np.array(front, dtype=np.int64)
+
+
+def nearest_misses(result: SearchResult, order: np.ndarray, k: int = 5) -> np.ndarray:
+    """The k infeasible rows closest to fitting (ranking already puts them in that order)."""
+    return order[~result.feasible[order]][:k]
+
+
+def dominant_comm(metrics: dict[str, np.ndarray], row: int) -> str:
+    """Name of the largest exposed communication term of a row ('-' when all are zero)."""
+    values = [float(metrics[t][row]) for t in COMM_TERMS]
+    best = int(np.argmax(values))
+    return COMM_TERMS[best].removesuffix("_comm_s") if values[best] > 0 else "-"
+
+
+@dataclass(frozen=True)
+class TermDelta:
+    term: str
+    this_s: float
+    other_s: float
+
+    @property
+    def saved_s(self) -> float:
+        return self.other_s - self.this_s
+
+
+def term_deltas(metrics: dict[str, np.ndarray], this: int, other: int) -> list[TermDelta]:
+    """Per time term, this row's seconds against the other's, largest saving first."""
+    deltas = [TermDelta(t, float(metrics[t][this]), float(metrics[t][other])) for t in TIME_TERMS if t in metrics]
+    return sorted(deltas, key=lambda d: -abs(d.saved_s))
+
+
+def why_wins(result: SearchResult, order: np.ndarray, objective: str = "throughput") -> str:
+    """One sentence: why the first row beats the runner-up."""
+    if not len(order) or not result.feasible[order[0]]:
+        return "no layout fits"
+    best = int(order[0])
+    feasible = order[result.feasible[order]]
+    if len(feasible) < 2:
+        return f"{result.layout(best).short()} is the only layout that fits"
+    runner = int(feasible[1])
+    return compare_sentence(result, best, runner, "the runner-up")
+
+
+def compare_sentence(result: SearchResult, best: int, other: int, other_name: str) -> str:
+    """How `best` differs from `other`: throughput, then the terms that differ most."""
+    m = result.metrics
+    gain = m["tokens_per_s"][best] / m["tokens_per_s"][other] - 1
+    parts = [f"{result.layout(best).short()} makes {gain:+.1%} tokens/s against {other_name} "
+             f"({result.layout(other).short()})"]
+    reasons = [_term_phrase(d) for d in term_deltas(m, best, other)[:2] if abs(d.saved_s) > 1e-9]
+    if reasons:
+        parts.append("; it spends " + " and ".join(reasons))
+    if abs(gain) < TIE_PPM:
+        memory_saved = m["peak_memory_bytes"][other] - m["peak_memory_bytes"][best]
+        parts.append(f"; a tie on speed, decided by {memory_saved / 2**30:.1f} GiB less memory"
+                     if memory_saved > 0 else "; a tie on speed and memory, decided by fewer moving parts")
+    return "".join(parts)
+
+
+def _term_phrase(delta: TermDelta) -> str:
+    name = delta.term.removesuffix("_s").replace("_comm", " communication").replace("_", " ")
+    word = "less" if delta.saved_s > 0 else "more"
+    return f"{abs(delta.saved_s) * 1e3:.1f} ms {word} on {name}"

@@ -1,0 +1,274 @@
+"""The search space of layouts, pruned with a recorded reason for every rejection.
+
+A layout here is (tp, pp, dp, micro-batch, vpp, ZeRO stage, recompute, sequence parallel, rank
+order) with tp * pp * dp equal to the GPU count (cp = ep = 1). The space is enumerated in two
+levels so that it is exhaustive yet cheap:
+
+1. *Shapes* (tp, pp, dp, micro_batch, vpp, sequence_parallel): every rule of
+   `plan3d.layout.layout_problems` depends only on these, so each shape is checked once, with numpy,
+   and its first failing rule (in the order `layout_problems` lists them) is its reason.
+2. *Layouts*: each valid shape times every allowed (ZeRO stage, recompute, order). A rejected
+   shape counts as that many rejected layouts, under its reason.
+
+Combinations that are not layouts at all (vpp > 1 without pp > 1, sequence parallel without
+tp > 1, the construction rules of `Layout`) are not generated and not counted.
+The valid layouts go to the vectorised cost model (`plan3d.cost.batch.estimate_batch`) in one call;
+those that do not fit in memory with headroom are the last rejection reason.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from plan3d.errors import LayoutError
+from plan3d.layout import DEFAULT_ORDER, Layout, divisors, parse_order
+from plan3d.specs.cluster import ClusterSpec
+from plan3d.specs.model import ModelSpec
+from plan3d.specs.training import TrainingSpec
+
+RECOMPUTE = ("none", "selective", "full")
+DEFAULT_ORDERS = (DEFAULT_ORDER, "tp-cp-ep-pp-dp")
+SHAPE_KNOBS = ("tp", "pp", "dp", "micro_batch", "vpp", "sequence_parallel")
+LAYOUT_KNOBS = SHAPE_KNOBS + ("zero", "recompute", "order")
+
+# (code, short reason); code 0 is "valid". Structural codes follow layout_problems' order.
+REASONS = {
+    1: "tp does not divide the attention / KV heads",
+    2: "tp does not divide the FFN hidden size",
+    3: "pp*vpp exceeds the layer count",
+    4: "pp*vpp does not divide the layer count",
+    5: "dp does not divide the global batch",
+    6: "micro-batch does not divide the per-replica batch",
+    7: "fewer micro-batches than pipeline stages (1F1B)",
+    8: "interleaved 1F1B: micro-batches not a multiple of pp",
+    9: "sequence length not divisible by tp (sequence parallel)",
+    10: "does not fit in GPU memory with headroom",
+    11: "below the --min-mfu threshold",
+    12: "above the --max-memory-fraction threshold",
+}
+MEMORY_CODE, MFU_CODE, MEMORY_FRACTION_CODE = 10, 11, 12
+
+
+@dataclass(frozen=True)
+class Space:
+    """What the search may choose. Each degree has [min, max] bounds (max 0: no bound)."""
+
+    min_tp: int = 1
+    max_tp: int = 0
+    min_pp: int = 1
+    max_pp: int = 0
+    min_dp: int = 1
+    max_dp: int = 0
+    min_micro_batch: int = 1
+    max_micro_batch: int = 8
+    min_vpp: int = 1
+    max_vpp: int = 8
+    zero: tuple[int, ...] = (0, 1, 2, 3)
+    recompute: tuple[str, ...] = RECOMPUTE
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    orders: tuple[str, ...] = DEFAULT_ORDERS
+
+    def __post_init__(self) -> None:
+        for order in self.orders:
+            parse_order(order)
+        bad = [r for r in self.recompute if r not in RECOMPUTE]
+        if bad or not self.recompute:
+            raise LayoutError(f"recompute {bad[0] if bad else 'set'!r}: choose from none, selective, full")
+        if not self.zero or any(z not in (0, 1, 2, 3) for z in self.zero):
+            raise LayoutError(f"ZeRO stages {self.zero}: choose from 0, 1, 2, 3")
+        for knob in ("tp", "pp", "dp", "micro_batch", "vpp"):
+            lo, hi = self.bounds(knob)
+            if lo < 1 or (hi and hi < lo):
+                raise LayoutError(f"--min-{knob.replace('_', '-')}={lo} / --max-{knob.replace('_', '-')}={hi}: "
+                                  "bounds must be >= 1 with min <= max")
+
+    def bounds(self, knob: str) -> tuple[int, int]:
+        return getattr(self, f"min_{knob}"), getattr(self, f"max_{knob}")
+
+    def allows(self, knob: str, values: np.ndarray) -> np.ndarray:
+        lo, hi = self.bounds(knob)
+        return (values >= lo) & ((values <= hi) if hi else True)
+
+    @property
+    def layouts_per_shape(self) -> int:
+        return len(self.zero) * len(self.recompute) * len(self.orders)
+
+
+# ---- level 1: shapes --------------------------------------------------------------------------
+def degree_triples(world_size: int, space: Space) -> np.ndarray:
+    """Every (tp, pp, dp) with tp * pp * dp == world_size inside the bounds, as a (k, 3) array."""
+    rows = [(tp, pp, world_size // (tp * pp))
+            for tp in divisors(world_size) for pp in divisors(world_size // tp)]
+    triples = np.array(rows, dtype=np.int64).reshape(-1, 3)
+    keep = space.allows("tp", triples[:, 0]) & space.allows("pp", triples[:, 1]) & space.allows("dp", triples[:, 2])
+    return triples[keep]
+
+
+def shape_grid(world_size: int, space: Space) -> dict[str, np.ndarray]:
+    """Every well-formed shape as equal-length arrays keyed by SHAPE_KNOBS."""
+    triples = degree_triples(world_size, space)
+    mbs = np.arange(space.min_micro_batch, space.max_micro_batch + 1, dtype=np.int64)
+    vpps = np.arange(space.min_vpp, space.max_vpp + 1, dtype=np.int64)
+    sps = np.array(sorted(set(space.sequence_parallel)), dtype=bool)
+    t, m, v, s = (a.ravel() for a in np.meshgrid(np.arange(len(triples)), mbs, vpps, sps, indexing="ij"))
+    grid = {"tp": triples[t, 0], "pp": triples[t, 1], "dp": triples[t, 2],
+            "micro_batch": m, "vpp": v, "sequence_parallel": s}
+    well_formed = ((grid["vpp"] == 1) | (grid["pp"] > 1)) & (~grid["sequence_parallel"] | (grid["tp"] > 1))
+    return {k: a[well_formed] for k, a in grid.items()}
+
+
+def shape_reasons(grid: dict[str, np.ndarray], model: ModelSpec, training: TrainingSpec) -> np.ndarray:
+    """First failing rule per shape (0: valid), the vectorised mirror of `layout_problems`."""
+    tp, pp, dp, mb, vpp, sp = (grid[k] for k in SHAPE_KNOBS)
+    chunks = pp * vpp
+    g = training.global_batch
+    per_replica = g // dp
+    m = per_replica // mb
+    seq = training.seq_len or model.seq_len
+    rules = [
+        (model.heads % tp != 0) | (model.kv_heads_ % tp != 0),
+        model.ffn_hidden_ % tp != 0,
+        chunks > model.layers,
+        model.layers % chunks != 0,
+        g % dp != 0,
+        per_replica % mb != 0,
+        (pp > 1) & (m < pp),
+        (vpp > 1) & (m % pp != 0),
+        sp & (seq % tp != 0),
+    ]
+    codes = np.zeros(len(tp), dtype=np.int8)
+    for code, failed in enumerate(rules, start=1):
+        codes[(codes == 0) & failed] = code
+    return codes
+
+
+# ---- level 2: layouts ------------------------------------------------------------------------
+def expand_layouts(shapes: dict[str, np.ndarray], space: Space) -> dict[str, np.ndarray]:
+    """Each shape times every allowed (zero, recompute index, order index); shape-major order."""
+    n, per = len(shapes["tp"]), space.layouts_per_shape
+    z, r, o = (a.ravel() for a in np.meshgrid(
+        np.array(space.zero, dtype=np.int64),
+        np.array([RECOMPUTE.index(x) for x in space.recompute], dtype=np.int64),
+        np.arange(len(space.orders), dtype=np.int64), indexing="ij"))
+    out = {k: np.repeat(a, per) for k, a in shapes.items()}
+    out.update(zero=np.tile(z, n), recompute=np.tile(r, n), order=np.tile(o, n))
+    return out
+
+
+def layout_at(layouts: dict[str, np.ndarray], orders: tuple[str, ...], i: int) -> Layout:
+    """The Layout of row i (recompute and order decoded)."""
+    return Layout(tp=int(layouts["tp"][i]), pp=int(layouts["pp"][i]), dp=int(layouts["dp"][i]),
+                  micro_batch=int(layouts["micro_batch"][i]), vpp=int(layouts["vpp"][i]),
+                  zero=int(layouts["zero"][i]), recompute=RECOMPUTE[int(layouts["recompute"][i])],
+                  sequence_parallel=bool(layouts["sequence_parallel"][i]),
+                  order=orders[int(layouts["order"][i])])
+
+
+def layout_row(layout: Layout, orders: tuple[str, ...]) -> dict[str, int | bool]:
+    """The inverse of `layout_at` for one Layout (its order must be in `orders`)."""
+    return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "micro_batch": layout.micro_batch,
+            "vpp": layout.vpp, "sequence_parallel": layout.sequence_parallel, "zero": layout.zero,
+            "recompute": RECOMPUTE.index(layout.recompute), "order": orders.index(layout.order)}
+
+
+# ---- the search ------------------------------------------------------------------------------
+@dataclass
+class SearchResult:
+    """Every valid layout of one cluster size with its predicted metrics, and the rejections."""
+
+    cluster: ClusterSpec
+    model: ModelSpec
+    training: TrainingSpec
+    orders: tuple[str, ...]
+    layouts: dict[str, np.ndarray]
+    metrics: dict[str, np.ndarray]
+    considered: int
+    rejected: dict[int, int]
+    seconds: float
+    codes: np.ndarray = field(default=None)  # per evaluated layout: 0 feasible, else 10.. (memory, thresholds)
+
+    @property
+    def size(self) -> int:
+        return len(self.layouts["tp"])
+
+    @property
+    def feasible(self) -> np.ndarray:
+        return self.codes == 0
+
+    @property
+    def feasible_count(self) -> int:
+        return int(self.feasible.sum())
+
+    def layout(self, i: int) -> Layout:
+        return layout_at(self.layouts, self.orders, int(i))
+
+    def find(self, layout: Layout) -> int | None:
+        """Row of `layout` among the evaluated ones, or None (invalid, or outside the space)."""
+        if layout.order not in self.orders or layout.cp != 1 or layout.pp_layers is not None:
+            return None
+        row = layout_row(layout, self.orders)
+        hit = np.ones(self.size, dtype=bool)
+        for knob, value in row.items():
+            hit &= self.layouts[knob] == value
+        found = np.flatnonzero(hit)
+        return int(found[0]) if len(found) else None
+
+    def rejected_by_reason(self) -> dict[str, int]:
+        return {REASONS[c]: n for c, n in sorted(self.rejected.items(), key=lambda kv: -kv[1]) if n}
+
+    def stats(self) -> dict:
+        return {"layouts_considered": self.considered, "layouts_evaluated": self.size,
+                "feasible": self.feasible_count, "seconds": round(self.seconds, 4),
+                "layouts_per_s": round(self.considered / self.seconds) if self.seconds > 0 else None,
+                "rejected": self.rejected_by_reason()}
+
+
+def evaluate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec,
+             layouts: dict[str, np.ndarray], orders: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Predicted metrics of valid layouts, one vectorised call of the cost model."""
+    from plan3d.cost.batch import Candidates, estimate_batch
+
+    cands = Candidates(tp=layouts["tp"], pp=layouts["pp"], dp=layouts["dp"],
+                       micro_batch=layouts["micro_batch"], vpp=layouts["vpp"], zero=layouts["zero"],
+                       recompute=layouts["recompute"], sequence_parallel=layouts["sequence_parallel"],
+                       order=layouts["order"])
+    return estimate_batch(cluster, model, training, cands, list(orders))
+
+
+def search(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space: Space = Space(),
+           min_mfu: float | None = None, max_memory_fraction: float | None = None) -> SearchResult:
+    """Enumerate, prune, evaluate: the whole space for this cluster, with every rejection counted."""
+    start = time.perf_counter()
+    shapes = shape_grid(cluster.world_size, space)
+    codes = shape_reasons(shapes, model, training)
+    per = space.layouts_per_shape
+    rejected = {int(c): int(n) * per for c, n in enumerate(np.bincount(codes, minlength=10)) if c and n}
+    valid = {k: a[codes == 0] for k, a in shapes.items()}
+    layouts = expand_layouts(valid, space)
+    metrics = evaluate(cluster, model, training, layouts, space.orders) if len(layouts["tp"]) else {}
+    fit_codes = fit_reasons(metrics, len(layouts["tp"]), min_mfu, max_memory_fraction, cluster.gpu.memory_bytes)
+    for code in (MEMORY_CODE, MFU_CODE, MEMORY_FRACTION_CODE):
+        rejected[code] = int((fit_codes == code).sum())
+    return SearchResult(cluster, model, training, space.orders, layouts, metrics,
+                        considered=len(codes) * per, rejected=rejected,
+                        seconds=time.perf_counter() - start, codes=fit_codes)
+
+
+def fit_reasons(metrics: dict[str, np.ndarray], n: int, min_mfu: float | None,
+                max_memory_fraction: float | None, gpu_memory_bytes: float) -> np.ndarray:
+    """Per evaluated layout: 0 feasible, else the first of memory, MFU, memory-fraction rules.
+
+    The memory fraction is peak memory over the GPU's whole memory."""
+    codes = np.zeros(n, dtype=np.int8)
+    if not n:
+        return codes
+    codes[~np.asarray(metrics["fits"], dtype=bool)] = MEMORY_CODE
+    if min_mfu is not None:
+        codes[(codes == 0) & (metrics["mfu"] < min_mfu)] = MFU_CODE
+    if max_memory_fraction is not None:
+        fraction = metrics["peak_memory_bytes"] / gpu_memory_bytes
+        codes[(codes == 0) & (fraction > max_memory_fraction)] = MEMORY_FRACTION_CODE
+    return codes
+

@@ -1,0 +1,103 @@
+"""`plan3d rankmap` through the real entry point: formats, every bundled cluster, bad input."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from plan3d.cli import main
+from plan3d.specs.catalog import bundled_names, load_cluster
+
+
+def run(capsys, *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return exit_info.value.code or 0, out, err
+
+
+def test_json_has_every_rank_and_group(capsys):
+    code, out, err = run(capsys, "rankmap", "--cluster", "gb200-nvl72", "--tp", "8", "--pp", "2", "--dp", "4",
+                         "--format", "json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["order"] == "tp-cp-ep-dp-pp" and data["world_size"] == 64
+    gpn = load_cluster("gb200-nvl72").gpus_per_node
+    assert [r["rank"] for r in data["ranks"]] == list(range(64))
+    for rank in data["ranks"]:
+        assert set(rank) == {"rank", "node", "local_rank", "tp", "pp", "dp", "cp", "ep"}
+        assert (rank["node"], rank["local_rank"]) == divmod(rank["rank"], gpn)
+        assert rank["rank"] == rank["tp"] + 8 * rank["dp"] + 32 * rank["pp"]
+    assert data["groups"]["tp"][1] == list(range(8, 16))
+    assert {p["name"]: p["tier_name"] for p in data["placement"]}["tp"] == "nvlink5"
+    assert data["warnings"] == []
+
+
+def test_csv_rows_match_json(capsys):
+    args = ("rankmap", "--cluster", "dgx-h100", "--nodes", "2", "--tp", "4", "--pp", "2", "--order", "tp-cp-ep-pp-dp")
+    _, out_json, _ = run(capsys, *args, "--format", "json")
+    code, out_csv, err = run(capsys, *args, "--format", "csv")
+    assert code == 0, err
+    rows = list(csv.DictReader(io.StringIO(out_csv)))
+    expected = json.loads(out_json)["ranks"]
+    assert len(rows) == 16
+    assert [{k: int(v) for k, v in row.items()} for row in rows] == expected
+
+
+def test_table_and_svg(capsys, tmp_path):
+    svg = tmp_path / "map.svg"
+    code, out, err = run(capsys, "rankmap", "--cluster", "dgx-h100", "--nodes", "4", "--tp", "16", "--pp", "2",
+                         "--svg", str(svg))
+    assert code == 0, err
+    assert "TP group spans 2 nodes" in out and "r31" in out
+    root = ET.fromstring(svg.read_text())  # well-formed XML
+    ns = "{http://www.w3.org/2000/svg}"
+    cells = [r for r in root.iter(f"{ns}rect") if r.get("stroke")]  # the background has none
+    assert len(cells) == 32
+    fills = {c.get("fill") for c in cells}
+    assert len(fills) == 2  # one colour per pipeline stage
+    assert root.findall(f"{ns}line")  # TP outlines
+
+
+def test_smaller_layout_uses_the_first_gpus(capsys):
+    code, out, err = run(capsys, "rankmap", "--cluster", "dgx-a100-80g", "--tp", "8", "--dp", "2", "--format", "json")
+    assert code == 0, err
+    assert json.loads(out)["world_size"] == 16
+    _, table, _ = run(capsys, "rankmap", "--cluster", "dgx-a100-80g", "--tp", "8", "--dp", "2")
+    assert "first 16 of the cluster's" in table
+
+
+@pytest.mark.parametrize("name", bundled_names("cluster"))
+def test_every_bundled_cluster(capsys, name):
+    code, out, err = run(capsys, "rankmap", "--cluster", name, "--format", "csv")
+    assert code == 0, err
+    assert len(out.splitlines()) == load_cluster(name).world_size + 1
+
+
+@pytest.mark.parametrize("args, expect", [
+    (("--order", "tp-cp-ep-dp-zz"), "unknown axis 'zz'"),
+    (("--order", "tp-dp-dp-cp-pp"), "repeated axis 'dp'"),
+    (("--order", "tp-dp-pp"), "missing axis"),
+    (("--tp", "3"), "does not divide the cluster's 16 GPUs"),
+    (("--tp", "8", "--pp", "2", "--dp", "2"), "exceeds the cluster's 16 GPUs"),
+    (("--tp", "0"), "positive"),
+    (("--nodes", "0"), "--nodes must be a positive integer"),
+    (("--format", "xml"), "--format 'xml'"),
+    (("--tp", "2", "--dp", "2", "--ep", "3"), "ep=3 must divide"),
+])
+def test_bad_input_exits_2_with_an_example(capsys, args, expect):
+    code, out, err = run(capsys, "rankmap", "--cluster", "dgx-h100", "--nodes", "2", *args)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and expect in lines[0], err
+    assert "Traceback" not in err
+    if "order" in args[0] or "GPUs" in expect:
+        assert "e.g." in lines[0]
+
+
+def test_unknown_cluster_suggests_the_closest(capsys):
+    code, _, err = run(capsys, "rankmap", "--cluster", "dgx-h10")
+    assert code == 2 and "did you mean 'dgx-h100'" in err

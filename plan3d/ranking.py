@@ -124,7 +124,7 @@ def compare_sentence(result: SearchResult, best: int, other: int, other_name: st
     """How `best` differs from `other`: throughput, then the terms that differ most."""
     m = result.metrics
     gain = m["tokens_per_s"][best] / m["tokens_per_s"][other] - 1
-    parts = [f"{result.layout(best).short()} makes {gain:+.1%} tokens/s against {other_name} "
+    parts = [f"{result.layout(best).short()} makes {gain:+.2%} tokens/s against {other_name} "
              f"({result.layout(other).short()})"]
     reasons = [_term_phrase(d) for d in term_deltas(m, best, other)[:2] if abs(d.saved_s) > 1e-9]
     if reasons:
@@ -140,3 +140,63 @@ def _term_phrase(delta: TermDelta) -> str:
     name = delta.term.removesuffix("_s").replace("_comm", " communication").replace("_", " ")
     word = "less" if delta.saved_s > 0 else "more"
     return f"{abs(delta.saved_s) * 1e3:.1f} ms {word} on {name}"
+
+
+# ---- nearest misses: what to change -----------------------------------------------------------
+@dataclass(frozen=True)
+class Suggestion:
+    """One change to a layout that does not fit, with the memory it would need."""
+
+    change: str
+    layout: object  # Layout
+    peak_memory_bytes: float
+    capacity_bytes: float
+    fits: bool
+
+
+def memory_variants(layout) -> list[tuple[str, dict]]:
+    """Single changes that lower memory per GPU, and all of them at once."""
+    changes = []
+    if layout.zero < 3:
+        changes.append(("ZeRO-3", {"zero": 3}))
+    if layout.recompute != "full":
+        changes.append(("full recompute", {"recompute": "full"}))
+    if layout.micro_batch > 1:
+        changes.append(("micro-batch 1", {"micro_batch": 1}))
+    if layout.tp > 1 and not layout.sequence_parallel:
+        changes.append(("sequence parallel", {"sequence_parallel": True}))
+    if layout.dp % 2 == 0:
+        changes.append((f"pp {layout.pp * 2} (dp {layout.dp // 2})", {"pp": layout.pp * 2, "dp": layout.dp // 2}))
+        changes.append((f"tp {layout.tp * 2} (dp {layout.dp // 2})", {"tp": layout.tp * 2, "dp": layout.dp // 2}))
+    combined = {k: v for _, c in changes[:3] for k, v in c.items()}
+    if len(changes) > 1 and combined:
+        changes.append((" + ".join(label for label, _ in changes[:3]), combined))
+    return changes
+
+
+def suggestions(result: SearchResult, row: int) -> list[Suggestion]:
+    """Evaluate the `memory_variants` of an evaluated row that are valid layouts."""
+    return layout_suggestions(result.cluster, result.model, result.training, result.layout(row), result.orders)
+
+
+def layout_suggestions(cluster, model, training, base, orders: tuple[str, ...]) -> list[Suggestion]:
+    """The `memory_variants` of one layout that are valid, each with its predicted memory."""
+    from plan3d.layout import Layout, layout_problems
+    from plan3d.search import evaluate, layout_row
+
+    orders = tuple(dict.fromkeys(orders + (base.order,)))
+    candidates = []
+    for label, update in memory_variants(base):
+        try:
+            layout = Layout(**(base.model_dump() | update))
+        except ValueError:
+            continue
+        if not layout_problems(layout, model, training, cluster.world_size):
+            candidates.append((label, layout))
+    if not candidates:
+        return []
+    rows = [layout_row(layout, orders) for _, layout in candidates]
+    arrays = {k: np.array([r[k] for r in rows]) for k in rows[0]}
+    metrics = evaluate(cluster, model, training, arrays, orders)
+    return [Suggestion(label, layout, float(metrics["peak_memory_bytes"][i]), float(metrics["capacity_bytes"][i]),
+                       bool(metrics["fits"][i])) for i, (label, layout) in enumerate(candidates)]

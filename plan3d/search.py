@@ -272,3 +272,35 @@ def fit_reasons(metrics: dict[str, np.ndarray], n: int, min_mfu: float | None,
         codes[(codes == 0) & (fraction > max_memory_fraction)] = MEMORY_FRACTION_CODE
     return codes
 
+
+
+# ---- cluster size: "how many nodes do I need" ---------------------------------------------------
+def node_counts(min_nodes: int, max_nodes: int, limit: int = 16) -> list[int]:
+    """Every count in [min, max] when there are at most `limit`; else doubling from min, plus max."""
+    if min_nodes < 1 or max_nodes < min_nodes:
+        raise LayoutError(f"--min-nodes {min_nodes} / --max-nodes {max_nodes}: need 1 <= min <= max")
+    if max_nodes - min_nodes < limit:
+        return list(range(min_nodes, max_nodes + 1))
+    counts, n = [], min_nodes
+    while n < max_nodes:
+        counts.append(n)
+        n *= 2
+    return counts + [max_nodes]
+
+
+def sweep_nodes(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, counts: list[int],
+                space: Space = Space(), **thresholds) -> list[SearchResult]:
+    """One search per node count (same node type and fabric)."""
+    return [search(cluster.with_size(nodes=n), model, training, space, **thresholds) for n in counts]
+
+
+def nodes_to_fit(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space: Space = Space(),
+                 max_factor: int = 64, **thresholds) -> int | None:
+    """Fewest nodes, doubling from the cluster's count up to max_factor times, with a feasible layout."""
+    factor = 2
+    while factor <= max_factor:
+        nodes = cluster.nodes * factor
+        if search(cluster.with_size(nodes=nodes), model, training, space, **thresholds).feasible_count:
+            return nodes
+        factor *= 2
+    return None

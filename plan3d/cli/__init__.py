@@ -11,7 +11,9 @@ import sys
 from plan3d.cli.app import app
 from plan3d.cli import specs_cmd  # noqa: F401  (registers commands)
 from plan3d.cli import rankmap_cmd  # noqa: F401
+from plan3d.cli import importhf_cmd  # noqa: F401
 from plan3d.cli import emit_cmd  # noqa: F401
+from plan3d.cli import recommend_cmd  # noqa: F401
 
 DEBUG_ENV = "PLAN3D_DEBUG"
 

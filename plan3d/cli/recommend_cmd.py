@@ -1,0 +1,201 @@
+"""`plan3d recommend` and `plan3d explain`: parse -> load -> search -> rank -> render (issue 5)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from plan3d.cli.app import app
+from plan3d.cli.common import (ClusterOpt, GlobalBatchOpt, GpnOpt, JsonOpt, ModelOpt, NodesOpt, PrecisionOpt,
+                               SeqLenOpt, load_specs, make_layout)
+from plan3d.errors import InfeasibleError, LayoutError
+
+IntOpt = Optional[int]
+MinMfuOpt = Annotated[Optional[float], typer.Option("--min-mfu", help="Reject layouts predicted below this MFU (0-1).")]
+MaxMemFracOpt = Annotated[Optional[float], typer.Option(
+    "--max-memory-fraction", help="Reject layouts whose peak memory exceeds this fraction of the GPU's memory.")]
+ObjectiveOpt = Annotated[str, typer.Option("--objective", help="throughput (tokens/s), mfu or memory.")]
+TokensOpt = Annotated[Optional[float], typer.Option("--tokens", help="Token budget: also show the time to train it.")]
+
+
+def _opt(flag: str, text: str):
+    return typer.Option(flag, help=text)
+
+
+@app.command("recommend")
+def recommend(
+    cluster: ClusterOpt,
+    model: ModelOpt,
+    nodes: NodesOpt = None,
+    gpus_per_node: GpnOpt = None,
+    global_batch: GlobalBatchOpt = None,
+    seq_len: SeqLenOpt = None,
+    precision: PrecisionOpt = "bf16",
+    top: Annotated[int, _opt("--top", "How many layouts to show.")] = 10,
+    objective: ObjectiveOpt = "throughput",
+    json_out: JsonOpt = False,
+    out: Annotated[Optional[Path], _opt("--out", "Write the Plan JSON of the best (or --pick) layout.")] = None,
+    pick: Annotated[int, _opt("--pick", "Which ranked layout --out and --explain use (1 = best).")] = 1,
+    explain: Annotated[bool, _opt("--explain", "Explain the picked layout against the best.")] = False,
+    tp: Annotated[IntOpt, _opt("--tp", "Fix the tensor-parallel degree.")] = None,
+    min_tp: Annotated[int, _opt("--min-tp", "Lower bound on tp.")] = 1,
+    max_tp: Annotated[IntOpt, _opt("--max-tp", "Upper bound on tp.")] = None,
+    pp: Annotated[IntOpt, _opt("--pp", "Fix the pipeline-parallel degree.")] = None,
+    min_pp: Annotated[int, _opt("--min-pp", "Lower bound on pp.")] = 1,
+    max_pp: Annotated[IntOpt, _opt("--max-pp", "Upper bound on pp.")] = None,
+    dp: Annotated[IntOpt, _opt("--dp", "Fix the data-parallel degree.")] = None,
+    min_dp: Annotated[int, _opt("--min-dp", "Lower bound on dp.")] = 1,
+    max_dp: Annotated[IntOpt, _opt("--max-dp", "Upper bound on dp.")] = None,
+    micro_batch: Annotated[IntOpt, _opt("--micro-batch", "Fix the micro-batch size.")] = None,
+    max_micro_batch: Annotated[int, _opt("--max-micro-batch", "Largest micro-batch tried.")] = 8,
+    vpp: Annotated[IntOpt, _opt("--vpp", "Fix the virtual pipeline stages per rank.")] = None,
+    max_vpp: Annotated[int, _opt("--max-vpp", "Most virtual stages per rank tried.")] = 8,
+    zero: Annotated[Optional[list[int]], _opt("--zero", "Allowed ZeRO stage(s); repeat the flag.")] = None,
+    recompute: Annotated[Optional[list[str]], _opt("--recompute", "Allowed recompute mode(s).")] = None,
+    no_recompute: Annotated[bool, _opt("--no-recompute", "Never recompute activations.")] = False,
+    sequence_parallel: Annotated[Optional[bool], typer.Option(
+        "--sequence-parallel/--no-sequence-parallel", help="Force sequence parallelism on or off.")] = None,
+    order: Annotated[Optional[list[str]], _opt("--order", "Allowed rank order(s); repeat the flag.")] = None,
+    min_nodes: Annotated[IntOpt, _opt("--min-nodes", "With --max-nodes: how many nodes do I need?")] = None,
+    max_nodes: Annotated[IntOpt, _opt("--max-nodes", "Largest node count of the sweep.")] = None,
+    min_mfu: MinMfuOpt = None,
+    max_memory_fraction: MaxMemFracOpt = None,
+    tokens: TokensOpt = None,
+) -> None:
+    """The best layouts of a model on a cluster, ranked, with reasons and rejection counts."""
+    from plan3d import ranking, search
+    from plan3d.render import recommend as render
+
+    space = space_from_flags(locals())
+    specs = load_specs(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision)
+    thresholds = _thresholds(min_mfu, max_memory_fraction)
+    sweep = None
+    if min_nodes is not None or max_nodes is not None:
+        counts = search.node_counts(min_nodes or 1, max_nodes or specs[0].nodes)
+        sweep = search.sweep_nodes(*specs, counts, space, **thresholds)
+        result = next((r for r in sweep if r.feasible_count), sweep[-1])
+    else:
+        result = search.search(*specs, space, **thresholds)
+    order_ = ranking.rank(result, objective)
+    _require_pick(result, order_, pick)
+    report = render.Recommendation(result, order_, objective, top, pick, sweep, tokens)
+    if not result.feasible_count:
+        _no_fit(report, space, thresholds, json_out)
+    if out is not None:
+        _write_plan(result, int(order_[pick - 1]), out)
+        report.notes.append(f"wrote the plan of #{pick} to {out}")
+    if json_out:
+        print(json.dumps(render.recommendation_dict(report, explain), indent=1))
+    else:
+        render.print_recommendation(report, explain)
+
+
+def space_from_flags(flags: dict):
+    """The search Space of the knob flags (fixed values become equal bounds)."""
+    from plan3d.search import DEFAULT_ORDERS, RECOMPUTE, Space
+
+    def bound(knob: str, lo: int, hi: int | None) -> dict:
+        fixed = flags.get(knob)
+        if fixed is not None:
+            if fixed < 1:
+                raise LayoutError(f"--{knob.replace('_', '-')} must be >= 1, got {fixed}")
+            return {f"min_{knob}": fixed, f"max_{knob}": fixed}
+        return {f"min_{knob}": lo, f"max_{knob}": hi or 0}
+
+    recompute = ("none",) if flags["no_recompute"] else tuple(flags["recompute"] or RECOMPUTE)
+    sp = (False, True) if flags["sequence_parallel"] is None else (flags["sequence_parallel"],)
+    orders = tuple(flags["order"] or DEFAULT_ORDERS)
+    return Space(**bound("tp", flags["min_tp"], flags["max_tp"]), **bound("pp", flags["min_pp"], flags["max_pp"]),
+                 **bound("dp", flags["min_dp"], flags["max_dp"]),
+                 **bound("micro_batch", 1, max(flags["max_micro_batch"], flags["micro_batch"] or 1)),
+                 **bound("vpp", 1, max(flags["max_vpp"], flags["vpp"] or 1)),
+                 zero=tuple(flags["zero"] or (0, 1, 2, 3)), recompute=recompute, sequence_parallel=sp, orders=orders)
+
+
+def _thresholds(min_mfu: float | None, max_memory_fraction: float | None) -> dict:
+    if min_mfu is not None and not 0 <= min_mfu <= 1:
+        raise LayoutError(f"--min-mfu {min_mfu}: give a fraction between 0 and 1 (e.g. 0.4)")
+    if max_memory_fraction is not None and not 0 < max_memory_fraction <= 1:
+        raise LayoutError(f"--max-memory-fraction {max_memory_fraction}: give a fraction in (0, 1] (e.g. 0.9)")
+    return {"min_mfu": min_mfu, "max_memory_fraction": max_memory_fraction}
+
+
+def _require_pick(result, order, pick: int) -> None:
+    if pick < 1 or (result.feasible_count and pick > result.feasible_count):
+        raise LayoutError(f"--pick {pick}: choose 1..{max(result.feasible_count, 1)} (the feasible layouts, ranked)")
+
+
+def _no_fit(report, space, thresholds: dict, json_out: bool) -> None:
+    """Show the nearest misses with what to change, then fail (exit 1)."""
+    from plan3d.render import recommend as render
+    from plan3d.search import nodes_to_fit
+
+    result = report.result
+    if result.size and report.sweep is None:
+        report.nodes_needed = nodes_to_fit(result.cluster, result.model, result.training, space, **thresholds)
+    if json_out:
+        print(json.dumps(render.recommendation_dict(report, False), indent=1))
+    else:
+        render.print_recommendation(report, False)
+    raise InfeasibleError(render.no_fit_message(report))
+
+
+def _write_plan(result, row: int, out: Path) -> None:
+    from plan3d.cost.estimate import estimate
+    from plan3d.plan import build_plan, save_plan
+
+    layout = result.layout(row)
+    est = estimate(result.cluster, result.model, result.training, layout)
+    save_plan(build_plan(result.cluster, result.model, result.training, layout, est.to_dict()), out)
+
+
+@app.command("explain")
+def explain_cmd(
+    cluster: ClusterOpt,
+    model: ModelOpt,
+    tp: Annotated[int, _opt("--tp", "Tensor-parallel degree.")] = 1,
+    pp: Annotated[int, _opt("--pp", "Pipeline-parallel degree.")] = 1,
+    dp: Annotated[IntOpt, _opt("--dp", "Data-parallel degree (default: fill the cluster).")] = None,
+    micro_batch: Annotated[int, _opt("--micro-batch", "Sequences per micro-batch.")] = 1,
+    vpp: Annotated[int, _opt("--vpp", "Virtual pipeline stages per rank.")] = 1,
+    zero: Annotated[int, _opt("--zero", "ZeRO stage 0-3.")] = 0,
+    recompute: Annotated[str, _opt("--recompute", "none, selective or full.")] = "none",
+    sequence_parallel: Annotated[bool, _opt("--sequence-parallel", "Megatron sequence parallelism.")] = False,
+    order: Annotated[str, _opt("--order", "Rank order, first axis fastest.")] = "tp-cp-ep-dp-pp",
+    nodes: NodesOpt = None,
+    gpus_per_node: GpnOpt = None,
+    global_batch: GlobalBatchOpt = None,
+    seq_len: SeqLenOpt = None,
+    precision: PrecisionOpt = "bf16",
+    objective: ObjectiveOpt = "throughput",
+    json_out: JsonOpt = False,
+) -> None:
+    """Why one layout ranks where it does, term by term against the best of the whole search."""
+    from plan3d import ranking, search
+    from plan3d.layout import check_layout
+    from plan3d.render import recommend as render
+
+    specs = load_specs(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision)
+    world = specs[0].world_size
+    if dp is None:
+        dp = max(1, world // (tp * pp))
+    layout = make_layout(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, vpp=vpp, zero=zero, recompute=recompute,
+                         sequence_parallel=sequence_parallel, order=order)
+    check_layout(layout, specs[1], specs[2], world)
+    if layout.world_size != world:
+        raise LayoutError(f"tp*pp*dp = {layout.world_size} but the cluster has {world} GPUs: the search ranks "
+                          f"layouts that use every GPU; pass --nodes {-(-layout.world_size // specs[0].gpus_per_node)} "
+                          f"or degrees whose product is {world}")
+    orders = tuple(dict.fromkeys(search.DEFAULT_ORDERS + (order,)))
+    space = search.Space(max_micro_batch=max(8, micro_batch), max_vpp=max(8, vpp), orders=orders)
+    result = search.search(*specs, space)
+    order_ = ranking.rank(result, objective)
+    row = result.find(layout)
+    assert row is not None, "a valid layout inside the space is always evaluated"
+    report = render.Explanation(result, order_, row, objective)
+    if json_out:
+        print(json.dumps(render.explanation_dict(report), indent=1))
+    else:
+        render.print_explanation(report)

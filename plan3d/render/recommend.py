@@ -1,0 +1,273 @@
+"""Tables and JSON for `plan3d recommend` and `plan3d explain`. SI inside, human units here."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from plan3d import ranking
+from plan3d.render.units import GIB, gib, ms
+from plan3d.search import SearchResult
+
+SCHEMA_VERSION = 1
+METRICS = ("step_time_s", "tokens_per_s", "model_tflops_per_gpu", "mfu", "bubble_fraction", "peak_memory_bytes",
+           "capacity_bytes", "compute_s", "bubble_s", "tp_comm_s", "pp_comm_s", "dp_comm_s")
+SECONDS_PER_DAY = 86400.0
+
+
+@dataclass
+class Recommendation:
+    result: SearchResult
+    order: np.ndarray
+    objective: str
+    top: int
+    pick: int = 1
+    sweep: list[SearchResult] | None = None
+    tokens: float | None = None
+    notes: list[str] = field(default_factory=list)
+    nodes_needed: int | None = None
+
+    @property
+    def shown(self) -> np.ndarray:
+        feasible = self.order[self.result.feasible[self.order]]
+        return feasible[: self.top]
+
+
+# ---- plain data (JSON) ---------------------------------------------------------------------------
+def row_dict(result: SearchResult, row: int, tokens: float | None = None) -> dict:
+    m = result.metrics
+    out = {"layout": result.layout(row).model_dump(mode="json", exclude={"pp_layers", "cp", "ep"})}
+    out.update({k: float(m[k][row]) for k in METRICS if k in m})
+    out["headroom_bytes"] = out["capacity_bytes"] - out["peak_memory_bytes"]
+    out["fits"] = bool(m["fits"][row])
+    out["dominant_comm"] = ranking.dominant_comm(m, row)
+    if tokens:
+        out["days_to_train"] = tokens / out["tokens_per_s"] / SECONDS_PER_DAY
+    return out
+
+
+def recommendation_dict(report: Recommendation, explain: bool = False) -> dict:
+    r = report.result
+    payload = {
+        "schema_version": SCHEMA_VERSION, "cluster": r.cluster.name, "nodes": r.cluster.nodes,
+        "gpus": r.cluster.world_size, "model": r.model.name, "training": r.training.model_dump(mode="json"),
+        "objective": report.objective, "search": r.stats(),
+        "top": [dict(rank=i + 1, **row_dict(r, int(row), report.tokens)) for i, row in enumerate(report.shown)],
+        "why": ranking.why_wins(r, report.order, report.objective),
+        "pareto_front": [row_dict(r, int(row)) for row in ranking.pareto_front(r, report.order)],
+    }
+    if not r.feasible_count:
+        payload["nearest_misses"] = [miss_dict(r, int(row)) for row in ranking.nearest_misses(r, report.order)]
+        payload["nodes_needed"] = report.nodes_needed
+    if report.sweep is not None:
+        payload["node_sweep"] = [sweep_row(s, report.objective) for s in report.sweep]
+    if explain and r.feasible_count:
+        payload["explain"] = explanation_dict(Explanation(r, report.order, int(report.order[report.pick - 1]),
+                                                          report.objective))
+    payload["notes"] = report.notes
+    return payload
+
+
+def miss_dict(result: SearchResult, row: int) -> dict:
+    out = row_dict(result, row)
+    out["over_bytes"] = out["peak_memory_bytes"] - out["capacity_bytes"]
+    out["what_to_change"] = [{"change": s.change, "peak_memory_bytes": s.peak_memory_bytes, "fits": s.fits}
+                             for s in ranking.suggestions(result, row)]
+    return out
+
+
+def sweep_row(result: SearchResult, objective: str) -> dict:
+    order = ranking.rank(result, objective)
+    best = int(order[0]) if len(order) and result.feasible[order[0]] else None
+    row = {"nodes": result.cluster.nodes, "gpus": result.cluster.world_size, "feasible": result.feasible_count}
+    if best is not None:
+        row.update(best=row_dict(result, best))
+    return row
+
+
+def no_fit_message(report: Recommendation) -> str:
+    r = report.result
+    if not r.size:
+        reasons = "; ".join(f"{n} x {why}" for why, n in r.rejected_by_reason().items())
+        return f"no valid layout of {r.model.name} on {r.cluster.world_size} GPUs ({reasons}); relax the bounds"
+    more = (f"the smallest cluster that fits has {report.nodes_needed} nodes (--nodes {report.nodes_needed})"
+            if report.nodes_needed else "no cluster up to 64x this size fits either")
+    return (f"no layout of {r.model.name} fits on {r.cluster.nodes} x {r.cluster.gpus_per_node} {r.cluster.gpu.name}: "
+            f"{r.size} valid layouts all exceed memory or a threshold; {more}; see the nearest misses above")
+
+
+# ---- rich tables ---------------------------------------------------------------------------------
+def wide_console() -> Console:
+    """A terminal's own width; 160 columns when piped (CI logs), so the table is not squeezed."""
+    import sys
+
+    return Console() if sys.stdout.isatty() else Console(width=160)
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:.1f}%"
+
+
+def layout_cells(result: SearchResult, row: int) -> list[str]:
+    lay = result.layout(row)
+    order = "pp-dp" if lay.order.endswith("pp-dp") else "dp-pp"
+    return [str(lay.tp), str(lay.pp), str(lay.dp), str(lay.micro_batch), str(lay.vpp), str(lay.zero),
+            lay.recompute, "y" if lay.sequence_parallel else "", order]
+
+
+def metric_cells(result: SearchResult, row: int, tokens: float | None) -> list[str]:
+    d = row_dict(result, row, tokens)
+    cells = [f"{d['peak_memory_bytes'] / GIB:.1f}", f"{d['headroom_bytes'] / GIB:.1f}", ms(d["step_time_s"]),
+             f"{d['tokens_per_s']:,.0f}", f"{d['model_tflops_per_gpu']:.0f}", _pct(d["mfu"]),
+             _pct(d["bubble_fraction"]), d["dominant_comm"]]
+    if tokens:
+        cells.append(f"{d['days_to_train']:.1f}")
+    return cells
+
+
+HEADERS = ["#", "tp", "pp", "dp", "mb", "vpp", "zero", "recompute", "sp", "order", "mem GiB", "headroom GiB",
+           "step", "tokens/s", "TFLOP/s/GPU", "MFU", "bubble", "top comm"]
+
+
+def layouts_table(result: SearchResult, rows, title: str, tokens: float | None = None) -> Table:
+    table = Table(title=title)
+    for header in HEADERS + (["days"] if tokens else []):
+        table.add_column(header, justify="left" if header in ("recompute", "order", "top comm") else "right")
+    for i, row in enumerate(rows):
+        table.add_row(str(i + 1), *layout_cells(result, int(row)), *metric_cells(result, int(row), tokens))
+    return table
+
+
+def print_recommendation(report: Recommendation, explain: bool = False, console: Console | None = None) -> None:
+    console = console or wide_console()
+    r = report.result
+    if report.sweep is not None:
+        console.print(sweep_table(report))
+    title = (f"{r.model.name} on {r.cluster.nodes} x {r.cluster.gpus_per_node} {r.cluster.gpu.name} "
+             f"({r.cluster.world_size} GPUs), global batch {r.training.global_batch}, objective {report.objective}")
+    if r.feasible_count:
+        console.print(layouts_table(r, report.shown, title, report.tokens))
+        console.print(f"[bold]why #1:[/bold] {ranking.why_wins(r, report.order, report.objective)}")
+        front = ranking.pareto_front(r, report.order)
+        console.print(f"Pareto front (tokens/s vs memory headroom): {len(front)} layouts; "
+                      f"most headroom {gib(_headroom(r, int(front[-1])))} at {r.layout(int(front[-1])).short()}")
+    else:
+        console.print(f"[bold red]nothing fits:[/bold red] {title}")
+        print_misses(report, console)
+    console.print(stats_line(r))
+    for why, n in r.rejected_by_reason().items():
+        console.print(f"  rejected {n:>10,}  {why}")
+    if explain and r.feasible_count:
+        print_explanation(Explanation(r, report.order, int(report.order[report.pick - 1]), report.objective), console)
+    for note in report.notes:
+        console.print(note)
+
+
+def _headroom(result: SearchResult, row: int) -> float:
+    return float(result.metrics["capacity_bytes"][row] - result.metrics["peak_memory_bytes"][row])
+
+
+def stats_line(result: SearchResult) -> str:
+    s = result.stats()
+    return (f"searched {s['layouts_considered']:,} layouts in {s['seconds'] * 1e3:.0f} ms "
+            f"({s['layouts_per_s'] or 0:,} layouts/s): {s['layouts_evaluated']:,} valid, {s['feasible']:,} fit")
+
+
+def print_misses(report: Recommendation, console: Console) -> None:
+    r = report.result
+    misses = ranking.nearest_misses(r, report.order)
+    if len(misses):
+        console.print(layouts_table(r, misses, "nearest misses (closest to fitting first)"))
+    for i, row in enumerate(misses[:3]):
+        d = miss_dict(r, int(row))
+        console.print(f"#{i + 1} {r.layout(int(row)).short()}: needs {gib(d['peak_memory_bytes'])} of "
+                      f"{gib(d['capacity_bytes'])} usable ({gib(d['over_bytes'])} over)")
+        for s in d["what_to_change"]:
+            verdict = "fits" if s["fits"] else "still over"
+            console.print(f"     {s['change']}: {gib(s['peak_memory_bytes'])} ({verdict})")
+    if report.nodes_needed:
+        console.print(f"more nodes: the smallest cluster (doubling) with a layout that fits has "
+                      f"{report.nodes_needed} nodes: --nodes {report.nodes_needed}")
+
+
+def sweep_table(report: Recommendation) -> Table:
+    table = Table(title="how many nodes: best layout per node count")
+    for header in ("nodes", "GPUs", "fit", "best layout", "tokens/s", "tokens/s/GPU", "MFU", "mem GiB"):
+        table.add_column(header, justify="left" if header == "best layout" else "right")
+    for result in report.sweep:
+        row = sweep_row(result, report.objective)
+        best = row.get("best")
+        cells = ([result.layout(ranking.rank(result, report.objective)[0]).short(), f"{best['tokens_per_s']:,.0f}",
+                  f"{best['tokens_per_s'] / row['gpus']:,.0f}", _pct(best["mfu"]),
+                  f"{best['peak_memory_bytes'] / GIB:.1f}"] if best else ["none fits", "", "", "", ""])
+        table.add_row(str(row["nodes"]), str(row["gpus"]), f"{row['feasible']:,}", *cells)
+    return table
+
+
+# ---- explain -----------------------------------------------------------------------------------
+@dataclass
+class Explanation:
+    result: SearchResult
+    order: np.ndarray
+    row: int
+    objective: str
+
+    @property
+    def position(self) -> int:
+        return int(np.flatnonzero(self.order == self.row)[0]) + 1
+
+    @property
+    def best(self) -> int:
+        return int(self.order[0])
+
+
+EXPLAIN_ROWS = (("tokens/s", "tokens_per_s"), ("step time", "step_time_s"), ("compute", "compute_s"),
+                ("bubble", "bubble_s"), ("TP comm", "tp_comm_s"), ("PP comm", "pp_comm_s"),
+                ("DP comm", "dp_comm_s"), ("peak memory", "peak_memory_bytes"), ("MFU", "mfu"))
+
+
+def explanation_sentences(ex: Explanation) -> list[str]:
+    r, row, best = ex.result, ex.row, ex.best
+    feasible = r.feasible_count
+    where = (f"ranks #{ex.position} of {feasible} feasible layouts" if r.feasible[row]
+             else f"does not fit ({gib(float(r.metrics['peak_memory_bytes'][row]))} needed, "
+                  f"{gib(float(r.metrics['capacity_bytes'][row]))} usable): ranked after all {feasible} that fit")
+    lines = [f"{r.layout(row).short()} ({r.layout(row).order}) {where}, out of {r.considered:,} layouts considered"]
+    if row == best:
+        lines.append("it is the best: " + ranking.why_wins(r, ex.order, ex.objective))
+    elif r.feasible[best]:
+        lines.append("the best " + ranking.compare_sentence(r, best, row, "this layout"))
+    return lines
+
+
+def explanation_dict(ex: Explanation) -> dict:
+    return {"schema_version": SCHEMA_VERSION, "position": ex.position, "feasible": ex.result.feasible_count,
+            "considered": ex.result.considered, "layout": row_dict(ex.result, ex.row),
+            "best": row_dict(ex.result, ex.best), "sentences": explanation_sentences(ex)}
+
+
+def _fmt(key: str, value: float) -> str:
+    if key == "tokens_per_s":
+        return f"{value:,.0f}"
+    if key.endswith("_s"):
+        return ms(value)
+    if key.endswith("_bytes"):
+        return gib(value)
+    return _pct(value) if key == "mfu" else f"{value:,.0f}"
+
+
+def print_explanation(ex: Explanation, console: Console | None = None) -> None:
+    console = console or wide_console()
+    r, m = ex.result, ex.result.metrics
+    table = Table(title=f"explain: {r.layout(ex.row).short()} against the best, {r.layout(ex.best).short()}")
+    for header in ("term", "this layout", "best", "difference"):
+        table.add_column(header, justify="left" if header == "term" else "right")
+    for label, key in EXPLAIN_ROWS:
+        this, best = float(m[key][ex.row]), float(m[key][ex.best])
+        diff = _fmt(key, this - best) if key != "mfu" else f"{(this - best) * 100:+.1f} pts"
+        table.add_row(label, _fmt(key, this), _fmt(key, best), diff)
+    console.print(table)
+    for line in explanation_sentences(ex):
+        console.print(line)

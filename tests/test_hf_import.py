@@ -1,0 +1,170 @@
+"""`plan3d import-hf`: real Hugging Face config.json contents -> ModelSpec -> parameter counts."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from plan3d.cli import main
+from plan3d.cost.params import total_params
+from plan3d.specs.catalog import load_model
+from plan3d.specs.hf import import_hf
+
+# config.json files as published on the Hugging Face Hub (copied verbatim, irrelevant keys included).
+LLAMA3_8B = {  # meta-llama/Meta-Llama-3-8B
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 8192,
+    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 500000.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.40.0.dev0",
+    "use_cache": True, "vocab_size": 128256,
+}
+GPT2 = {  # openai-community/gpt2
+    "activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"], "attn_pdrop": 0.1,
+    "bos_token_id": 50256, "embd_pdrop": 0.1, "eos_token_id": 50256, "initializer_range": 0.02,
+    "layer_norm_epsilon": 1e-05, "model_type": "gpt2", "n_ctx": 1024, "n_embd": 768, "n_head": 12,
+    "n_layer": 12, "n_positions": 1024, "resid_pdrop": 0.1, "summary_activation": None,
+    "summary_first_dropout": 0.1, "summary_proj_to_labels": True, "summary_type": "cls_index",
+    "summary_use_proj": True, "task_specific_params": {"text-generation": {"do_sample": True, "max_length": 50}},
+    "vocab_size": 50257,
+}
+MISTRAL_7B = {  # mistralai/Mistral-7B-v0.1
+    "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 32768, "model_type": "mistral", "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+    "sliding_window": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.34.0.dev0", "use_cache": True, "vocab_size": 32000,
+}
+GPT_NEOX_20B = {  # EleutherAI/gpt-neox-20b
+    "architectures": ["GPTNeoXForCausalLM"], "bos_token_id": 0, "eos_token_id": 0, "hidden_act": "gelu_fast",
+    "hidden_size": 6144, "initializer_range": 0.02, "intermediate_size": 24576, "layer_norm_eps": 1e-05,
+    "max_position_embeddings": 2048, "model_type": "gpt_neox", "num_attention_heads": 64,
+    "num_hidden_layers": 44, "rotary_emb_base": 10000, "rotary_pct": 0.25, "tie_word_embeddings": False,
+    "torch_dtype": "float16", "transformers_version": "4.21.0.dev0", "use_cache": True,
+    "use_parallel_residual": True, "vocab_size": 50432,
+}
+OPT_125M = {  # facebook/opt-125m
+    "_name_or_path": "facebook/opt-125m", "activation_dropout": 0.0, "activation_function": "relu",
+    "architectures": ["OPTForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 2,
+    "do_layer_norm_before": True, "dropout": 0.1, "eos_token_id": 2, "ffn_dim": 3072, "hidden_size": 768,
+    "init_std": 0.02, "layerdrop": 0.0, "max_position_embeddings": 2048, "model_type": "opt",
+    "num_attention_heads": 12, "num_hidden_layers": 12, "pad_token_id": 1, "prefix": "</s>",
+    "torch_dtype": "float16", "transformers_version": "4.21.0.dev0", "use_cache": True,
+    "vocab_size": 50272, "word_embed_proj_dim": 768,
+}
+QWEN25_7B = {  # Qwen/Qwen2.5-7B (model_type qwen2, the Qwen2 architecture)
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
+    "intermediate_size": 18944, "max_position_embeddings": 131072, "max_window_layers": 28,
+    "model_type": "qwen2", "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.43.1", "use_cache": True, "use_mrope": False,
+    "use_sliding_window": False, "vocab_size": 152064,
+}
+BLOOM_560M = {  # bigscience/bloom-560m
+    "apply_residual_connection_post_layernorm": False, "architectures": ["BloomForCausalLM"],
+    "attention_dropout": 0.0, "attention_softmax_in_fp32": True, "bias_dropout_fusion": True,
+    "bos_token_id": 1, "eos_token_id": 2, "hidden_dropout": 0.0, "hidden_size": 1024,
+    "initializer_range": 0.02, "layer_norm_epsilon": 1e-05, "masked_softmax_fusion": True,
+    "model_type": "bloom", "n_head": 16, "n_inner": None, "n_layer": 24, "offset_alibi": 100,
+    "pad_token_id": 3, "pretraining_tp": 1, "skip_bias_add": True, "skip_bias_add_qkv": False,
+    "slow_but_exact": False, "transformers_version": "4.21.0.dev0", "unk_token_id": 0, "use_cache": True,
+    "vocab_size": 250880,
+}
+
+# (config, published parameter count, where it is published)
+PUBLISHED = {
+    "llama3-8b": (LLAMA3_8B, 8.03e9, "Hub page of meta-llama/Meta-Llama-3-8B: 8.03B params"),
+    "gpt2": (GPT2, 124e6, "model card of openai-community/gpt2: 124M parameters"),
+    "mistral-7b": (MISTRAL_7B, 7.3e9, "Mistral AI, 'Mistral 7B' announcement: a 7.3B parameter model"),
+    "gpt-neox-20b": (GPT_NEOX_20B, 20_554_567_680, "Black et al. 2022, GPT-NeoX-20B (arXiv:2204.06745)"),
+    "opt-125m": (OPT_125M, 125e6, "Zhang et al. 2022, OPT (arXiv:2205.01068), Table 1: 125M"),
+    "qwen2.5-7b": (QWEN25_7B, 7.61e9, "model card of Qwen/Qwen2.5-7B: Number of Parameters 7.61B"),
+    "bloom-560m": (BLOOM_560M, 559_214_592, "model card of bigscience/bloom-560m: 559,214,592 parameters"),
+}
+
+
+def write_config(tmp_path, config: dict, folder: str = "model"):
+    path = tmp_path / folder / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config, indent=2))
+    return path
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_parameter_count_matches_published_size(tmp_path, name):
+    config, published, _source = PUBLISHED[name]
+    spec = import_hf(str(write_config(tmp_path, config, name)))
+    assert spec.name == name or spec.name == "opt-125m"
+    assert abs(total_params(spec) / published - 1) < 0.01, (total_params(spec), published)
+
+
+def test_family_facts(tmp_path):
+    llama = import_hf(str(write_config(tmp_path, LLAMA3_8B, "a")))
+    assert (llama.activation, llama.norm, llama.bias, llama.position, llama.kv_heads) == ("swiglu", "rmsnorm", False, "rope", 8)
+    assert llama.tied_embeddings is False and llama.ffn_hidden == 14336 and llama.seq_len == 8192
+    gpt2 = import_hf(str(write_config(tmp_path, GPT2, "b")))
+    assert (gpt2.activation, gpt2.position, gpt2.tied_embeddings, gpt2.bias, gpt2.ffn_hidden_) == ("gelu", "learned", True, True, 3072)
+    opt = import_hf(str(write_config(tmp_path, OPT_125M, "c")))
+    assert (opt.activation, opt.ffn_hidden, opt.name) == ("relu", 3072, "opt-125m")
+    bloom = import_hf(str(write_config(tmp_path, BLOOM_560M, "d")))
+    assert (bloom.position, bloom.seq_len, bloom.tied_embeddings) == ("alibi", 2048, True)
+    neox = import_hf(str(write_config(tmp_path, GPT_NEOX_20B, "e")))
+    assert (neox.position, neox.tied_embeddings, neox.bias) == ("rope", False, True)
+
+
+def test_bundled_llama3_8b_agrees_with_its_config(tmp_path):
+    imported = import_hf(str(write_config(tmp_path, LLAMA3_8B)))
+    assert total_params(imported) == total_params(load_model("llama3-8b"))
+
+
+def test_moe_config_maps_experts(tmp_path):
+    mixtral = LLAMA3_8B | {"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2}
+    spec = import_hf(str(write_config(tmp_path, mixtral)))
+    assert (spec.moe.experts, spec.moe.top_k) == (8, 2)
+
+
+def run(capsys, *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return exit_info.value.code or 0, out, err
+
+
+def test_cli_writes_a_spec_that_loads(tmp_path, capsys):
+    out_path = tmp_path / "mistral.yaml"
+    code, out, err = run(capsys, "import-hf", str(write_config(tmp_path, MISTRAL_7B, "Mistral-7B-v0.1")),
+                         "-o", str(out_path))
+    assert code == 0, err
+    assert "wrote" in out and "mistral-7b-v0.1" in out
+    loaded = load_model(str(out_path))
+    assert loaded == import_hf(str(tmp_path / "Mistral-7B-v0.1" / "config.json"))
+    code, out, err = run(capsys, "specs", "show", str(out_path), "--kind", "model")
+    assert code == 0 and "parameters" in out
+
+
+def test_cli_prints_yaml_without_output(tmp_path, capsys):
+    code, out, _ = run(capsys, "import-hf", str(write_config(tmp_path, GPT2)), "--name", "my-gpt2", "--seq-len", "512")
+    assert code == 0 and "name: my-gpt2" in out and "seq_len: 512" in out
+
+
+@pytest.mark.parametrize("config, expect", [
+    ({"model_type": "mystery", "hidden_size": 512}, ["missing layers", "missing heads", "missing vocab", "missing seq_len"]),
+    ({"model_type": "t5", "is_encoder_decoder": True, "d_model": 512}, ["encoder-decoder"]),
+    (LLAMA3_8B | {"hidden_act": "tanh"}, ["activation 'tanh'"]),
+    (LLAMA3_8B | {"num_key_value_heads": 5}, ["not divisible by kv_heads=5"]),
+    ([1, 2, 3], ["must be a mapping"]),
+])
+def test_cli_bad_configs_exit_2_one_line_per_problem(tmp_path, capsys, config, expect):
+    code, _, err = run(capsys, "import-hf", str(write_config(tmp_path, config)))
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == len(expect) and "Traceback" not in err
+    for line, fragment in zip(lines, expect):
+        assert line.startswith("error:") and fragment in line, err
+
+
+def test_cli_missing_file(tmp_path, capsys):
+    code, _, err = run(capsys, "import-hf", str(tmp_path / "nope" / "config.json"))
+    assert code == 2 and "no such file" in err

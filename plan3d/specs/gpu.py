@@ -15,16 +15,26 @@ Dtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
 
 
 class ComputeEfficiency(StrictModel):
-    """Achieved fraction of dense peak for the GEMMs of one transformer layer.
+    """How close the kernels of one transformer layer get to the datasheet (fitted, not hand-set).
 
-    eff(work) = max_fraction * work / (work + half_work_flops), where `work` is the FLOPs of one
-    per-GPU GEMM (shrinks with larger tp and smaller micro-batch * sequence). A saturating curve:
-    large GEMMs approach `max_fraction`, small ones fall off. Values are fitted by
-    `plan3d calibrate` or `benchmarks/accuracy.py`, not hand-set.
+    GEMMs: one GEMM of `w` FLOPs runs at eff(w) = max_fraction * w / (w + half_work_flops) of dense
+    peak, i.e. it takes (w + half_work_flops) / (max_fraction * peak): a fixed cost per kernel (tile
+    fill, launch, wave quantisation) that makes small per-GPU matrices (large tp, small
+    micro-batch * sequence) slow.
+    Memory-bound work (norms, bias, activation, dropout, residual, softmax) moves
+    `elementwise_bytes` of HBM traffic per activation element a layer's forward touches, and
+    `attention_score_bytes` per attention-score element (0 with fused flash attention, whose
+    scores never reach HBM; ~10-16 for an unfused softmax + dropout).
+    `dp_overlap_fraction`: the share of one micro-batch's backward that hides the data-parallel
+    gradient reduction (0 without gradient bucketing, as in the vTrain runs).
+    Values are fitted by `benchmarks/accuracy.py` (and later `plan3d calibrate`).
     """
 
     max_fraction: float = Field(0.75, gt=0, le=1)
     half_work_flops: float = Field(2.0e9, ge=0)
+    elementwise_bytes: float = Field(8.0, ge=0)
+    attention_score_bytes: float = Field(0.0, ge=0)
+    dp_overlap_fraction: float = Field(0.8, ge=0, le=1)
 
 
 class GPUSpec(StrictModel):

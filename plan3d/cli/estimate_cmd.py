@@ -1,0 +1,66 @@
+"""`plan3d estimate`: memory and step time of one layout (issue 3)."""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Optional
+
+import typer
+
+from plan3d.cli.app import app
+from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, GlobalBatchOpt, GpnOpt, JsonOpt, MicroBatchOpt,
+                               ModelOpt, NodesOpt, OrderOpt, PpOpt, PrecisionOpt, RecomputeOpt,
+                               SeqLenOpt, SeqParallelOpt, TpOpt, VppOpt, ZeroOpt, load_specs, make_layout)
+from plan3d.errors import LayoutError
+
+DpOptional = Annotated[Optional[int], typer.Option("--dp", help="Data-parallel degree (default: fill the cluster).")]
+
+
+@app.command("estimate")
+def estimate_command(
+    cluster: ClusterOpt,
+    model: ModelOpt,
+    tp: TpOpt = 1,
+    pp: PpOpt = 1,
+    dp: DpOptional = None,
+    micro_batch: MicroBatchOpt = 1,
+    global_batch: GlobalBatchOpt = None,
+    seq_len: SeqLenOpt = None,
+    vpp: VppOpt = 1,
+    zero: ZeroOpt = 0,
+    recompute: RecomputeOpt = "none",
+    sequence_parallel: SeqParallelOpt = False,
+    order: OrderOpt = DEFAULT_ORDER,
+    nodes: NodesOpt = None,
+    gpus_per_node: GpnOpt = None,
+    precision: PrecisionOpt = "bf16",
+    json_out: JsonOpt = False,
+) -> None:
+    """Predict the memory of every rank and the time of one training step for one layout."""
+    from plan3d.cost.estimate import estimate
+
+    cluster_spec, model_spec, training = load_specs(cluster, model, nodes, gpus_per_node, global_batch,
+                                                    seq_len, precision)
+    flags = dict(tp=tp, pp=pp, micro_batch=micro_batch, vpp=vpp, zero=zero, recompute=recompute,
+                 sequence_parallel=sequence_parallel, order=order)
+    if dp is None:
+        dp = _fill_dp(cluster_spec.world_size, make_layout(dp=1, **flags), model_spec, training)
+    layout = make_layout(dp=dp, **flags)
+    result = estimate(cluster_spec, model_spec, training, layout)
+    if json_out:
+        print(json.dumps(result.to_dict(), indent=1))
+    else:
+        from plan3d.render.estimate import print_estimate
+
+        print_estimate(result, cluster_spec, model_spec, training)
+
+
+def _fill_dp(world: int, layout, model, training) -> int:
+    """dp that fills the cluster when --dp is not given; problems of tp and pp come first."""
+    from plan3d.layout import check_layout
+
+    model_parallel = layout.tp * layout.pp
+    if world % model_parallel == 0:
+        return world // model_parallel
+    check_layout(layout.model_copy(update={"micro_batch": 1}), model, training, world)
+    raise LayoutError(f"tp*pp = {model_parallel} does not divide the cluster's {world} GPUs, so dp cannot fill it; "
+                      f"pass --dp or choose tp*pp among the divisors of {world}")

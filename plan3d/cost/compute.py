@@ -1,0 +1,88 @@
+"""FLOPs of a transformer layer (general form) and the time the GPU takes for them.
+
+FLOP counts follow Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU
+Clusters Using Megatron-LM", SC'21, eq. 3) and Korthikanti et al. 2022 (eq. 7), written for any
+attention (GQA: kv_dim <= q_dim), any FFN size and SwiGLU (three MLP matrices). A multiply-add
+counts 2 FLOPs; backward costs twice the forward; the attention score terms count the full s^2
+(as the classic formula does). For the classic GPT block (kv = q = h, ffn = 4h, GELU) one step is
+72 * Bg * s * L * h^2 * (1 + s/(6h) + V/(12 L h)).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from plan3d.cost.context import CostContext
+
+GEMMS_PER_LAYER = 6  # fused QKV, scores, scores x V, output projection, MLP up (+gate), MLP down
+
+
+def layer_gemm_flops(ctx: CostContext, tokens):
+    """Forward FLOPs of a layer's weight GEMMs for `tokens` = B*s: 2 * tokens * (params)."""
+    h, q, kv = ctx.hidden, ctx.q_dim, ctx.kv_dim
+    return 2 * tokens * (h * (q + 2 * kv) + q * h + ctx.mlp_mats * h * ctx.ffn)
+
+
+def layer_attention_flops(ctx: CostContext, batch):
+    """Forward FLOPs of Q K^T and scores x V for `batch` sequences: 4 * B * s^2 * q_dim."""
+    return 4 * batch * ctx.seq**2 * ctx.q_dim
+
+
+def logits_flops(ctx: CostContext, tokens):
+    """Forward FLOPs of the output layer: 2 * tokens * h * V."""
+    return 2 * tokens * ctx.hidden * ctx.vocab
+
+
+def model_flops_per_step(ctx: CostContext) -> float:
+    """Model FLOPs of one step (forward + backward = 3x forward, no recompute): what MFU counts."""
+    tokens = ctx.global_batch * ctx.seq
+    forward = ctx.layers * (layer_gemm_flops(ctx, tokens) + layer_attention_flops(ctx, ctx.global_batch))
+    return 3.0 * (forward + logits_flops(ctx, tokens))
+
+
+def gemm_s(ctx: CostContext, flops, kernels):
+    """Time of `kernels` GEMMs totalling `flops` on one GPU: each kernel runs at
+    max_fraction * w / (w + half_work) of peak, so together (flops + kernels * half_work) /
+    (max_fraction * peak) -- a saturating efficiency curve in the per-GPU matrix size."""
+    return (flops + kernels * ctx.gemm_half_work_flops) / (ctx.gemm_max_fraction * ctx.peak_flops)
+
+
+def memory_bound_s(ctx: CostContext, elements, bytes_per_element):
+    """Time of memory-bound kernels that move `bytes_per_element` per element over HBM."""
+    return elements * bytes_per_element / ctx.hbm_bytes_per_s
+
+
+def layer_forward_s(ctx: CostContext, mb, tp, sp_div):
+    """Forward time of one layer for one micro-batch on one GPU (no communication):
+    weight GEMMs and attention GEMMs split by tp, the elementwise work on the hidden-size
+    activations (replicated over tp unless sequence parallel) and on the tp-split ones, and
+    the attention-score traffic of an unfused softmax (zero with flash attention)."""
+    tokens = mb * ctx.seq
+    flops = (layer_gemm_flops(ctx, tokens) + layer_attention_flops(ctx, mb)) / tp
+    split_elements = tokens * (ctx.q_dim + 2 * ctx.kv_dim + ctx.mlp_mats * ctx.ffn) / tp
+    elements = tokens * ctx.hidden / sp_div + split_elements
+    scores = mb * ctx.heads / tp * ctx.seq**2
+    return (gemm_s(ctx, flops, GEMMS_PER_LAYER)
+            + memory_bound_s(ctx, elements, ctx.elementwise_bytes)
+            + memory_bound_s(ctx, scores, ctx.attention_score_bytes))
+
+
+def attention_core_forward_s(ctx: CostContext, mb, tp):
+    """Forward time of the attention core alone (what selective recompute repeats)."""
+    scores = mb * ctx.heads / tp * ctx.seq**2
+    return (gemm_s(ctx, layer_attention_flops(ctx, mb) / tp, 2)
+            + memory_bound_s(ctx, scores, ctx.attention_score_bytes))
+
+
+def logits_forward_s(ctx: CostContext, mb, tp):
+    """Forward time of the output layer and the loss on the last stage (vocab split by tp)."""
+    tokens = mb * ctx.seq
+    vocab_tp = np.ceil(ctx.vocab / tp)
+    return (gemm_s(ctx, 2 * tokens * ctx.hidden * vocab_tp, 1)
+            + memory_bound_s(ctx, tokens * vocab_tp, ctx.elementwise_bytes))
+
+
+def optimizer_s(ctx: CostContext, params_on_rank, optim_shard):
+    """Adam step: memory-bound, reads and writes the rank's optimizer shard, master weights and
+    gradients (~ (2 * optimizer + gradient + weight) bytes per parameter it updates)."""
+    per_param = 2 * ctx.optim_bytes + ctx.grad_bytes + ctx.weight_bytes
+    return params_on_rank / optim_shard * per_param / ctx.hbm_bytes_per_s

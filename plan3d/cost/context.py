@@ -1,0 +1,96 @@
+"""The fixed part of an estimate: model shapes, dtype sizes and hardware rates, as plain floats.
+
+Built once per (cluster, model, training); every cost formula reads it, so that the scalar
+`estimate()` and the vectorised `estimate_batch()` run the very same arithmetic.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plan3d.cost.params import norm_params
+from plan3d.specs.cluster import ClusterSpec
+from plan3d.specs.model import ModelSpec
+from plan3d.specs.training import TrainingSpec
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class CostContext:
+    # model shapes
+    layers: int
+    hidden: int
+    heads: int
+    q_dim: int  # heads * head_dim
+    kv_dim: int  # kv_heads * head_dim
+    ffn: int
+    mlp_mats: int  # 2 (GELU/ReLU) or 3 (SwiGLU)
+    vocab: int
+    seq: int  # training sequence length
+    position_params: int  # learned positions (replicated over tp), on the first stage
+    norm_params: int
+    bias: bool
+    tied: bool
+    # training
+    global_batch: int
+    act_bytes: int  # bytes of one activation element (2 in 16-bit, 4 in fp32)
+    weight_bytes: int
+    grad_bytes: int
+    optim_bytes: int
+    reserve_bytes: float
+    capacity_bytes: float
+    # hardware
+    peak_flops: float
+    hbm_bytes_per_s: float
+    gemm_max_fraction: float
+    gemm_half_work_flops: float
+    elementwise_bytes: float
+    attention_score_bytes: float
+    dp_overlap_fraction: float
+
+
+def bytes_per_param(training: TrainingSpec) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer) bytes per parameter.
+
+    fp32: 4 + 4 + 8 (Adam m, v). Mixed precision: 2 + (4 if fp32 gradient accumulation else 2)
+    + 12 (fp32 master, m, v) -- the 16 vs 18 bytes of cost-model.md. SGD keeps no moments
+    (mixed precision: the fp32 master only).
+    """
+    sgd = training.optimizer == "sgd"
+    if training.precision == "fp32":
+        return 4, 4, 0 if sgd else 8
+    return 2, 4 if training.fp32_grad_accum else 2, 4 if sgd else 12
+
+
+def make_context(cluster: ClusterSpec | None, model: ModelSpec, training: TrainingSpec) -> CostContext:
+    """The context of one (cluster, model, training); cluster None leaves the hardware at zero
+    (enough for memory formulas, which do not depend on the hardware)."""
+    if cluster is None:
+        return CostContext(**_model_fields(model, training), capacity_bytes=0.0, peak_flops=0.0,
+                           hbm_bytes_per_s=0.0, gemm_max_fraction=1.0, gemm_half_work_flops=0.0,
+                           elementwise_bytes=0.0, attention_score_bytes=0.0, dp_overlap_fraction=0.0)
+    eff = cluster.gpu.compute_efficiency
+    return CostContext(
+        **_model_fields(model, training),
+        capacity_bytes=cluster.gpu.memory_bytes * (1 - training.memory_headroom_fraction),
+        peak_flops=cluster.gpu.peak_flops(training.precision),
+        hbm_bytes_per_s=cluster.gpu.hbm_tbytes_per_s * 1e12,
+        gemm_max_fraction=eff.max_fraction, gemm_half_work_flops=eff.half_work_flops,
+        elementwise_bytes=eff.elementwise_bytes, attention_score_bytes=eff.attention_score_bytes,
+        dp_overlap_fraction=eff.dp_overlap_fraction,
+    )
+
+
+def _model_fields(model: ModelSpec, training: TrainingSpec) -> dict:
+    weights, grads, optim = bytes_per_param(training)
+    return dict(
+        layers=model.layers, hidden=model.hidden, heads=model.heads,
+        q_dim=model.heads * model.head_dim_, kv_dim=model.kv_heads_ * model.head_dim_,
+        ffn=model.ffn_hidden_, mlp_mats=3 if model.activation == "swiglu" else 2,
+        vocab=model.vocab, seq=training.seq_len or model.seq_len,
+        position_params=model.seq_len * model.hidden if model.position == "learned" else 0,
+        norm_params=norm_params(model), bias=model.bias, tied=model.tied_embeddings,
+        global_batch=training.global_batch, act_bytes=4 if training.precision == "fp32" else 2,
+        weight_bytes=weights, grad_bytes=grads, optim_bytes=optim,
+        reserve_bytes=training.reserved_memory_gib * GIB,
+    )

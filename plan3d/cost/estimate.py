@@ -1,0 +1,95 @@
+"""`estimate()`: memory of every rank and the time of one step for one layout (the contract the
+search, the CLI and the runtime code against)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from plan3d.cost.arrays import RECOMPUTE_CODES, layout_arrays
+from plan3d.cost.comm import layout_links
+from plan3d.cost.context import make_context
+from plan3d.cost.core import MEMORY_KEYS, TIME_KEYS, Links, evaluate
+from plan3d.layout import Layout, check_layout
+from plan3d.rankmap import rankmap_for
+from plan3d.specs.cluster import ClusterSpec
+from plan3d.specs.model import ModelSpec
+from plan3d.specs.training import TrainingSpec
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Every term of the prediction for one layout, SI units (bytes, seconds, FLOP/s)."""
+
+    step_time_s: float
+    tokens_per_s: float
+    model_tflops_per_gpu: float
+    mfu: float
+    peak_memory_bytes: float
+    capacity_bytes: float
+    fits: bool
+    bubble_fraction: float
+    memory_bytes: dict  # categories of the most-loaded rank
+    stage_memory_bytes: list  # total per pipeline rank
+    time_s: dict
+    tiers: dict  # tp, pp, dp -> name of the tier the group spans
+    worst_pp_rank: int
+    warnings: list = field(default_factory=list)
+    layout: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def estimate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, layout: Layout) -> Estimate:
+    """Predict memory and step time of `layout`; raises LayoutError if it cannot run.
+
+    A layout smaller than the cluster runs on its first GPUs (whole nodes first)."""
+    check_layout(layout, model, training, cluster.world_size)
+    ctx = make_context(cluster, model, training)
+    tiers = tuple(cluster.tiers())
+    links = layout_links(layout.tp, layout.pp, layout.dp, layout.order, tiers, cluster.gpus_per_node)
+    la = layout_arrays(training.global_batch, [layout.tp], [layout.pp], [layout.dp], [layout.micro_batch],
+                       [layout.vpp], [layout.zero], [RECOMPUTE_CODES[layout.recompute]],
+                       [float(layout.sequence_parallel)])
+    arr = lambda x: np.array([x], dtype=np.float64)  # noqa: E731
+    link_arrays = Links(arr(links["tp"].bytes_per_s), arr(links["tp"].latency_s), arr(links["pp"].bytes_per_s),
+                        arr(links["pp"].latency_s), arr(links["dp"].bytes_per_s), arr(links["dp"].latency_s))
+    chunks = layout.stage_layers(model.layers)
+    layers = np.array([sum(chunks[r::layout.pp]) for r in range(layout.pp)], dtype=np.float64)[:, None]
+    pp_rank = np.arange(layout.pp, dtype=np.float64)[:, None]
+    out = evaluate(ctx, la, link_arrays, pp_rank, layers, np.ones_like(layers))
+    return _to_estimate(out, layout, {k: v.tier for k, v in links.items()},
+                        _warnings(cluster, model, layout))
+
+
+def _to_estimate(out: dict, layout: Layout, tiers: dict, warnings: list[str]) -> Estimate:
+    scalar = lambda a: float(np.asarray(a).reshape(-1)[0])  # noqa: E731
+    worst = int(np.asarray(out["worst_stage"]).reshape(-1)[0])
+    stage = out["stage_memory"]
+    peak, capacity = scalar(out["peak_memory_bytes"]), scalar(out["capacity_bytes"])
+    if peak > capacity:
+        warnings = warnings + [f"does not fit: pipeline rank {worst} needs {peak / 2**30:.1f} GiB of "
+                               f"{capacity / 2**30:.1f} GiB usable"]
+    return Estimate(
+        step_time_s=scalar(out["step_time_s"]), tokens_per_s=scalar(out["tokens_per_s"]),
+        model_tflops_per_gpu=scalar(out["model_tflops_per_gpu"]), mfu=scalar(out["mfu"]),
+        peak_memory_bytes=peak, capacity_bytes=capacity, fits=peak <= capacity,
+        bubble_fraction=scalar(out["bubble_fraction"]),
+        memory_bytes={k: float(stage[k][worst, 0]) for k in MEMORY_KEYS},
+        stage_memory_bytes=[float(v) for v in stage["total"][:, 0]],
+        time_s={k: scalar(out["time_s"][k]) for k in TIME_KEYS},
+        tiers=tiers, worst_pp_rank=worst, warnings=warnings,
+        layout=layout.model_dump(mode="json"),
+    )
+
+
+def _warnings(cluster: ClusterSpec, model: ModelSpec, layout: Layout) -> list[str]:
+    out = list(rankmap_for(layout, cluster.gpus_per_node).warnings())
+    if layout.cp > 1:
+        out.append("context parallelism is not modelled: cp is counted as extra data parallelism")
+    if model.moe is not None:
+        out.append("mixture-of-experts layers are modelled as dense layers")
+    if layout.world_size < cluster.world_size:
+        out.append(f"layout uses {layout.world_size} of the cluster's {cluster.world_size} GPUs")
+    return out

@@ -1,0 +1,30 @@
+"""Pipeline schedules: the step time of 1F1B and interleaved 1F1B from per-stage times.
+
+Narayanan et al. 2021 (SC'21, section 2.2): with m micro-batches, p stages and a per-micro-batch
+forward + backward time t on every stage, 1F1B takes (m + p - 1) t and interleaving over v chunks
+shrinks the bubble (p - 1) t to (p - 1) t / v. With unequal stages (t_r) the slowest stage paces
+the steady state and the others only fill and drain the pipe:
+    step = m * max_r t_r + (sum_r t_r - max_r t_r) / v,
+which is (m + p - 1) t for equal stages.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def masked_max(values, weights):
+    """Maximum over axis 0 of the entries with positive weight (stage-kind stacks may carry
+    a placeholder with weight 0)."""
+    return np.max(np.where(weights > 0, values, -np.inf), axis=0)
+
+
+def masked_argmax(values, weights):
+    return np.argmax(np.where(weights > 0, values, -np.inf), axis=0)
+
+
+def pipeline_s(stage_s, weights, m, vpp):
+    """Step time of the pipeline and its bubble; `stage_s` has stages (or stage kinds with
+    multiplicities `weights`) on axis 0."""
+    slowest = masked_max(stage_s, weights)
+    fill_drain = (np.sum(weights * stage_s, axis=0) - slowest) / vpp
+    return m * slowest + fill_drain, fill_drain

@@ -1,0 +1,69 @@
+"""Rich tables for `plan3d estimate`."""
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from plan3d.render.units import gib, ms
+
+MEMORY_LABELS = {"weights": "weights", "gradients": "gradients", "optimizer": "optimizer states",
+                 "activations": "activations", "buffers": "communication buffers",
+                 "reserve": "reserve (context, NCCL, fragmentation)"}
+TIME_LABELS = {"compute": "compute (forward + backward)", "recompute": "recompute",
+               "bubble": "pipeline bubble", "tp_comm": "TP communication", "pp_comm": "PP communication",
+               "dp_comm": "DP communication (exposed)", "zero_comm": "ZeRO-3 gathers (exposed)",
+               "optimizer": "optimizer step"}
+
+
+def memory_table(est) -> Table:
+    table = Table(title=f"memory of the most-loaded rank (pipeline rank {est.worst_pp_rank})")
+    table.add_column("category")
+    table.add_column("GiB", justify="right")
+    for key, label in MEMORY_LABELS.items():
+        table.add_row(label, gib(est.memory_bytes[key]))
+    table.add_row("[bold]peak[/bold]", f"[bold]{gib(est.peak_memory_bytes)}[/bold]")
+    table.add_row("usable capacity", gib(est.capacity_bytes))
+    return table
+
+
+def time_table(est) -> Table:
+    table = Table(title="time of one step")
+    table.add_column("category")
+    table.add_column("time", justify="right")
+    table.add_column("share", justify="right")
+    for key, label in TIME_LABELS.items():
+        table.add_row(label, ms(est.time_s[key]), f"{est.time_s[key] / est.step_time_s:.1%}")
+    table.add_row("[bold]step[/bold]", f"[bold]{ms(est.step_time_s)}[/bold]", "100%")
+    return table
+
+
+def summary_lines(est, cluster, model, training) -> list[str]:
+    fits = "[green]fits[/green]" if est.fits else "[red]does NOT fit[/red]"
+    stages = ", ".join(f"{b / 2**30:.1f}" for b in est.stage_memory_bytes)
+    return [
+        f"{model.name} on {cluster.name}: {_layout_text(est.layout)}, global batch {training.global_batch}",
+        f"groups span: tp {est.tiers['tp']}, pp {est.tiers['pp']}, dp {est.tiers['dp']}",
+        f"step {ms(est.step_time_s)}, {est.tokens_per_s:,.0f} tokens/s, "
+        f"{est.model_tflops_per_gpu:.1f} model TFLOP/s per GPU, MFU {est.mfu:.1%}, bubble {est.bubble_fraction:.1%}",
+        f"memory: {fits} ({gib(est.peak_memory_bytes)} of {gib(est.capacity_bytes)}); per pipeline rank GiB: {stages}",
+    ]
+
+
+def _layout_text(layout: dict) -> str:
+    parts = [f"tp {layout['tp']}", f"pp {layout['pp']}", f"dp {layout['dp']}", f"micro-batch {layout['micro_batch']}"]
+    if layout["vpp"] > 1:
+        parts.append(f"vpp {layout['vpp']}")
+    parts += [f"ZeRO {layout['zero']}", f"recompute {layout['recompute']}"]
+    if layout["sequence_parallel"]:
+        parts.append("sequence parallel")
+    return ", ".join(parts) + f", order {layout['order']}"
+
+
+def print_estimate(est, cluster, model, training) -> None:
+    console = Console()
+    for line in summary_lines(est, cluster, model, training):
+        console.print(line)
+    console.print(memory_table(est))
+    console.print(time_table(est))
+    for warning in est.warnings:
+        console.print(f"[yellow]warning:[/yellow] {warning}")

@@ -12,6 +12,7 @@ Infeasible layouts follow, nearest to fitting first (peak memory over capacity).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,8 +20,8 @@ import numpy as np
 from plan3d.search import LAYOUT_KNOBS, SearchResult
 
 OBJECTIVES = ("throughput", "mfu", "memory")
-COMM_TERMS = ("tp_comm_s", "pp_comm_s", "dp_comm_s")
-TIME_TERMS = ("compute_s", "bubble_s") + COMM_TERMS
+COMM_TERMS = ("tp_comm_s", "pp_comm_s", "dp_comm_s", "zero_comm_s")
+TIME_TERMS = ("compute_s", "recompute_s", "bubble_s") + COMM_TERMS + ("optimizer_s",)
 TIE_PPM = 1e-6
 
 
@@ -86,9 +87,10 @@ def nearest_misses(result: SearchResult, order: np.ndarray, k: int = 5) -> np.nd
 
 def dominant_comm(metrics: dict[str, np.ndarray], row: int) -> str:
     """Name of the largest exposed communication term of a row ('-' when all are zero)."""
-    values = [float(metrics[t][row]) for t in COMM_TERMS]
+    terms = [t for t in COMM_TERMS if t in metrics]
+    values = [float(metrics[t][row]) for t in terms]
     best = int(np.argmax(values))
-    return COMM_TERMS[best].removesuffix("_comm_s") if values[best] > 0 else "-"
+    return terms[best].removesuffix("_comm_s") if values[best] > 0 else "-"
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,7 @@ class Suggestion:
 def memory_variants(layout) -> list[tuple[str, dict]]:
     """Single changes that lower memory per GPU, and all of them at once."""
     changes = []
-    if layout.zero < 3:
+    if layout.zero < 3 and layout.dp > 1:
         changes.append(("ZeRO-3", {"zero": 3}))
     if layout.recompute != "full":
         changes.append(("full recompute", {"recompute": "full"}))
@@ -200,3 +202,113 @@ def layout_suggestions(cluster, model, training, base, orders: tuple[str, ...]) 
     metrics = evaluate(cluster, model, training, arrays, orders)
     return [Suggestion(label, layout, float(metrics["peak_memory_bytes"][i]), float(metrics["capacity_bytes"][i]),
                        bool(metrics["fits"][i])) for i, (label, layout) in enumerate(candidates)]
+
+
+# ---- the verdict on one layout (plan3d check) -------------------------------------------------
+@dataclass(frozen=True)
+class Finding:
+    """One line of a check: level 'error' fails it, 'warning' and 'notice' inform."""
+
+    level: str
+    message: str
+    fix: str = ""
+
+
+def fit_findings(est: dict, gpu_memory_bytes: float, min_mfu: float | None,
+                 max_memory_fraction: float | None) -> list[Finding]:
+    """Errors for a layout that does not fit with headroom or misses a threshold (SI in, text out)."""
+    out = []
+    peak, capacity = est["peak_memory_bytes"], est["capacity_bytes"]
+    if not est["fits"]:
+        out.append(Finding("error", f"predicted peak memory {peak / 2**30:.1f} GiB per GPU exceeds the "
+                           f"{capacity / 2**30:.1f} GiB usable (GPU memory less headroom and reserve)",
+                           "lower memory: see the changes below, or run `plan3d recommend` for this job"))
+    if min_mfu is not None and est["mfu"] < min_mfu:
+        out.append(Finding("error", f"predicted MFU {est['mfu']:.1%} is below --min-mfu {min_mfu:.1%}",
+                           "use the recommended layout below, or lower the threshold"))
+    if max_memory_fraction is not None and peak / gpu_memory_bytes > max_memory_fraction:
+        out.append(Finding("error", f"predicted peak memory is {peak / gpu_memory_bytes:.1%} of the GPU's memory, "
+                           f"above --max-memory-fraction {max_memory_fraction:.1%}",
+                           "shard more (ZeRO, pp) or recompute; see the changes below"))
+    return out
+
+
+def suggestion_findings(items: list[Suggestion]) -> list[Finding]:
+    return [Finding("notice", f"with {s.change}: {s.peak_memory_bytes / 2**30:.1f} GiB per GPU "
+                    f"({'fits' if s.fits else 'still over'})", s.layout.short()) for s in items]
+
+
+@dataclass
+class CheckReport:
+    findings: list[Finding]
+    estimate: dict | None = None
+    recommended: dict | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not any(f.level == "error" for f in self.findings)
+
+
+def problem_finding(problem: str) -> Finding:
+    """A layout_problems sentence 'what is wrong; what to change' as an error with its fix."""
+    what, _, fix = problem.partition("; ")
+    return Finding("error", what, fix)
+
+
+def check_job(cluster, model, training, layout, min_mfu: float | None = None,
+              max_memory_fraction: float | None = None) -> CheckReport:
+    """Is this job valid and predicted to fit with headroom (and meet the thresholds)? Each error has a fix."""
+    from plan3d.layout import layout_problems
+
+    report = CheckReport([])
+    if layout is None:
+        report.findings.append(Finding("notice", "the job names no layout; checked that some layout fits",
+                                       "add the recommended layout under `layout:`"))
+    else:
+        report.findings += [problem_finding(p) for p in layout_problems(layout, model, training, cluster.world_size)]
+        if report.ok:
+            _check_fit(report, cluster, model, training, layout, min_mfu, max_memory_fraction)
+    if layout is None or not report.ok:
+        _recommend_instead(report, cluster, model, training, min_mfu, max_memory_fraction)
+    return report
+
+
+def _check_fit(report: CheckReport, cluster, model, training, layout, min_mfu, max_memory_fraction) -> None:
+    from plan3d.cost.estimate import estimate
+
+    est = estimate(cluster, model, training, layout).to_dict()
+    report.estimate = est
+    errors = fit_findings(est, cluster.gpu.memory_bytes, min_mfu, max_memory_fraction)
+    report.findings += errors
+    if errors and (not est["fits"] or max_memory_fraction is not None):
+        from plan3d.search import DEFAULT_ORDERS
+
+        report.findings += suggestion_findings(layout_suggestions(cluster, model, training, layout, DEFAULT_ORDERS))
+    report.findings += [Finding("warning", w) for w in est.get("warnings", [])]
+    if layout.world_size < cluster.world_size:
+        report.findings.append(Finding("warning", f"the layout uses {layout.world_size} of the cluster's "
+                                       f"{cluster.world_size} GPUs", "raise dp to use them all, or lower `nodes`"))
+
+
+def _recommend_instead(report: CheckReport, cluster, model, training, min_mfu, max_memory_fraction) -> None:
+    from plan3d.search import nodes_to_fit, search
+
+    result = search(cluster, model, training, min_mfu=min_mfu, max_memory_fraction=max_memory_fraction)
+    order = rank(result)
+    if result.feasible_count:
+        best = int(order[0])
+        lay = result.layout(best)
+        report.recommended = {"layout": lay.model_dump(mode="json", exclude={"pp_layers", "cp", "ep"}),
+                              "tokens_per_s": float(result.metrics["tokens_per_s"][best]),
+                              "mfu": float(result.metrics["mfu"][best])}
+        knobs = ", ".join(f"{k}: {json.dumps(v)}" for k, v in report.recommended["layout"].items())
+        report.findings.append(Finding("notice", f"recommended for this job: {lay.short()} "
+                                       f"({report.recommended['tokens_per_s']:,.0f} tokens/s, MFU "
+                                       f"{report.recommended['mfu']:.1%})", f"layout: {{{knobs}}}"))
+        return
+    nodes = nodes_to_fit(cluster, model, training, min_mfu=min_mfu, max_memory_fraction=max_memory_fraction)
+    fix = f"use nodes: {nodes} (the smallest doubling or power of two that fits)" if nodes else \
+        "no cluster up to 64x this size fits: a smaller model, shorter sequences or a bigger GPU"
+    what = "fits" if result.size else "is even valid (the GPU count's factors do not divide heads, layers and batch)"
+    report.findings.append(Finding("error", f"no layout of {model.name} on {cluster.world_size} "
+                                   f"{cluster.gpu.name} GPUs {what}", fix))

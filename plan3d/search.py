@@ -47,8 +47,9 @@ REASONS = {
     10: "does not fit in GPU memory with headroom",
     11: "below the --min-mfu threshold",
     12: "above the --max-memory-fraction threshold",
+    13: "same rank placement as an earlier order (its differing axes have size 1)",
 }
-MEMORY_CODE, MFU_CODE, MEMORY_FRACTION_CODE = 10, 11, 12
+MEMORY_CODE, MFU_CODE, MEMORY_FRACTION_CODE, SAME_ORDER_CODE = 10, 11, 12, 13
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,24 @@ def expand_layouts(shapes: dict[str, np.ndarray], space: Space) -> dict[str, np.
     return out
 
 
+def same_placement(layouts: dict[str, np.ndarray], orders: tuple[str, ...]) -> np.ndarray:
+    """True where an earlier order of `orders` places every rank the same way for this shape.
+
+    Two orders give the same rank map when they list the axes of size > 1 in the same sequence
+    (e.g. with pp = 1, tp-cp-ep-dp-pp and tp-cp-ep-pp-dp are one placement).
+    """
+    table = np.zeros((8, len(orders)), dtype=bool)  # [which of tp, pp, dp exceed 1, order]
+    for pattern in range(8):
+        big = {axis for bit, axis in enumerate(("tp", "pp", "dp")) if pattern >> bit & 1}
+        seen = set()
+        for i, order in enumerate(orders):
+            key = tuple(a for a in parse_order(order) if a in big)
+            table[pattern, i] = key in seen
+            seen.add(key)
+    pattern = (layouts["tp"] > 1) * 1 + (layouts["pp"] > 1) * 2 + (layouts["dp"] > 1) * 4
+    return table[pattern, layouts["order"]]
+
+
 def layout_at(layouts: dict[str, np.ndarray], orders: tuple[str, ...], i: int) -> Layout:
     """The Layout of row i (recompute and order decoded)."""
     return Layout(tp=int(layouts["tp"][i]), pp=int(layouts["pp"][i]), dp=int(layouts["dp"][i]),
@@ -234,7 +253,7 @@ def evaluate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec,
                        micro_batch=layouts["micro_batch"], vpp=layouts["vpp"], zero=layouts["zero"],
                        recompute=layouts["recompute"], sequence_parallel=layouts["sequence_parallel"],
                        order=layouts["order"])
-    return estimate_batch(cluster, model, training, cands, list(orders))
+    return estimate_batch(cluster, model, training, cands, tuple(orders))
 
 
 def search(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space: Space = Space(),
@@ -247,6 +266,9 @@ def search(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space
     rejected = {int(c): int(n) * per for c, n in enumerate(np.bincount(codes, minlength=10)) if c and n}
     valid = {k: a[codes == 0] for k, a in shapes.items()}
     layouts = expand_layouts(valid, space)
+    duplicate = same_placement(layouts, space.orders)
+    rejected[SAME_ORDER_CODE] = int(duplicate.sum())
+    layouts = {k: a[~duplicate] for k, a in layouts.items()}
     metrics = evaluate(cluster, model, training, layouts, space.orders) if len(layouts["tp"]) else {}
     fit_codes = fit_reasons(metrics, len(layouts["tp"]), min_mfu, max_memory_fraction, cluster.gpu.memory_bytes)
     for code in (MEMORY_CODE, MFU_CODE, MEMORY_FRACTION_CODE):
@@ -296,11 +318,12 @@ def sweep_nodes(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, 
 
 def nodes_to_fit(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space: Space = Space(),
                  max_factor: int = 64, **thresholds) -> int | None:
-    """Fewest nodes, doubling from the cluster's count up to max_factor times, with a feasible layout."""
-    factor = 2
-    while factor <= max_factor:
-        nodes = cluster.nodes * factor
+    """Fewest nodes above the cluster's count with a feasible layout, trying doublings of the count
+    and powers of two (a count with an odd factor may have no valid layout at all), up to max_factor x."""
+    top = cluster.nodes * max_factor
+    counts = {cluster.nodes * 2**k for k in range(1, max_factor.bit_length())}
+    counts |= {2**k for k in range(top.bit_length()) if cluster.nodes < 2**k <= top}
+    for nodes in sorted(counts):
         if search(cluster.with_size(nodes=nodes), model, training, space, **thresholds).feasible_count:
             return nodes
-        factor *= 2
     return None

@@ -14,6 +14,7 @@ from plan3d.cli import rankmap_cmd  # noqa: F401
 from plan3d.cli import importhf_cmd  # noqa: F401
 from plan3d.cli import emit_cmd  # noqa: F401
 from plan3d.cli import recommend_cmd  # noqa: F401
+from plan3d.cli import check_cmd  # noqa: F401
 from plan3d.cli import estimate_cmd  # noqa: F401
 
 DEBUG_ENV = "PLAN3D_DEBUG"

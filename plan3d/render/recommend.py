@@ -13,7 +13,8 @@ from plan3d.search import SearchResult
 
 SCHEMA_VERSION = 1
 METRICS = ("step_time_s", "tokens_per_s", "model_tflops_per_gpu", "mfu", "bubble_fraction", "peak_memory_bytes",
-           "capacity_bytes", "compute_s", "bubble_s", "tp_comm_s", "pp_comm_s", "dp_comm_s")
+           "capacity_bytes", "compute_s", "recompute_s", "bubble_s", "tp_comm_s", "pp_comm_s", "dp_comm_s",
+           "zero_comm_s", "optimizer_s")
 SECONDS_PER_DAY = 86400.0
 
 
@@ -224,8 +225,9 @@ class Explanation:
 
 
 EXPLAIN_ROWS = (("tokens/s", "tokens_per_s"), ("step time", "step_time_s"), ("compute", "compute_s"),
-                ("bubble", "bubble_s"), ("TP comm", "tp_comm_s"), ("PP comm", "pp_comm_s"),
-                ("DP comm", "dp_comm_s"), ("peak memory", "peak_memory_bytes"), ("MFU", "mfu"))
+                ("recompute", "recompute_s"), ("bubble", "bubble_s"), ("TP comm", "tp_comm_s"),
+                ("PP comm", "pp_comm_s"), ("DP comm", "dp_comm_s"), ("ZeRO comm", "zero_comm_s"),
+                ("optimizer", "optimizer_s"), ("peak memory", "peak_memory_bytes"), ("MFU", "mfu"))
 
 
 def explanation_sentences(ex: Explanation) -> list[str]:
@@ -264,7 +266,7 @@ def print_explanation(ex: Explanation, console: Console | None = None) -> None:
     table = Table(title=f"explain: {r.layout(ex.row).short()} against the best, {r.layout(ex.best).short()}")
     for header in ("term", "this layout", "best", "difference"):
         table.add_column(header, justify="left" if header == "term" else "right")
-    for label, key in EXPLAIN_ROWS:
+    for label, key in (row for row in EXPLAIN_ROWS if row[1] in m):
         this, best = float(m[key][ex.row]), float(m[key][ex.best])
         diff = _fmt(key, this - best) if key != "mfu" else f"{(this - best) * 100:+.1f} pts"
         table.add_row(label, _fmt(key, this), _fmt(key, best), diff)

@@ -1,0 +1,44 @@
+"""`plan3d check JOB.yaml`: the CI gate. Exit 0 valid and fits, 1 would not fit / violates a
+constraint, 2 the file itself is invalid (issue 5)."""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Optional
+
+import typer
+
+from plan3d.cli.app import app
+from plan3d.cli.recommend_cmd import MaxMemFracOpt, MinMfuOpt, _thresholds
+from plan3d.errors import EXIT_FAILED, Plan3dError, SpecError
+
+FORMATS = ("text", "github")
+
+
+@app.command("check")
+def check(
+    job_file: Annotated[str, typer.Argument(help="Job file: cluster, model, training and layout (YAML or JSON).")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print the verdict as JSON.")] = False,
+    fmt: Annotated[str, typer.Option("--format", help="text, or github (workflow annotations).")] = "text",
+    min_mfu: MinMfuOpt = None,
+    max_memory_fraction: MaxMemFracOpt = None,
+) -> None:
+    """Validate a job file for CI: valid, fits in memory with headroom, meets the thresholds."""
+    from plan3d.ranking import check_job
+    from plan3d.render import check as render
+    from plan3d.specs.job import load_job
+
+    if fmt not in FORMATS:
+        raise SpecError("command line", [f"--format {fmt!r}: use text or github"])
+    thresholds = _thresholds(min_mfu, max_memory_fraction)
+    try:
+        job = load_job(job_file)
+    except Plan3dError as err:
+        render.print_invalid(job_file, err.lines(), fmt, json_out)
+        raise
+    report = check_job(job.cluster, job.model, job.training, job.layout, **thresholds)
+    if json_out:
+        print(json.dumps(render.check_dict(job_file, job, report), indent=1))
+    else:
+        render.print_check(job_file, job, report, fmt)
+    if not report.ok:
+        raise typer.Exit(EXIT_FAILED)

@@ -7,6 +7,7 @@ sentence that says what to change.
 """
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import Field, PositiveInt, field_validator, model_validator
@@ -105,7 +106,9 @@ class Layout(FrozenModel):
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Divisors of n in increasing order, in O(sqrt(n)) steps (n can be a world size of millions)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def layout_problems(layout: Layout, model: ModelSpec, training: TrainingSpec, world_size: int) -> list[str]:

@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict
 class StrictModel(BaseModel):
     """A spec model: unknown keys are rejected, values are validated on assignment."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
 
 
 class FrozenModel(BaseModel):

@@ -13,10 +13,14 @@ to bytes/s per GPU in one direction (`ResolvedTier.bandwidth_bytes_per_s`).
 """
 from __future__ import annotations
 
-from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
+from pydantic import ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from plan3d.specs.base import FrozenModel, StrictModel
 from plan3d.specs.gpu import GPUSpec
+
+
+MAX_NODES = 1_000_000  # bounds keep a typo such as 1e30 from reaching the search (and hanging it)
+MAX_GPUS_PER_NODE = 4096
 
 
 class Bandwidth(StrictModel):
@@ -63,6 +67,14 @@ class NetworkTier(StrictModel):
     efficiency: float = Field(0.8, gt=0, le=1, description="Achievable fraction of bandwidth.")
     oversubscription: float = Field(1.0, ge=1, description="Divides this tier's bandwidth (e.g. 2 for 2:1).")
 
+    @field_validator("bandwidth", mode="before")
+    @classmethod
+    def _bandwidth_has_a_unit(cls, value):
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            raise ValueError(f"{value!r} has no unit; write e.g. {{gbytes_per_s_per_gpu: {value}}} or "
+                             f"{{gbit_per_s_per_nic: {value}, nics_per_node: 8}} (see docs/specs.md)")
+        return value
+
 
 class ResolvedTier(FrozenModel):
     """A tier in SI units with its domain size filled in."""
@@ -78,11 +90,19 @@ class ResolvedTier(FrozenModel):
         return self.bandwidth_bytes_per_s * self.efficiency
 
 
+def _gpu_by_name_too(schema: dict) -> None:
+    """The schema of `gpu` also admits a bundled GPU name, as the loader does."""
+    by_spec = schema["properties"]["gpu"]
+    schema["properties"]["gpu"] = {"anyOf": [by_spec, {"type": "string", "description": "A bundled GPU name."}]}
+
+
 class ClusterSpec(StrictModel):
+    model_config = ConfigDict(json_schema_extra=_gpu_by_name_too)
+
     name: str
     description: str = ""
-    nodes: PositiveInt
-    gpus_per_node: PositiveInt
+    nodes: PositiveInt = Field(le=MAX_NODES)
+    gpus_per_node: PositiveInt = Field(le=MAX_GPUS_PER_NODE)
     gpu: GPUSpec
     network: list[NetworkTier] = Field(min_length=1)
     source: str = ""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import TypeVar
 
@@ -11,6 +12,17 @@ from pydantic import BaseModel, ValidationError
 from plan3d.errors import SpecError, SpecNotFound
 
 M = TypeVar("M", bound=BaseModel)
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """Safe YAML, except that `2e9` and `1.5e-3` are numbers (YAML 1.2), not strings (PyYAML's YAML 1.1)."""
+
+
+_SpecLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
 
 
 def read_mapping(path: Path) -> dict:
@@ -30,7 +42,7 @@ def parse_mapping(text: str, source: str, json_only: bool = False) -> dict:
     if not text.strip():
         raise SpecError(source, ["is empty; a spec is a YAML or JSON mapping of fields"])
     try:
-        data = json.loads(text) if json_only else yaml.safe_load(text)
+        data = json.loads(text) if json_only else yaml.load(text, Loader=_SpecLoader)  # noqa: S506 (a SafeLoader)
     except (yaml.YAMLError, json.JSONDecodeError) as err:
         where = getattr(err, "problem_mark", None)
         line = f" at line {where.line + 1}" if where is not None else ""
@@ -62,7 +74,9 @@ def _closest_hint(item: dict, err: ValidationError) -> str:
     name = str(item["loc"][-1])
     fields = _fields_at(model, item["loc"][:-1])
     close = difflib.get_close_matches(name, fields, n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return f"; valid fields: {', '.join(fields)}" if fields else ""
 
 
 def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:

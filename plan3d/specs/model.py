@@ -11,7 +11,7 @@ from plan3d.specs.base import StrictModel
 class MoESpec(StrictModel):
     """Mixture-of-experts MLP (every `every`-th layer). The planner treats it as dense for now."""
 
-    experts: PositiveInt
+    experts: PositiveInt = Field(le=1_000_000)
     top_k: PositiveInt = 2
     expert_ffn_hidden: PositiveInt | None = None
     every: PositiveInt = 1
@@ -25,18 +25,19 @@ class MoESpec(StrictModel):
 
 class ModelSpec(StrictModel):
     name: str
-    layers: PositiveInt
-    hidden: PositiveInt
-    heads: PositiveInt
-    kv_heads: PositiveInt | None = Field(None, description="Key/value heads (GQA); default = heads.")
-    head_dim: PositiveInt | None = Field(None, description="Default hidden / heads.")
-    ffn_hidden: PositiveInt | None = Field(None, description="Default 4*hidden (gelu), 8/3*hidden (swiglu).")
+    layers: PositiveInt = Field(le=100_000)  # the bounds stop typos (1e30) long before real models
+    hidden: PositiveInt = Field(le=10_000_000)
+    heads: PositiveInt = Field(le=1_000_000)
+    kv_heads: PositiveInt | None = Field(None, le=1_000_000, description="Key/value heads (GQA); default = heads.")
+    head_dim: PositiveInt | None = Field(None, le=1_000_000, description="Default hidden / heads.")
+    ffn_hidden: PositiveInt | None = Field(None, le=100_000_000,
+                                           description="Default 4*hidden (gelu), 8/3*hidden (swiglu).")
     activation: Literal["gelu", "relu", "swiglu"] = "gelu"
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     bias: bool = Field(True, description="Linear layers carry biases (GPT-2/3: yes, Llama: no).")
     position: Literal["learned", "rope", "alibi"] = "learned"
-    vocab: PositiveInt
-    seq_len: PositiveInt
+    vocab: PositiveInt = Field(le=1_000_000_000)
+    seq_len: PositiveInt = Field(le=1_000_000_000)
     tied_embeddings: bool = False
     moe: MoESpec | None = None
     default_global_batch: PositiveInt | None = Field(

@@ -9,8 +9,8 @@ from plan3d.specs.base import StrictModel
 
 
 class TrainingSpec(StrictModel):
-    global_batch: PositiveInt = Field(description="Sequences per optimizer step.")
-    seq_len: PositiveInt | None = Field(None, description="Overrides the model's sequence length.")
+    global_batch: PositiveInt = Field(le=1_000_000_000, description="Sequences per optimizer step.")
+    seq_len: PositiveInt | None = Field(None, le=1_000_000_000, description="Overrides the model's sequence length.")
     precision: Literal["bf16", "fp16", "fp8", "fp32"] = "bf16"
     optimizer: Literal["adam", "adamw", "sgd"] = "adam"
     fp32_grad_accum: bool = Field(True, description="Gradients kept in fp32 (Megatron-LM's default).")

@@ -1,0 +1,109 @@
+"""The vectorised search equals a plain exhaustive loop over Layout + layout_problems + estimate().
+
+The loop below shares nothing with plan3d.search but the ranking function: it enumerates every
+knob combination with itertools, builds each Layout, asks layout_problems, drops an order whose
+rank map (groups from plan3d.rankmap) equals an earlier order's, and calls the scalar estimate().
+"""
+import itertools
+
+import numpy as np
+import pytest
+
+from plan3d import ranking
+from plan3d.cost.estimate import estimate
+from plan3d.layout import Layout, layout_problems
+from plan3d.rankmap import rankmap_for
+from plan3d.search import RECOMPUTE, SearchResult, Space, layout_row, search
+from plan3d.specs.catalog import load_cluster, load_model
+from plan3d.specs.training import TrainingSpec
+from test_search_space import code_of
+
+SPACE = Space(max_micro_batch=3, max_vpp=3)
+CASES = [  # (cluster, nodes, model, global batch, seq len)
+    ("dgx-a100-80g", 1, "tiny-gpt", 16, None),
+    ("dgx-a100-80g", 2, "llama3-8b", 32, 4096),
+    ("dgx-a100-40g", 2, "gpt-neox-20b", 24, None),
+]
+
+
+def placement(layout: Layout, gpus_per_node: int):
+    rmap = rankmap_for(layout, gpus_per_node)
+    return tuple(tuple(map(tuple, rmap.groups(g))) for g in ("tp", "pp", "dp"))
+
+
+def exhaustive(cluster, model, training, space: Space):
+    """Every layout, one at a time: (rows, metrics, rejected counts by reason code, considered)."""
+    world = cluster.world_size
+    rows, metrics, rejected, considered = [], [], {}, 0
+    triples = [(t, p, world // (t * p)) for t in range(1, world + 1) for p in range(1, world + 1)
+               if world % (t * p) == 0]
+    knobs = itertools.product(triples, range(1, space.max_micro_batch + 1), range(1, space.max_vpp + 1),
+                              (False, True), space.zero, space.recompute)
+    for (tp, pp, dp), mb, vpp, sp, zero, rc in knobs:
+        seen = []
+        for order in space.orders:
+            try:
+                layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=mb, vpp=vpp, sequence_parallel=sp, zero=zero,
+                                recompute=rc, order=order)
+            except ValueError:
+                continue  # not a layout at all (vpp without pp, sp without tp): not counted
+            considered += 1
+            problems = layout_problems(layout, model, training, world)
+            if problems:
+                rejected[code_of(problems[0])] = rejected.get(code_of(problems[0]), 0) + 1
+                continue
+            where = placement(layout, cluster.gpus_per_node)
+            if where in seen:
+                rejected[13] = rejected.get(13, 0) + 1
+                continue
+            seen.append(where)
+            rows.append(layout_row(layout, space.orders))
+            metrics.append(scalar_metrics(estimate(cluster, model, training, layout).to_dict()))
+    return rows, metrics, rejected, considered
+
+
+def scalar_metrics(d: dict) -> dict:
+    out = {k: d[k] for k in ("step_time_s", "tokens_per_s", "peak_memory_bytes", "capacity_bytes", "fits", "mfu",
+                             "model_tflops_per_gpu", "bubble_fraction")}
+    out.update({f"{k}_s": v for k, v in d["time_s"].items()})
+    return out
+
+
+def as_result(cluster, model, training, rows, metrics, space) -> SearchResult:
+    layouts = {k: np.array([r[k] for r in rows]) for k in rows[0]}
+    arrays = {k: np.array([m[k] for m in metrics]) for k in metrics[0]}
+    codes = np.where(arrays["fits"], 0, 10).astype(np.int8)
+    return SearchResult(cluster, model, training, space.orders, layouts, arrays, considered=0, rejected={},
+                        seconds=1.0, codes=codes)
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[c[2] for c in CASES])
+def pair(request):
+    name, nodes, model_name, batch, seq = request.param
+    cluster, model = load_cluster(name, nodes), load_model(model_name)
+    training = TrainingSpec(global_batch=batch, seq_len=seq)
+    fast = search(cluster, model, training, SPACE)
+    rows, metrics, rejected, considered = exhaustive(cluster, model, training, SPACE)
+    return fast, as_result(cluster, model, training, rows, metrics, SPACE), rejected, considered
+
+
+def test_same_counts_and_reasons(pair):
+    fast, slow, rejected, considered = pair
+    assert fast.considered == considered
+    assert fast.size == slow.size
+    assert fast.feasible_count == slow.feasible_count > 0
+    fast_rejected = {c: n for c, n in fast.rejected.items() if n and c != 10}
+    assert fast_rejected == rejected
+    assert fast.rejected[10] == slow.size - slow.feasible_count
+
+
+@pytest.mark.parametrize("objective", ranking.OBJECTIVES)
+def test_same_ranked_answer(pair, objective):
+    fast, slow, _, _ = pair
+    fast_order, slow_order = ranking.rank(fast, objective), ranking.rank(slow, objective)
+    fast_layouts = [fast.layout(i) for i in fast_order]
+    slow_layouts = [slow.layout(i) for i in slow_order]
+    assert fast_layouts == slow_layouts
+    np.testing.assert_allclose(fast.metrics["tokens_per_s"][fast_order], slow.metrics["tokens_per_s"][slow_order],
+                               rtol=1e-9)
+    assert RECOMPUTE  # recompute indices decode in both (layout() above)

@@ -48,6 +48,8 @@ def parse_mapping(text: str, source: str, json_only: bool = False) -> dict:
         line = f" at line {where.line + 1}" if where is not None else ""
         reason = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise SpecError(source, [f"not valid {'JSON' if json_only else 'YAML'}{line}: {reason}"]) from err
+    if data is None:
+        raise SpecError(source, ["holds no fields (only comments?); a spec is a YAML or JSON mapping of fields"])
     if not isinstance(data, dict):
         raise SpecError(source, [f"must be a mapping of fields, got {type(data).__name__}"])
     return data
@@ -59,6 +61,8 @@ def validation_problems(err: ValidationError, prefix: str = "") -> list[str]:
     for item in err.errors():
         path = ".".join(str(p) for p in (prefix, *item["loc"]) if p != "")
         message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "int_parsing_size":
+            message = f"{item['input']!r} is far too large for this field"
         if item["type"] == "extra_forbidden":
             message = "unknown field (misspelled?)" + _closest_hint(item, err)
         lines.append(f"{path or '(top level)'}: {message}")

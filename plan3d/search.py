@@ -48,8 +48,9 @@ REASONS = {
     11: "below the --min-mfu threshold",
     12: "above the --max-memory-fraction threshold",
     13: "same rank placement as an earlier order (its differing axes have size 1)",
+    14: "ZeRO with dp = 1 has nothing to shard (same as ZeRO-0)",
 }
-MEMORY_CODE, MFU_CODE, MEMORY_FRACTION_CODE, SAME_ORDER_CODE = 10, 11, 12, 13
+MEMORY_CODE, MFU_CODE, MEMORY_FRACTION_CODE, SAME_ORDER_CODE, ZERO_DP1_CODE = 10, 11, 12, 13, 14
 
 
 @dataclass(frozen=True)
@@ -192,6 +193,16 @@ def layout_row(layout: Layout, orders: tuple[str, ...]) -> dict[str, int | bool]
             "recompute": RECOMPUTE.index(layout.recompute), "order": orders.index(layout.order)}
 
 
+def drop_duplicates(layouts: dict[str, np.ndarray], space: Space, rejected: dict[int, int]) -> dict[str, np.ndarray]:
+    """Remove layouts that are another one under a second name, counting them in `rejected`."""
+    same_order = same_placement(layouts, space.orders)
+    zero_dp1 = ~same_order & (layouts["zero"] > 0) & (layouts["dp"] == 1) & (0 in space.zero)
+    rejected[SAME_ORDER_CODE] = int(same_order.sum())
+    rejected[ZERO_DP1_CODE] = int(zero_dp1.sum())
+    keep = ~(same_order | zero_dp1)
+    return {k: a[keep] for k, a in layouts.items()}
+
+
 # ---- the search ------------------------------------------------------------------------------
 @dataclass
 class SearchResult:
@@ -266,9 +277,7 @@ def search(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space
     rejected = {int(c): int(n) * per for c, n in enumerate(np.bincount(codes, minlength=10)) if c and n}
     valid = {k: a[codes == 0] for k, a in shapes.items()}
     layouts = expand_layouts(valid, space)
-    duplicate = same_placement(layouts, space.orders)
-    rejected[SAME_ORDER_CODE] = int(duplicate.sum())
-    layouts = {k: a[~duplicate] for k, a in layouts.items()}
+    layouts = drop_duplicates(layouts, space, rejected)
     metrics = evaluate(cluster, model, training, layouts, space.orders) if len(layouts["tp"]) else {}
     fit_codes = fit_reasons(metrics, len(layouts["tp"]), min_mfu, max_memory_fraction, cluster.gpu.memory_bytes)
     for code in (MEMORY_CODE, MFU_CODE, MEMORY_FRACTION_CODE):

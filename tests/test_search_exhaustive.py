@@ -57,6 +57,9 @@ def exhaustive(cluster, model, training, space: Space):
                 rejected[13] = rejected.get(13, 0) + 1
                 continue
             seen.append(where)
+            if zero > 0 and dp == 1:
+                rejected[14] = rejected.get(14, 0) + 1
+                continue
             rows.append(layout_row(layout, space.orders))
             metrics.append(scalar_metrics(estimate(cluster, model, training, layout).to_dict()))
     return rows, metrics, rejected, considered

@@ -107,6 +107,10 @@ def wide_console() -> Console:
     return Console() if sys.stdout.isatty() else Console(width=160)
 
 
+def duration(seconds: float) -> str:
+    return ms(seconds) if abs(seconds) < 10 else f"{seconds:.1f} s"
+
+
 def _pct(x: float) -> str:
     return f"{x * 100:.1f}%"
 
@@ -120,7 +124,7 @@ def layout_cells(result: SearchResult, row: int) -> list[str]:
 
 def metric_cells(result: SearchResult, row: int, tokens: float | None) -> list[str]:
     d = row_dict(result, row, tokens)
-    cells = [f"{d['peak_memory_bytes'] / GIB:.1f}", f"{d['headroom_bytes'] / GIB:.1f}", ms(d["step_time_s"]),
+    cells = [f"{d['peak_memory_bytes'] / GIB:.1f}", f"{d['headroom_bytes'] / GIB:.1f}", duration(d["step_time_s"]),
              f"{d['tokens_per_s']:,.0f}", f"{d['model_tflops_per_gpu']:.0f}", _pct(d["mfu"]),
              _pct(d["bubble_fraction"]), d["dominant_comm"]]
     if tokens:
@@ -254,7 +258,7 @@ def _fmt(key: str, value: float) -> str:
     if key == "tokens_per_s":
         return f"{value:,.0f}"
     if key.endswith("_s"):
-        return ms(value)
+        return duration(value)
     if key.endswith("_bytes"):
         return gib(value)
     return _pct(value) if key == "mfu" else f"{value:,.0f}"

@@ -1,0 +1,1 @@
+"""Command lines and scripts that start a plan: torchrun per node, sbatch, other frameworks' flags."""

@@ -1,0 +1,198 @@
+"""Start a plan's ranks through torchrun (the only subprocess call of plan3d) and watch them.
+
+On one machine `launch` starts every rank (static rendezvous on loopback); with nnodes > 1 it
+starts this node's ranks. While torchrun runs, new lines of `metrics.jsonl` go to `on_progress`.
+A failed rank (crash, collective timeout, placement mismatch) makes torchrun stop the others; the
+result names the failing rank and its one-line error. Ctrl-C stops every rank; whatever happens,
+the launcher's process group is killed before returning (workers also die with their parent).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from plan3d.emit.torchrun import WORKER_MODULE, node_command
+from plan3d.errors import LaunchError
+from plan3d.plan import Plan, save_plan
+
+STOP_GRACE_S = 10.0
+AFTER_ERROR_S = 20.0
+
+
+@dataclass
+class LaunchResult:
+    exit_code: int
+    run_dir: Path
+    failed_rank: int | None = None
+    error: str | None = None
+    elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+def runtime_problems(plan: Plan) -> list[str]:
+    """What the bundled runtime cannot run (each says what to change)."""
+    layout, model = plan.layout, plan.model
+    problems = []
+    if layout.cp > 1 or layout.ep > 1:
+        problems.append("the bundled runtime has no context or expert parallelism; set cp=1 and ep=1")
+    if model.position == "alibi":
+        problems.append("the bundled runtime has no ALiBi; use position: learned or rope")
+    if model.vocab % layout.tp:
+        problems.append(f"tp={layout.tp} does not divide vocab={model.vocab} (vocabulary-parallel output)")
+    return problems
+
+
+def node_layout(plan: Plan, nnodes: int, node_rank: int) -> int:
+    """Ranks per node; raises when nnodes/node_rank cannot place the plan's world."""
+    world, gpn = plan.layout.world_size, int(plan.rankmap["gpus_per_node"])
+    nproc = min(world, gpn)
+    if world % nproc or world // nproc != nnodes:
+        need = -(-world // nproc)
+        raise LaunchError(f"the plan's {world} ranks at {gpn} per node need --nnodes {need}, got {nnodes}"
+                          + ("" if world % nproc == 0 else "; choose a world that fills whole nodes"))
+    if not 0 <= node_rank < nnodes:
+        raise LaunchError(f"--node-rank {node_rank} is outside 0..{nnodes - 1}")
+    return nproc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_argv(run_dir: Path, steps: int, backend: str, extra) -> list[str]:
+    return ["--run-dir", str(run_dir), "--steps", str(steps), "--backend", backend, *map(str, extra)]
+
+
+def prepare_run_dir(plan: Plan, run_dir: Path) -> Path:
+    """Create the run directory, write plan.json, clear a previous attempt's errors."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    errors = run_dir / "errors"
+    for stale in errors.glob("*.json") if errors.exists() else ():
+        stale.unlink()
+    plan_file = run_dir / "plan.json"
+    save_plan(plan, plan_file)
+    return plan_file
+
+
+def launch(plan: Plan, plan_path: str | Path | None, run_dir: str | Path, steps: int, backend: str = "auto",
+           nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1", master_port: int | None = None,
+           worker_module: str = WORKER_MODULE, worker_args=(), on_progress: Callable[[dict], None] | None = None,
+           env: dict | None = None) -> LaunchResult:
+    """Run this node's ranks to the end; returns how it ended (never raises for a failed rank)."""
+    problems = runtime_problems(plan)
+    if problems:
+        raise LaunchError("; ".join(problems))
+    nproc = node_layout(plan, nnodes, node_rank)
+    run_dir = Path(run_dir)
+    plan_file = prepare_run_dir(plan, run_dir)
+    if master_port is None:
+        if nnodes > 1:
+            raise LaunchError("several nodes need the same --master-port on every node")
+        master_port = free_port()
+    cmd = node_command(str(plan_file), nnodes, nproc, node_rank, master_addr, master_port,
+                       worker_argv(run_dir, steps, backend, worker_args), worker_module)
+    child_env = {**os.environ, "PLAN3D_NODE_RANK": str(node_rank), "OMP_NUM_THREADS": "1",
+                 "PYTHONUNBUFFERED": "1", **(env or {})}
+    return _run(cmd, child_env, run_dir, node_rank, on_progress)
+
+
+def _run(cmd, env, run_dir: Path, node_rank: int, on_progress) -> LaunchResult:
+    start = time.monotonic()
+    log_path = run_dir / "logs" / f"launcher{node_rank}.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            code = _watch(proc, run_dir, on_progress)
+        except KeyboardInterrupt:
+            _stop(proc)
+            raise
+        finally:
+            _kill_group(proc)
+    result = LaunchResult(code, run_dir, elapsed_s=time.monotonic() - start)
+    if code != 0:
+        result.failed_rank, result.error = diagnose(run_dir, log_path.read_text(errors="replace"))
+    return result
+
+
+def _watch(proc: subprocess.Popen, run_dir: Path, on_progress) -> int:
+    """Poll torchrun; forward metric records; kill it if it lingers long after a rank's error."""
+    metrics, seen, error_since = run_dir / "metrics.jsonl", 0, None
+    while True:
+        code = proc.poll()
+        seen = _forward_metrics(metrics, seen, on_progress)
+        if code is not None:
+            return code
+        if error_since is None and any((run_dir / "errors").glob("*.json")):
+            error_since = time.monotonic()
+        if error_since is not None and time.monotonic() - error_since > AFTER_ERROR_S:
+            _stop(proc)
+            return proc.wait()
+        time.sleep(0.2)
+
+
+def _forward_metrics(path: Path, seen: int, on_progress) -> int:
+    if on_progress is None or not path.exists():
+        return seen
+    lines = path.read_text().splitlines()
+    complete = lines if path.read_text().endswith("\n") else lines[:-1]
+    for line in complete[seen:]:
+        on_progress(json.loads(line))
+    return max(seen, len(complete))
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGINT (torchrun stops its workers), then SIGKILL the whole group after a grace period."""
+    if proc.poll() is None:
+        _signal_group(proc, signal.SIGINT)
+        try:
+            proc.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    _signal_group(proc, signal.SIGKILL)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+_ROOT = re.compile(r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", re.S)
+
+
+def diagnose(run_dir: Path, launcher_log: str) -> tuple[int | None, str]:
+    """(failing rank, one-line error): a rank killed by a signal first, else the earliest error."""
+    for rank, code in _ROOT.findall(launcher_log):
+        code = int(code)
+        if code < 0 and -code not in (signal.SIGTERM, signal.SIGINT):
+            return int(rank), f"rank {rank} was killed by signal {signal.Signals(-code).name}"
+    errors = []
+    for path in (run_dir / "errors").glob("rank*.json"):
+        try:
+            errors.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    if errors:
+        first = min(errors, key=lambda e: e["time"])
+        return first["rank"], first["error"]
+    tail = [line for line in launcher_log.splitlines() if line.strip()][-1:] or ["no output"]
+    return None, f"torchrun failed: {tail[0][:300]} (see {run_dir / 'logs'})"

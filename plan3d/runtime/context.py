@@ -1,0 +1,108 @@
+"""Process groups and the DeviceMesh of a run, built FROM the plan's rank map (never re-derived).
+
+The mesh is a (pp, dp, tp) array whose cell [p, d, t] is the rank the plan placed at those
+coordinates, so any `order` of the plan (tp-dp-pp, tp-pp-dp, ...) gives the plan's own groups.
+One `ParallelContext` object is passed around; there are no module-level group globals.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from plan3d.errors import LaunchError
+from plan3d.runtime.tp import TPInfo
+
+MESH_DIMS = ("pp", "dp", "tp")
+
+
+def mesh_array(rankmap: dict, layout) -> torch.Tensor:
+    """[pp, dp, tp] tensor of global ranks, from the plan's per-rank coordinates."""
+    mesh = torch.full((layout.pp, layout.dp, layout.tp), -1, dtype=torch.int64)
+    for r in rankmap["ranks"]:
+        mesh[r["pp"], r["dp"], r["tp"]] = r["rank"]
+    assert (mesh >= 0).all(), "rank map does not cover the (pp, dp, tp) grid"
+    return mesh
+
+
+@dataclass
+class ParallelContext:
+    rank: int
+    world: int
+    mesh: DeviceMesh
+    coords: dict
+    device: torch.device
+    tp: TPInfo
+    embedding_group: object | None = None
+    sizes: dict = field(default_factory=dict)
+
+    def group(self, dim: str):
+        return self.mesh.get_group(dim)
+
+    def local(self, dim: str) -> int:
+        return self.coords[dim]
+
+    @property
+    def is_first_pp(self) -> bool:
+        return self.coords["pp"] == 0
+
+    @property
+    def is_last_pp(self) -> bool:
+        return self.coords["pp"] == self.sizes["pp"] - 1
+
+
+def _embedding_group(plan, rank: int):
+    """new_group for every embedding group (all ranks must call), return this rank's."""
+    mine = None
+    if plan.layout.pp == 1 or not plan.model.tied_embeddings:
+        return None
+    for members in plan.rankmap["groups"]["embedding"]:
+        group = dist.new_group(members)
+        mine = group if rank in members else mine
+    return mine
+
+
+def build_context(plan, device: torch.device) -> ParallelContext:
+    """After init_process_group: the mesh, this rank's coordinates, tp facts, embedding group."""
+    layout, rank = plan.layout, dist.get_rank()
+    mesh = DeviceMesh(device.type, mesh_array(plan.rankmap, layout), mesh_dim_names=MESH_DIMS)
+    coords = dict(plan.rankmap["ranks"][rank])
+    sizes = {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp}
+    tp = TPInfo(layout.tp, coords["tp"], mesh.get_group("tp") if layout.tp > 1 else None,
+                layout.sequence_parallel)
+    return ParallelContext(rank, dist.get_world_size(), mesh, coords, device, tp,
+                           _embedding_group(plan, rank), sizes)
+
+
+def placement_problems(plan, placements: list[dict]) -> list[str]:
+    """Ranks whose actual (node, local rank) differ from the plan's rank map."""
+    problems = []
+    for got in placements:
+        want = plan.rankmap["ranks"][got["rank"]]
+        if (got["node"], got["local_rank"]) != (want["node"], want["local_rank"]):
+            problems.append(f"rank {got['rank']} runs on node {got['node']} local rank {got['local_rank']} "
+                            f"({got['host']}), the plan puts it on node {want['node']} local rank {want['local_rank']}")
+    return problems
+
+
+def my_placement() -> dict:
+    """This process's placement: node from the launcher (PLAN3D_NODE_RANK), local rank from torchrun."""
+    node = os.environ.get("PLAN3D_NODE_RANK", os.environ.get("GROUP_RANK", "0"))
+    return {"rank": int(os.environ["RANK"]), "node": int(node), "local_rank": int(os.environ["LOCAL_RANK"]),
+            "host": socket.gethostname()}
+
+
+def check_placement(plan) -> None:
+    """Every rank reports its placement; on any mismatch the whole job stops with one message."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, my_placement())
+    problems = placement_problems(plan, gathered)
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise LaunchError("placement check failed: " + "; ".join(problems[:3]) + more +
+                          "; start each node's launcher with its own --node-rank (0 .. nnodes-1) "
+                          "and the static rendezvous")

@@ -1,0 +1,224 @@
+"""The GPT decoder of a ModelSpec, built as pipeline stage modules with tensor-parallel shards.
+
+Pre-norm decoder (GPT-2, Radford et al. 2019; Llama, Touvron et al. 2023): learned or rotary
+positions (RoPE, Su et al. 2021, arXiv:2104.09864), grouped-query attention (Ainslie et al. 2023,
+arXiv:2305.13245), GELU or SwiGLU MLP (Shazeer 2020, arXiv:2002.05202), LayerNorm or RMSNorm.
+Q, K, V and gate/up are separate matrices so that a tp shard is a plain slice of each, and so that
+a checkpoint holds layout-independent tensors (reshard on load).
+
+Initial weights do not depend on the layout: each parameter's FULL tensor is drawn from a
+generator seeded by (seed, logical name), then this rank's tp slice is kept (GPT-2 init: normal
+0.02, output projections 0.02/sqrt(2 * layers)).
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from plan3d.runtime import tp as tpx
+from plan3d.specs.model import ModelSpec
+
+TIED = "embed.tok.weight"
+
+
+def _tag(param: nn.Parameter, tp_dim: int | None, kind: str) -> nn.Parameter:
+    param.tp_dim, param.init_kind = tp_dim, kind
+    return param
+
+
+def _param(*shape: int, tp_dim: int | None, kind: str) -> nn.Parameter:
+    return _tag(nn.Parameter(torch.empty(*shape)), tp_dim, kind)
+
+
+class ColLinear(nn.Module):
+    """Column-parallel: weight [out/tp, in], bias [out/tp]; input must be `tpx.enter`ed."""
+
+    def __init__(self, d_in: int, d_out: int, tp: tpx.TPInfo, bias: bool):
+        super().__init__()
+        self.weight = _param(d_out // tp.size, d_in, tp_dim=0, kind="normal")
+        self.bias = _param(d_out // tp.size, tp_dim=0, kind="zeros") if bias else None
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowLinear(nn.Module):
+    """Row-parallel: weight [out, in/tp]; partial sums reduced by `tpx.exit_`, then the bias."""
+
+    def __init__(self, d_in: int, d_out: int, tp: tpx.TPInfo, bias: bool):
+        super().__init__()
+        self.tp = tp
+        self.weight = _param(d_out, d_in // tp.size, tp_dim=1, kind="proj")
+        self.bias = _param(d_out, tp_dim=None, kind="zeros") if bias else None
+
+    def forward(self, x):
+        out = tpx.exit_(F.linear(x, self.weight), self.tp)
+        return out if self.bias is None else out + self.bias
+
+
+def _norm(model: ModelSpec) -> nn.Module:
+    norm = nn.LayerNorm(model.hidden) if model.norm == "layernorm" else nn.RMSNorm(model.hidden, eps=1e-5)
+    for name, p in norm.named_parameters():
+        _tag(p, None, "ones" if name == "weight" else "zeros")
+    return norm
+
+
+def rope(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """Rotary embedding of [b, heads, s, d] (rotate-half form)."""
+    d, s = x.shape[-1], x.shape[-2]
+    freq = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    angle = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), freq)
+    cos, sin = angle.cos().repeat(1, 2).to(x.dtype), angle.sin().repeat(1, 2).to(x.dtype)
+    half = torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1)
+    return x * cos + half * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, model: ModelSpec, tp: tpx.TPInfo, selective_recompute: bool):
+        super().__init__()
+        self.d, self.rope = model.head_dim_, model.position == "rope"
+        self.heads, self.kv = model.heads // tp.size, model.kv_heads_ // tp.size
+        self.recompute = selective_recompute
+        self.q = ColLinear(model.hidden, model.heads * self.d, tp, model.bias)
+        self.k = ColLinear(model.hidden, model.kv_heads_ * self.d, tp, model.bias)
+        self.v = ColLinear(model.hidden, model.kv_heads_ * self.d, tp, model.bias)
+        self.o = RowLinear(model.heads * self.d, model.hidden, tp, model.bias)
+
+    def _core(self, q, k, v):
+        if self.rope:
+            q, k = rope(q), rope(k)
+        if self.kv < self.heads:
+            k, v = (t.repeat_interleave(self.heads // self.kv, dim=1) for t in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (m(x).view(b, s, -1, self.d).transpose(1, 2) for m in (self.q, self.k, self.v))
+        y = checkpoint(self._core, q, k, v, use_reentrant=False) if self.recompute else self._core(q, k, v)
+        return self.o(y.transpose(1, 2).reshape(b, s, self.heads * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, model: ModelSpec, tp: tpx.TPInfo):
+        super().__init__()
+        self.swiglu = model.activation == "swiglu"
+        self.act = {"gelu": lambda t: F.gelu(t, approximate="tanh"), "relu": F.relu, "swiglu": F.silu}[model.activation]
+        self.up = ColLinear(model.hidden, model.ffn_hidden_, tp, model.bias)
+        self.gate = ColLinear(model.hidden, model.ffn_hidden_, tp, model.bias) if self.swiglu else None
+        self.down = RowLinear(model.ffn_hidden_, model.hidden, tp, model.bias)
+
+    def forward(self, x):
+        hidden = self.act(self.gate(x)) * self.up(x) if self.swiglu else self.act(self.up(x))
+        return self.down(hidden)
+
+
+class Block(nn.Module):
+    """x [b, s (or s/tp with SP), h] -> same; the norms run on sequence shards under SP."""
+
+    def __init__(self, model: ModelSpec, tp: tpx.TPInfo, recompute: str):
+        super().__init__()
+        self.tp, self.full_recompute = tp, recompute == "full"
+        self.norm1, self.norm2 = _norm(model), _norm(model)
+        self.attn = Attention(model, tp, recompute == "selective")
+        self.mlp = MLP(model, tp)
+
+    def _forward(self, x):
+        x = x + self.attn(tpx.enter(self.norm1(x), self.tp))
+        return x + self.mlp(tpx.enter(self.norm2(x), self.tp))
+
+    def forward(self, x):
+        return checkpoint(self._forward, x, use_reentrant=False) if self.full_recompute else self._forward(x)
+
+
+class Embedding(nn.Module):
+    def __init__(self, model: ModelSpec, tp: tpx.TPInfo):
+        super().__init__()
+        self.tp = tp
+        self.tok = nn.Module()
+        self.tok.weight = _param(model.vocab // tp.size, model.hidden, tp_dim=0, kind="normal")
+        self.pos = None
+        if model.position == "learned":
+            self.pos = nn.Module()
+            self.pos.weight = _param(model.seq_len, model.hidden, tp_dim=None, kind="normal")
+
+    def forward(self, tokens):
+        x = tpx.vocab_embedding(tokens, self.tok.weight, self.tp)
+        if self.pos is not None:
+            x = x + tpx.seq_shard(self.pos.weight[: tokens.shape[1]].unsqueeze(0), self.tp)
+        return x
+
+
+class Head(nn.Module):
+    """Final norm and the vocabulary-parallel output layer -> local logits [b, s, V/tp]."""
+
+    def __init__(self, model: ModelSpec, tp: tpx.TPInfo, own_weight: bool):
+        super().__init__()
+        self.tp = tp
+        self.norm = _norm(model)
+        self.out = None
+        if own_weight:
+            self.out = nn.Module()
+            self.out.weight = _param(model.vocab // tp.size, model.hidden, tp_dim=0, kind="normal")
+
+    def forward(self, x, tied_weight=None):
+        weight = tied_weight if self.out is None else self.out.weight
+        return F.linear(tpx.enter(self.norm(x), self.tp), weight)
+
+
+class Stage(nn.Module):
+    """One (virtual) pipeline stage: [embedding] + layers [first, last) + [head]."""
+
+    def __init__(self, model: ModelSpec, tp: tpx.TPInfo, layers: range, first: bool, last: bool,
+                 recompute: str = "none", amp_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.amp_dtype = amp_dtype
+        self.embed = Embedding(model, tp) if first else None
+        self.layers = nn.ModuleDict({str(i): Block(model, tp, recompute) for i in layers})
+        self.shares_embedding = model.tied_embeddings and first and last
+        self.head = Head(model, tp, own_weight=not self.shares_embedding) if last else None
+        self.tied_copy = "head.out.weight" if model.tied_embeddings and last and not first else None
+
+    def forward(self, x):
+        with torch.autocast(x.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+            if self.embed is not None:
+                x = self.embed(x)
+            for block in self.layers.values():
+                x = block(x)
+            if self.head is not None:
+                x = self.head(x, self.embed.tok.weight if self.shares_embedding else None)
+        return x
+
+
+def logical_name(stage: Stage, name: str) -> str:
+    """Name of a parameter in layout-independent terms (the tied copy is the embedding)."""
+    return TIED if name == stage.tied_copy else name
+
+
+def _full_init(name: str, kind: str, shape: tuple[int, ...], seed: int, layers: int) -> torch.Tensor:
+    if kind in ("ones", "zeros"):
+        return (torch.ones if kind == "ones" else torch.zeros)(shape)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    std = 0.02 / math.sqrt(2 * layers) if kind == "proj" else 0.02
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
+def global_shape(param: nn.Parameter, tp_size: int) -> tuple[int, ...]:
+    shape = list(param.shape)
+    if param.tp_dim is not None:
+        shape[param.tp_dim] *= tp_size
+    return tuple(shape)
+
+
+@torch.no_grad()
+def init_stage(stage: Stage, tp: tpx.TPInfo, seed: int, layers: int) -> None:
+    """Fill every parameter with its slice of the layout-independent full initial tensor."""
+    for name, param in stage.named_parameters():
+        full = _full_init(logical_name(stage, name), param.init_kind, global_shape(param, tp.size), seed, layers)
+        if param.tp_dim is not None:
+            full = full.chunk(tp.size, dim=param.tp_dim)[tp.rank]
+        param.copy_(full)

@@ -1,0 +1,155 @@
+"""The training loop of one rank: set-up from the plan, steps, metrics, checkpoints, summary."""
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from plan3d.plan import load_plan
+from plan3d.runtime import checkpoint, memory
+from plan3d.runtime.clip import clip_global_norm
+from plan3d.runtime.context import build_context, check_placement
+from plan3d.runtime.data import replica_batch
+from plan3d.runtime.dp import collect_entries, make_dp, rebind_entries, shard_stages
+from plan3d.runtime.pipeline import build_stages, forward_backward, make_schedule
+
+
+def _device_and_backend(choice: str) -> tuple[torch.device, str]:
+    import os
+
+    cuda = torch.cuda.is_available() and choice != "gloo"
+    if choice == "nccl" and not torch.cuda.is_available():
+        from plan3d.errors import LaunchError
+        raise LaunchError("--backend nccl needs CUDA GPUs; use --backend gloo (CPU) on this machine")
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        return device, "nccl"
+    torch.set_num_threads(1)
+    return torch.device("cpu"), "gloo"
+
+
+def run_precision(plan, device: torch.device) -> tuple[str, torch.dtype | None]:
+    """fp32 on CPU; bf16 mixed (fp32 master weights) on GPU unless the plan says fp32."""
+    if device.type == "cpu" or plan.training.precision == "fp32":
+        return "fp32", None
+    return "bf16", torch.bfloat16
+
+
+class Runner:
+    """Everything one rank holds for a run (no module-level state)."""
+
+    def __init__(self, args, run_dir: Path, rank: int):
+        self.args, self.run_dir, self.rank = args, run_dir, rank
+        self.plan = load_plan(args.plan)
+        self.device, backend = _device_and_backend(args.backend)
+        dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
+        check_placement(self.plan)
+        self.ctx = build_context(self.plan, self.device)
+        self.precision, amp = run_precision(self.plan, self.device)
+        layout, training = self.plan.layout, self.plan.training
+        self.stages, self.ids = build_stages(self.plan, self.ctx, args.seed, amp)
+        entries = collect_entries(self.stages, self.ctx)
+        if layout.zero == 3:
+            shard_stages(self.stages, self.ctx, amp)
+            rebind_entries(entries, self.stages)
+        self.engine = make_dp(entries, self.ctx, layout.zero, training.optimizer, args.lr)
+        self.seq = training.seq_len or self.plan.model.seq_len
+        self.n_micro = layout.micro_batches(training.global_batch)
+        self.schedule = make_schedule(self.plan, self.ctx, self.stages, self.ids, self.seq, self.n_micro)
+        self.state_bytes: dict = {}
+
+    def batch(self, step: int):
+        t = self.plan.training
+        return replica_batch(self.args.seed, step, t.global_batch, self.seq, self.plan.model.vocab,
+                             self.plan.layout.dp, self.ctx.local("dp"))
+
+    def step(self, step: int) -> dict:
+        start = time.perf_counter()
+        self.engine.zero_grad()
+        inputs, targets = (t.to(self.device) for t in self.batch(step))
+        total = self.plan.layout.pp * self.plan.layout.vpp
+        loss = forward_backward(self.schedule, self.stages, self.ids, self.ctx, inputs, targets,
+                                self.n_micro, total)
+        self.engine.reduce_grads()
+        norm = clip_global_norm(self.engine, self.args.clip)
+        self.engine.step()
+        global_loss = self._global_loss(loss)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        tokens = self.plan.training.global_batch * self.seq
+        return {"step": step, "loss": global_loss, "grad_norm": norm, "step_time_s": elapsed,
+                "tokens_per_s": tokens / elapsed}
+
+    def _global_loss(self, loss) -> float:
+        """Mean loss over the global batch, known on every rank (one all-reduce)."""
+        mine = torch.zeros(1, device=self.device, dtype=torch.float64)
+        if loss is not None and self.ctx.tp.rank == 0:
+            mine += loss.double() / self.plan.layout.dp
+        dist.all_reduce(mine)
+        return float(mine)
+
+    def save(self, step: int) -> None:
+        meta = {"layout": self.plan.layout.model_dump(mode="json"), "digest": self.plan.digest,
+                "seed": self.args.seed}
+        checkpoint.save(self.run_dir / "checkpoints", step, self.engine, self.ctx, meta)
+
+    def resume(self) -> int:
+        if not self.args.resume_from:
+            return 0
+        meta = checkpoint.load(Path(self.args.resume_from), self.engine, self.ctx)
+        return int(meta["step"])
+
+
+def _append(path: Path, record: dict) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+
+
+def _summary(runner: Runner, records: list[dict], peaks: list, start_step: int) -> dict:
+    args, plan = runner.args, runner.plan
+    timed = records[args.warmup_steps:] or records
+    return {
+        "world_size": runner.ctx.world, "layout": plan.layout.model_dump(mode="json"),
+        "precision": runner.precision, "backend": dist.get_backend(), "steps": len(records),
+        "first_step": start_step + 1, "warmup_steps": min(args.warmup_steps, len(records)),
+        "step_time_s": sum(r["step_time_s"] for r in timed) / max(1, len(timed)),
+        "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / max(1, len(timed)),
+        "final_loss": records[-1]["loss"] if records else None,
+        "losses": [r["loss"] for r in records],
+        "ranks": peaks,
+        "predicted": {k: plan.estimate.get(k) for k in ("step_time_s", "peak_memory_bytes", "memory_bytes")
+                      if k in plan.estimate},
+    }
+
+
+def train(args, run_dir: Path, rank: int, inject) -> None:
+    runner = Runner(args, run_dir, rank)
+    start_step = runner.resume()
+    records, metrics = [], run_dir / "metrics.jsonl"
+    for step in range(start_step + 1, args.steps + 1):
+        record = runner.step(step)
+        if not runner.state_bytes:
+            runner.state_bytes = memory.model_state(runner.engine)
+        records.append(record)
+        if rank == 0:
+            _append(metrics, record)
+        inject(args, rank, step)
+        if not args.no_save and ((args.save_every and step % args.save_every == 0) or step == args.steps):
+            runner.save(step)
+    mine = {"rank": rank, "model_state_bytes": runner.state_bytes, "peak_memory_bytes": memory.peak_bytes(runner.device),
+            "pp": runner.ctx.local("pp"), "dp": runner.ctx.local("dp"), "tp": runner.ctx.local("tp")}
+    peaks: list = [None] * runner.ctx.world
+    dist.all_gather_object(peaks, mine)
+    if rank == 0:
+        tmp = run_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(_summary(runner, records, peaks, start_step), indent=1))
+        tmp.replace(run_dir / "summary.json")
+    dist.barrier()
+    dist.destroy_process_group()

@@ -1,0 +1,99 @@
+"""The process torchrun starts on every rank: `python -m plan3d.runtime.worker --plan PLAN ...`.
+
+Start-up: redirect output to `logs/rank<N>.log`, die with the launcher (PR_SET_PDEATHSIG), join
+the process group with a collective timeout, check the placement against the plan, build the
+mesh, the stages, ZeRO and the schedule. Each step: forward/backward, model-parallel and dp
+gradient reductions, global-norm clipping, optimizer step; rank 0 appends one JSON line to
+`metrics.jsonl`. Any failure writes `errors/rank<N>.json` (one line) and exits 1, so torchrun
+stops the other ranks.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="plan3d.runtime.worker")
+    p.add_argument("--plan", required=True)
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--save-every", type=int, default=0, help="0: save only at the end")
+    p.add_argument("--no-save", action="store_true")
+    p.add_argument("--resume-from", default=None)
+    p.add_argument("--timeout-s", type=float, default=300.0, help="collective timeout")
+    p.add_argument("--warmup-steps", type=int, default=1)
+    p.add_argument("--fail-at-step", type=int, default=0, help="testing: inject a failure")
+    p.add_argument("--fail-rank", type=int, default=0)
+    p.add_argument("--fail-mode", default="kill", choices=["kill", "hang", "raise"])
+    return p.parse_args(argv)
+
+
+def _redirect_output(run_dir: Path, rank: int) -> None:
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    fd = os.open(logs / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush(), sys.stderr.flush()
+    os.dup2(fd, 1), os.dup2(fd, 2)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this rank when its launcher dies, so no orphan survives a killed torchrun."""
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _write_error(run_dir: Path, rank: int, err: BaseException) -> None:
+    errors = run_dir / "errors"
+    errors.mkdir(parents=True, exist_ok=True)
+    message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    line = message if type(err).__name__ == "LaunchError" else f"{type(err).__name__}: {message}"
+    tmp = errors / f"rank{rank}.json.tmp"
+    tmp.write_text(json.dumps({"rank": rank, "error": line[:500], "time": time.time()}))
+    os.replace(tmp, errors / f"rank{rank}.json")
+
+
+def _inject(args, rank: int, step: int) -> None:
+    if args.fail_at_step != step or args.fail_rank != rank:
+        return
+    if args.fail_mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if args.fail_mode == "hang":
+        time.sleep(10**6)
+    raise RuntimeError(f"injected failure at step {step}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    run_dir, rank = Path(args.run_dir), int(os.environ.get("RANK", "0"))
+    _redirect_output(run_dir, rank)
+    _die_with_parent()
+    try:
+        from plan3d.runtime.train import train
+
+        train(args, run_dir, rank, _inject)
+    except BaseException as err:  # noqa: BLE001 - one line for the launcher, full trace in the log
+        traceback.print_exc()
+        _write_error(run_dir, rank, err)
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

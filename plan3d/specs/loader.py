@@ -65,7 +65,7 @@ def validation_problems(err: ValidationError, prefix: str = "") -> list[str]:
             message = f"{item['input']!r} is far too large for this field"
         if item["type"] == "extra_forbidden":
             message = "unknown field (misspelled?)" + _closest_hint(item, err)
-        lines.append(f"{path or '(top level)'}: {message}")
+        lines.append(f"{path}: {message}" if path else message)  # model-level checks name their fields
     return lines
 
 

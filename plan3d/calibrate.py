@@ -1,0 +1,354 @@
+"""Calibration: raw micro-benchmark measurements -> fitted compute efficiency and network tiers.
+
+Pure functions (no torch, no I/O besides `write_calibrated_spec`). The measurements come from
+`plan3d.runtime.calibrate_worker` (GEMMs and collectives) or from a launch's run directory
+(`refit_from_runs`).
+
+Compute: the GPU spec's curve eff(w) = max_fraction * w / (w + half_work_flops) (see
+`plan3d.specs.gpu.ComputeEfficiency`), w = FLOPs of one GEMM. Its reciprocal is linear in 1/w,
+
+    peak * t / flops = 1 / eff = 1 / max_fraction + (half_work_flops / max_fraction) * (1 / w),
+
+so the fit is a weighted linear least squares (weights 1/y: relative error) of y = peak*t/flops on
+x = 1/w (the Lineweaver-Burk form of a saturating curve).
+
+Network: the alpha-beta model of cost-model.md (Thakur, Rabenseifner and Gropp 2005, ring
+algorithms): all-reduce 2(n-1)/n * S/bw + 2(n-1)*alpha; all-gather and reduce-scatter
+(n-1)/n * S/bw + (n-1)*alpha; point-to-point S/bw + alpha. Each sample gives a row
+(volume_bytes, hops) and t = volume/bw + hops*alpha is fitted per tier, again by relative least
+squares with both unknowns kept non-negative.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from plan3d.errors import SpecError
+from plan3d.specs.cluster import ClusterSpec
+from plan3d.specs.gpu import ComputeEfficiency
+
+MEASUREMENTS_SUFFIX = ".measurements.json"
+
+
+@dataclass(frozen=True)
+class ComputeFit:
+    efficiency: ComputeEfficiency
+    peak_flops: float  # the peak the efficiency refers to (raised when the catalog peak was exceeded)
+    max_rel_error: float  # worst |fitted - measured| / measured over the samples
+    samples: int
+
+
+@dataclass(frozen=True)
+class TierFit:
+    tier_index: int
+    bandwidth_bytes_per_s: float  # effective (achieved) per-GPU, one direction
+    latency_s: float
+    max_rel_error: float
+    samples: int
+
+
+# ---- compute ---------------------------------------------------------------------------------
+def fit_compute_efficiency(gemms: list[dict], peak_flops: float) -> ComputeFit:
+    """Fit eff(w) to GEMM samples {'flops', 'time_s'}; `peak_flops` is the catalog peak."""
+    if len(gemms) < 2:
+        raise SpecError("calibration", ["need at least two GEMM samples to fit the efficiency curve"])
+    work = np.array([g["flops"] for g in gemms], dtype=float)
+    time_s = np.array([g["time_s"] for g in gemms], dtype=float)
+    y = peak_flops * time_s / work
+    a, b = _nonneg_relative_lstsq(np.stack([np.ones_like(work), 1.0 / work], axis=1), y)
+    a = a if a > 0 else float(y.min())
+    max_fraction, half_work = 1.0 / a, b / a
+    peak = peak_flops
+    if max_fraction > 1.0:  # the catalog peak is too low for this machine: move the peak, not the cap
+        peak, max_fraction = peak_flops * max_fraction, 1.0
+    eff = ComputeEfficiency(max_fraction=max_fraction, half_work_flops=half_work)
+    predicted = work / (peak * efficiency_at(eff, work))
+    return ComputeFit(eff, peak, float(np.max(np.abs(predicted - time_s) / time_s)), len(gemms))
+
+
+def efficiency_at(eff: ComputeEfficiency, work_flops):
+    return eff.max_fraction * work_flops / (work_flops + eff.half_work_flops)
+
+
+def fit_memory_bandwidth(samples: list[dict]) -> tuple[float, float]:
+    """Effective memory bandwidth (bytes/s) from memory-bound kernels {'bytes', 'time_s'}:
+    t = bytes / bw, relative least squares; returns (bw, worst relative error)."""
+    ratio = np.array([s["bytes"] / s["time_s"] for s in samples], dtype=float)
+    inv_bw = float(ratio.sum() / (ratio @ ratio))
+    return 1.0 / inv_bw, float(np.max(np.abs(ratio * inv_bw - 1.0)))
+
+
+# ---- network ----------------------------------------------------------------------------------
+def collective_terms(op: str, n: int, size_bytes: float) -> tuple[float, float]:
+    """(bytes on the wire per GPU, latency hops) of one collective, ring algorithms."""
+    if op == "all_reduce":
+        return 2 * (n - 1) / n * size_bytes, 2 * (n - 1)
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n * size_bytes, n - 1
+    if op == "p2p":
+        return size_bytes, 1
+    raise ValueError(f"unknown collective {op!r}")
+
+
+def fit_tier(samples: list[dict], tier_index: int) -> TierFit:
+    """Fit bandwidth and latency of one tier to samples {'op', 'group_size', 'bytes', 'time_s'}."""
+    rows = np.array([collective_terms(s["op"], s["group_size"], s["bytes"]) for s in samples], dtype=float)
+    time_s = np.array([s["time_s"] for s in samples], dtype=float)
+    inv_bw, alpha = _nonneg_relative_lstsq(rows, time_s)
+    inv_bw = inv_bw if inv_bw > 0 else float(np.min(time_s / rows[:, 0]))
+    predicted = rows @ np.array([inv_bw, alpha])
+    return TierFit(tier_index, 1.0 / inv_bw, alpha, float(np.max(np.abs(predicted - time_s) / time_s)), len(samples))
+
+
+def _nonneg_relative_lstsq(design: np.ndarray, target: np.ndarray) -> tuple[float, float]:
+    """Two non-negative coefficients minimising the sum of squared relative errors."""
+    weighted, rhs = design / target[:, None], np.ones_like(target)
+    coef = np.linalg.lstsq(weighted, rhs, rcond=None)[0]
+    if (coef >= 0).all():
+        return float(coef[0]), float(coef[1])
+    best = None
+    for keep in (0, 1):  # one coefficient pinned at zero: a 1-D least squares on the other
+        column = weighted[:, keep]
+        value = max(float(column @ rhs / (column @ column)), 0.0)
+        residual = float(np.sum((column * value - rhs) ** 2))
+        if best is None or residual < best[0]:
+            best = (residual, keep, value)
+    out = [0.0, 0.0]
+    out[best[1]] = best[2]
+    return out[0], out[1]
+
+
+# ---- the calibrated spec ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class CalibrationFit:
+    compute: ComputeFit
+    tiers: list[TierFit]
+    memory_bytes_per_s: float | None = None
+    memory_max_rel_error: float | None = None
+
+
+def fit_measurements(cluster: ClusterSpec, raw: dict, dtype: str) -> CalibrationFit:
+    """Every fit the raw record allows: compute always, memory and tiers when measured."""
+    compute = fit_compute_efficiency(raw["gemm"], cluster.gpu.peak_flops(dtype))
+    by_tier: dict[int, list[dict]] = {}
+    for sample in raw.get("collectives", []):
+        by_tier.setdefault(sample["tier"], []).append(sample)
+    tiers = [fit_tier(samples, index) for index, samples in sorted(by_tier.items())]
+    memory = fit_memory_bandwidth(raw["elementwise"]) if raw.get("elementwise") else (None, None)
+    return CalibrationFit(compute, tiers, *memory)
+
+
+def calibrated_cluster(cluster: ClusterSpec, fit: CalibrationFit, source: str) -> ClusterSpec:
+    """`cluster` with the fitted efficiency (and peak, if raised), memory bandwidth and tiers."""
+    compute, tiers = fit.compute, fit.tiers
+    data = cluster.model_dump()
+    gpu = data["gpu"]
+    gpu["compute_efficiency"] = {**gpu["compute_efficiency"], **compute.efficiency.model_dump(
+        include={"max_fraction", "half_work_flops"})}
+    if fit.memory_bytes_per_s is not None:
+        gpu["hbm_tbytes_per_s"] = fit.memory_bytes_per_s / 1e12
+    scale = compute.peak_flops / cluster.gpu.peak_flops(_any_dtype(cluster))
+    if not math.isclose(scale, 1.0):
+        gpu["peak_tflops"] = {k: v * scale for k, v in gpu["peak_tflops"].items()}
+        gpu["source"] = f"{gpu.get('source', '')}; peak raised x{scale:.2f} by calibration".lstrip("; ")
+    resolved = cluster.tiers()
+    for fit in tiers:
+        data["network"][fit.tier_index] = _fitted_tier(data["network"][fit.tier_index], resolved[fit.tier_index], fit)
+    data["source"] = source
+    return ClusterSpec.model_validate(data)
+
+
+def _any_dtype(cluster: ClusterSpec) -> str:
+    return next(iter(cluster.gpu.peak_tflops))
+
+
+def _fitted_tier(tier: dict, resolved, fit: TierFit) -> dict:
+    """Keep the catalog bandwidth and fit the efficiency; if the catalog is beaten, take the measurement."""
+    tier = dict(tier)
+    efficiency = fit.bandwidth_bytes_per_s / resolved.bandwidth_bytes_per_s
+    if efficiency > 1.0:
+        tier["bandwidth"] = {"gbytes_per_s_per_gpu": fit.bandwidth_bytes_per_s / 1e9}
+        tier["oversubscription"], efficiency = 1.0, 1.0
+    tier["efficiency"] = efficiency
+    tier["latency_us"] = fit.latency_s * 1e6
+    return tier
+
+
+def summary_rows(before: ClusterSpec, after: ClusterSpec, fit: CalibrationFit, dtype: str) -> list[dict[str, Any]]:
+    """Fitted against catalog values, SI units: one row per quantity."""
+    compute, tiers = fit.compute, fit.tiers
+    b_eff, a_eff = before.gpu.compute_efficiency, after.gpu.compute_efficiency
+    rows = [
+        row("compute", "peak FLOP/s", before.gpu.peak_flops(dtype), after.gpu.peak_flops(dtype), "flops"),
+        row("compute", "max fraction of peak", b_eff.max_fraction, a_eff.max_fraction, "ratio"),
+        row("compute", "half-efficiency GEMM FLOPs", b_eff.half_work_flops, a_eff.half_work_flops, "flops"),
+        row("compute", "worst GEMM fit error", None, compute.max_rel_error, "ratio"),
+    ]
+    if fit.memory_bytes_per_s is not None:
+        rows += [row("memory", "bandwidth", before.gpu.hbm_tbytes_per_s * 1e12, fit.memory_bytes_per_s, "bytes_per_s"),
+                 row("memory", "worst elementwise fit error", None, fit.memory_max_rel_error, "ratio")]
+    old, new = before.tiers(), after.tiers()
+    for fit in tiers:
+        name = new[fit.tier_index].name
+        rows += [
+            row(name, "effective bandwidth per GPU", old[fit.tier_index].effective_bytes_per_s,
+                 new[fit.tier_index].effective_bytes_per_s, "bytes_per_s"),
+            row(name, "latency", old[fit.tier_index].latency_s, new[fit.tier_index].latency_s, "s"),
+            row(name, "worst collective fit error", None, fit.max_rel_error, "ratio"),
+        ]
+    return rows
+
+
+def row(scope: str, quantity: str, catalog, fitted, unit: str) -> dict[str, Any]:
+    return {"scope": scope, "quantity": quantity, "catalog": catalog, "fitted": fitted, "unit": unit}
+
+
+def write_calibrated_spec(cluster: ClusterSpec, raw: dict, path: Path) -> Path:
+    """Write the spec (YAML) and the raw measurements beside it; return the measurements' path."""
+    import yaml
+
+    measurements = path.with_name(path.name + MEASUREMENTS_SUFFIX)
+    measurements.write_text(json.dumps(raw, indent=1))
+    header = (f"# Written by `plan3d calibrate`; raw measurements in {measurements.name}.\n"
+              "# Use it like any cluster spec: plan3d estimate --cluster THIS_FILE ...\n")
+    path.write_text(header + yaml.safe_dump(cluster.model_dump(mode="json", exclude_none=True), sort_keys=False))
+    return measurements
+
+
+# ---- refit from real runs --------------------------------------------------------------------
+Predictor = Callable[[ClusterSpec], list[float]]
+
+
+def refit_from_runs(cluster: ClusterSpec, predict: Predictor, measured_s: list[float],
+                    fit_overhead: bool = True) -> tuple[ClusterSpec, dict]:
+    """Refit the compute side so predicted step times best match measured ones.
+
+    `predict(cluster)` returns the predicted step time of each run under `cluster`. Two knobs:
+    a multiplier k on the achieved FLOP/s (compute time goes as 1/k) and, when `fit_overhead` and
+    there are at least two runs, the fixed per-layer time `layer_overhead_s` (framework and
+    kernel-launch cost that FLOPs do not see). The loss is the mean squared log ratio of predicted
+    to measured (robust to a mix of short and long steps), minimised by alternating golden-section
+    searches over log k and log overhead. Returns the refitted cluster and the fitted values.
+    """
+    measured = np.array(measured_s, dtype=float)
+    overhead0 = getattr(cluster.gpu.compute_efficiency, "layer_overhead_s", 0.0)
+    fit_overhead = fit_overhead and "layer_overhead_s" in ComputeEfficiency.model_fields
+
+    def spec(log_k: float, overhead: float) -> ClusterSpec:
+        return with_overhead(scaled_compute(cluster, math.exp(log_k)), overhead)
+
+    def loss(log_k: float, overhead: float) -> float:
+        predicted = np.array(predict(spec(log_k, overhead)), dtype=float)
+        return float(np.mean(np.log(predicted / measured) ** 2))
+
+    log_k, overhead = 0.0, overhead0
+    rounds = 4 if fit_overhead and len(measured) >= 2 else 1
+    for _ in range(rounds):
+        log_k = _golden_min(lambda x: loss(x, overhead), math.log(1 / 50), math.log(50))
+        if rounds > 1:
+            overhead = math.exp(_golden_min(lambda y: loss(log_k, math.exp(y)), math.log(1e-7), math.log(1.0)))
+    fitted = {"throughput_scale": math.exp(log_k), "layer_overhead_s": overhead,
+              "rms_log_error": math.sqrt(loss(log_k, overhead))}
+    return spec(log_k, overhead), fitted
+
+
+def with_overhead(cluster: ClusterSpec, layer_overhead_s: float) -> ClusterSpec:
+    if "layer_overhead_s" not in ComputeEfficiency.model_fields:
+        return cluster
+    data = cluster.model_dump()
+    data["gpu"]["compute_efficiency"]["layer_overhead_s"] = layer_overhead_s
+    return ClusterSpec.model_validate(data)
+
+
+def scaled_compute(cluster: ClusterSpec, k: float) -> ClusterSpec:
+    """`cluster` whose achieved FLOP/s are k times larger (max_fraction capped at 1, peak takes the rest)."""
+    data = cluster.model_dump()
+    eff = data["gpu"]["compute_efficiency"]
+    fraction = eff["max_fraction"] * k
+    peak_scale = max(fraction, 1.0)
+    eff["max_fraction"] = fraction / peak_scale
+    data["gpu"]["peak_tflops"] = {d: v * peak_scale for d, v in data["gpu"]["peak_tflops"].items()}
+    return ClusterSpec.model_validate(data)
+
+
+def _golden_min(f: Callable[[float], float], lo: float, hi: float, iterations: int = 40) -> float:
+    ratio = (math.sqrt(5) - 1) / 2
+    x1, x2 = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+    f1, f2 = f(x1), f(x2)
+    for _ in range(iterations):
+        if f1 < f2:
+            hi, x2, f2 = x2, x1, f1
+            x1 = hi - ratio * (hi - lo)
+            f1 = f(x1)
+        else:
+            lo, x1, f1 = x1, x2, f2
+            x2 = lo + ratio * (hi - lo)
+            f2 = f(x2)
+    return (lo + hi) / 2
+
+
+# ---- the sweep to run -------------------------------------------------------------------------
+def layer_gemms(model, seq_len: int, tp: int, micro_batch: int) -> list[dict]:
+    """The GEMMs of one transformer layer's forward pass on one rank (Megatron-style TP split).
+
+    QKV and fc1 are column-parallel (output / tp), out-projection and fc2 row-parallel (input / tp),
+    attention scores and context are batched over the rank's heads (heads / tp)."""
+    h, d, heads = model.hidden, model.head_dim_, model.heads
+    tokens = micro_batch * seq_len
+    up = model.ffn_hidden_ * (2 if model.activation == "swiglu" else 1)
+    tag = f"tp{tp} mb{micro_batch}"
+    shapes = [
+        ("qkv", 1, tokens, h, (heads + 2 * model.kv_heads_) * d // tp),
+        ("attn_out", 1, tokens, heads * d // tp, h),
+        ("fc1", 1, tokens, h, up // tp),
+        ("fc2", 1, tokens, model.ffn_hidden_ // tp, h),
+        ("scores", micro_batch * heads // tp, seq_len, d, seq_len),
+        ("context", micro_batch * heads // tp, seq_len, seq_len, d),
+    ]
+    return [{"label": f"{name} {tag}", "batch": b, "m": m, "k": k, "n": n} for name, b, m, k, n in shapes]
+
+
+def collective_groups(cluster: ClusterSpec, world_size: int) -> list[dict]:
+    """Concurrent disjoint groups to measure: powers of two inside a node, and one rank per node."""
+    g, nodes = min(cluster.gpus_per_node, world_size), max(1, world_size // cluster.gpus_per_node)
+    kinds, n = [], 2
+    while n <= g:
+        kinds.append([list(range(start, start + n)) for start in range(0, nodes * g, n)])
+        n *= 2
+    if nodes > 1:
+        kinds.append([[node * g + r for node in range(nodes)] for r in range(g)])
+    tiers = cluster.tiers()
+    return [{"tier": _tier_of(members, tiers), "members": members} for members in kinds]
+
+
+def _tier_of(groups: list[list[int]], tiers) -> int:
+    for index, tier in enumerate(tiers):
+        if all(len({r // tier.domain_gpus for r in members}) == 1 for members in groups):
+            return index
+    return len(tiers) - 1
+
+
+def message_sizes(max_bytes: int, min_bytes: int = 4096) -> list[int]:
+    """Collective message sizes: powers of four from `min_bytes` up to `max_bytes`."""
+    sizes, size = [], min_bytes
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= 4
+    return sizes or [max_bytes]
+
+
+def sweep_config(cluster: ClusterSpec, model, seq_len: int, world_size: int, device: str,
+                 tps: list[int], micro_batches: list[int], sizes_bytes: list[int], repeats: int,
+                 ops: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "p2p")) -> dict:
+    """Everything the worker needs, as plain JSON."""
+    gemms = [g for tp in tps if model.heads % tp == 0 and model.kv_heads_ % tp == 0
+             for mb in micro_batches for g in layer_gemms(model, seq_len, tp, mb)]
+    elementwise = sorted({g["m"] * g["n"] for g in gemms if g["batch"] == 1})
+    return {"device": device, "torch_dtype": "float32" if device == "cpu" else "bfloat16",
+            "gemms": gemms, "elementwise": elementwise, "groups": collective_groups(cluster, world_size), "ops": list(ops),
+            "sizes_bytes": sizes_bytes, "repeats": repeats}

@@ -1,0 +1,156 @@
+"""`plan3d calibrate`: measure this machine, fit the cost model's efficiencies, write a cluster spec.
+
+Two modes:
+  plan3d calibrate [--backend auto|gloo|nccl] [--cluster local-cpu] [--out SPEC.yaml]
+      micro-benchmarks (GEMMs, a memory-bound kernel, collectives) on --nproc ranks;
+  plan3d calibrate --from-run RUN_DIR [--from-run RUN_DIR ...] [--out SPEC.yaml]
+      rescale the compute throughput so the plans' predicted step times match the runs.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from plan3d.cli.app import app
+from plan3d.errors import LaunchError, SpecError
+
+DTYPE_OF = {"cpu": "fp32", "cuda": "bf16"}
+
+
+@app.command("calibrate")
+def calibrate_command(
+    cluster: Annotated[str, typer.Option("--cluster", "-c", help="Cluster spec to calibrate (catalog values).")] = "local-cpu",
+    model: Annotated[str, typer.Option("--model", "-m", help="Model whose layer shapes the GEMM sweep uses.")] = "tiny-gpt",
+    backend: Annotated[str, typer.Option("--backend", help="auto, gloo or nccl.")] = "auto",
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Spec to write (YAML).")] = None,
+    nproc: Annotated[Optional[int], typer.Option("--nproc", help="Ranks to run (default: one node).")] = None,
+    tps: Annotated[str, typer.Option("--tp", help="Tensor-parallel sizes of the GEMM sweep (comma list).")] = "1,2,4,8",
+    micro_batches: Annotated[str, typer.Option("--micro-batch", help="Micro-batch sizes (comma list).")] = "1,2,4,8",
+    max_bytes: Annotated[int, typer.Option("--max-bytes", help="Largest collective message.")] = 1 << 24,
+    repeats: Annotated[int, typer.Option("--repeats", help="Timings per measurement (median).")] = 3,
+    from_run: Annotated[Optional[list[Path]], typer.Option("--from-run", help="Refit from a launch's run dir.")] = None,
+    run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="Where the sweep writes (default runs/).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the fit as JSON.")] = False,
+) -> None:
+    """Fit compute efficiency, memory bandwidth and per-tier bandwidth/latency on this machine."""
+    from plan3d.specs.catalog import load_cluster
+
+    base = load_cluster(cluster)
+    if from_run:
+        return _from_runs(base, from_run, out, json_out)
+    device = _device(backend)
+    world = nproc or min(base.gpus_per_node, base.world_size)
+    if world < 1:
+        raise SpecError("command line", ["--nproc must be positive"])
+    run_dir = run_dir or Path("runs") / time.strftime("calibrate-%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    raw = _measure(base, model, device, backend, world, run_dir, _ints(tps), _ints(micro_batches),
+                   max_bytes, repeats)
+    _fit_and_write(base, raw, DTYPE_OF[device], out or run_dir / "cluster.yaml", json_out)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SpecError("command line", [f"{text!r}: give a comma-separated list of integers, e.g. 1,2,4"]) from None
+    if not values or min(values) < 1:
+        raise SpecError("command line", [f"{text!r}: give positive integers"])
+    return values
+
+
+def _device(backend: str) -> str:
+    if backend not in ("auto", "gloo", "nccl"):
+        raise SpecError("command line", [f"--backend {backend!r}: use auto, gloo or nccl"])
+    if backend == "gloo":
+        return "cpu"
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if backend == "nccl":
+        raise LaunchError("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo")
+    return "cpu"
+
+
+def _measure(cluster, model_name, device, backend, world, run_dir, tps, mbs, max_bytes, repeats) -> dict:
+    from plan3d.calibrate import message_sizes, sweep_config
+    from plan3d.render.report import progress_while
+    from plan3d.specs.catalog import load_model
+
+    model = load_model(model_name)
+    config = sweep_config(cluster.with_size(nodes=max(1, world // cluster.gpus_per_node)) if world > cluster.world_size
+                          else cluster, model, model.seq_len, world, device, tps, mbs,
+                          message_sizes(max_bytes), repeats)
+    if device == "cpu" and world > 1:
+        config["threads"] = 1  # as torchrun sets OMP_NUM_THREADS=1 for several ranks per machine
+    sweep_path = run_dir / "sweep.json"
+    sweep_path.write_text(json.dumps(config, indent=1))
+    progress_while(lambda: _run_sweep(config, world, run_dir, backend), run_dir / "progress",
+                   f"calibrating {world} ranks on {device}")
+    return json.loads((run_dir / "calibration.json").read_text())
+
+
+def _run_sweep(config: dict, world: int, run_dir: Path, backend: str) -> None:
+    from plan3d.runtime.calibrate_worker import run_local
+
+    run_local(config, world, run_dir, "nccl" if config["device"] == "cuda" else "gloo")
+
+
+def _fit_and_write(base, raw: dict, dtype: str, out: Path, json_out: bool) -> None:
+    from plan3d.calibrate import calibrated_cluster, fit_measurements, summary_rows, write_calibrated_spec
+
+    fit = fit_measurements(base, raw, dtype)
+    fitted = calibrated_cluster(base, fit, f"plan3d calibrate on {raw['device']}/{raw['backend']}, "
+                                            f"{raw['world_size']} ranks; catalog: {base.name}")
+    measurements = write_calibrated_spec(fitted, raw, out)
+    _show(summary_rows(base, fitted, fit, dtype), out, measurements, json_out)
+
+
+def _show(rows: list[dict], out: Path, measurements: Path | None, json_out: bool) -> None:
+    if json_out:
+        print(json.dumps({"schema_version": 1, "spec": str(out), "measurements": str(measurements) if measurements else None,
+                          "rows": rows}, indent=1))
+        return
+    from plan3d.render.report import print_calibration
+
+    print_calibration(rows, out, measurements)
+
+
+def _from_runs(_catalog, run_dirs: list[Path], out: Optional[Path], json_out: bool) -> None:
+    """Refit the compute throughput of each run's plan cluster from its measured step time."""
+    from plan3d.calibrate import refit_from_runs, write_calibrated_spec
+    from plan3d.cost.estimate import estimate
+    from plan3d.report_run import read_run
+
+    runs = [read_run(d) for d in run_dirs]
+    cluster = runs[0].plan.cluster
+
+    def predict(candidate):
+        return [estimate(candidate, r.plan.model, r.plan.training, r.plan.layout).step_time_s for r in runs]
+
+    refit, fitted = refit_from_runs(cluster, predict, [r.measured_step_s for r in runs])
+    out = out or run_dirs[0] / "cluster.yaml"
+    raw = {"from_runs": [{"run_dir": str(r.run_dir), "layout": r.plan.layout.short(),
+                          "measured_step_s": r.measured_step_s} for r in runs], "fit": fitted}
+    measurements = write_calibrated_spec(refit, raw, out)
+    _show(_refit_rows(cluster, refit, runs, predict, fitted), out, measurements, json_out)
+
+
+def _refit_rows(before, after, runs, predict, fitted: dict) -> list[dict]:
+    from plan3d.calibrate import row as _row
+
+    b_eff, a_eff = before.gpu.compute_efficiency, after.gpu.compute_efficiency
+    rows = [_row("compute", "achieved FLOP/s multiplier", 1.0, fitted["throughput_scale"], "ratio"),
+            _row("compute", "max fraction of peak", b_eff.max_fraction, a_eff.max_fraction, "ratio"),
+            _row("compute", "per-layer overhead", getattr(b_eff, "layer_overhead_s", None),
+                 getattr(a_eff, "layer_overhead_s", None), "s")]
+    old, new = predict(before), predict(after)
+    for run, p_old, p_new in zip(runs, old, new):
+        rows.append(_row(run.plan.layout.short(), f"step time (measured {run.measured_step_s * 1e3:.1f} ms)",
+                         p_old, p_new, "s"))
+    return rows

@@ -1,0 +1,115 @@
+"""Rich output for `plan3d report` (measured vs predicted) and `plan3d calibrate` (fitted vs catalog)."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from rich.console import Console
+from rich.table import Table
+
+from plan3d.render.units import gib, ms
+
+TIME_LABELS = {"compute": "compute", "recompute": "recompute", "bubble": "pipeline bubble",
+               "tp_comm": "TP comm", "pp_comm": "PP comm", "dp_comm": "DP comm (exposed)",
+               "zero_comm": "ZeRO-3 gathers (exposed)", "optimizer": "optimizer step"}
+
+
+def fmt(value, unit: str) -> str:
+    """An SI value in the unit people read: ms, GiB, GB/s, GFLOP/s, %."""
+    if value is None:
+        return "-"
+    if unit == "s":
+        return ms(value) if value >= 1e-3 else f"{value * 1e6:.1f} us"
+    if unit == "bytes":
+        return gib(value) if value >= 2**30 else f"{value / 2**20:.1f} MiB"
+    if unit == "bytes_per_s":
+        return f"{value / 1e9:.2f} GB/s"
+    if unit == "flops":
+        return f"{value / 1e9:,.3g} GFLOP" if value < 1e12 else f"{value / 1e12:,.3g} TFLOP"
+    if unit == "ratio":
+        return f"{value:.3g}" if value > 1.5 else f"{value:.1%}"
+    if unit == "tokens_per_s":
+        return f"{value:,.0f}"
+    return f"{value:.4g}"
+
+
+def report_table(report) -> Table:
+    table = Table(title=f"measured vs predicted: {report.layout} ({report.run_dir})")
+    for name, justify in (("term", "left"), ("predicted", "right"), ("measured", "right"), ("error", "right")):
+        table.add_column(name, justify=justify)
+    for r in report.rows:
+        error = "-" if r["error"] is None else _colour_error(r["error"])
+        table.add_row(r["term"], fmt(r["predicted"], r["unit"]), fmt(r["measured"], r["unit"]), error)
+    return table
+
+
+def _colour_error(error: float) -> str:
+    colour = "green" if abs(error) <= 0.15 else "yellow" if abs(error) <= 0.3 else "red"
+    return f"[{colour}]{error:+.1%}[/{colour}]"
+
+
+def breakdown_table(time_s: dict) -> Table:
+    table = Table(title="predicted step breakdown")
+    table.add_column("term")
+    table.add_column("time", justify="right")
+    total = sum(time_s.values()) or 1.0
+    for key, label in TIME_LABELS.items():
+        if key in time_s:
+            table.add_row(label, fmt(time_s[key], "s"), f"{time_s[key] / total:.1%}")
+    return table
+
+
+def print_report(report, console: Console | None = None) -> None:
+    console = console or Console()
+    console.print(report_table(report))
+    if report.predicted_time_s:
+        console.print(breakdown_table(report.predicted_time_s))
+    for note in report.notes:
+        console.print(f"[dim]note: {note}[/dim]")
+
+
+def print_calibration(rows: list[dict], spec: Path, measurements: Path | None, console: Console | None = None) -> None:
+    console = console or Console()
+    table = Table(title="calibration: fitted vs catalog")
+    for name, justify in (("scope", "left"), ("quantity", "left"), ("catalog", "right"), ("fitted", "right")):
+        table.add_column(name, justify=justify)
+    for r in rows:
+        table.add_row(r["scope"], r["quantity"], fmt(r["catalog"], r["unit"]), fmt(r["fitted"], r["unit"]))
+    console.print(table)
+    console.print(f"wrote {spec}" + (f" (raw measurements: {measurements})" if measurements else ""))
+    console.print(f"use it: plan3d estimate --cluster {spec} ...")
+
+
+def progress_while(work: Callable[[], None], progress_file: Path, description: str, poll_s: float = 0.2) -> None:
+    """Run `work()` while a progress bar follows `progress_file` ('done total'); re-raise its error."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            work()
+        except BaseException as err:  # noqa: BLE001 - handed back to the caller's thread
+            failure.append(err)
+
+    thread = threading.Thread(target=target, daemon=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), transient=True, console=Console(stderr=True)) as bar:
+        task = bar.add_task(description, total=None)
+        thread.start()
+        while thread.is_alive():
+            _update(bar, task, progress_file)
+            time.sleep(poll_s)
+    thread.join()
+    if failure:
+        raise failure[0]
+
+
+def _update(bar, task, progress_file: Path) -> None:
+    try:
+        done, total = (int(v) for v in progress_file.read_text().split())
+    except (OSError, ValueError):
+        return
+    bar.update(task, completed=done, total=total)

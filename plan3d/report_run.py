@@ -1,0 +1,133 @@
+"""Measured against predicted: read a launch's run directory and pair every term.
+
+A run directory (written by `plan3d launch`, see plan3d/runtime/train.py) holds `plan.json`,
+`metrics.jsonl` (one line per step), `summary.json` (mean step time after warm-up, per-rank
+measured memory) and `logs/`. The prediction is the plan's own estimate, or a fresh estimate
+under another cluster spec (e.g. one written by `plan3d calibrate`).
+
+What can be measured: step time and tokens/s (rank 0's wall clock), per-rank model-state bytes
+(weights, gradients, optimizer states: exact tensor sizes) and per-rank peak memory (GPU: peak
+allocated; CPU: peak resident set of the process, which includes the Python and torch runtime).
+The communication terms are predicted only: the runtime does not time collectives separately.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from plan3d.errors import SpecError, SpecNotFound
+from plan3d.plan import Plan, load_plan
+
+REPORT_SCHEMA_VERSION = 1
+STATE_KEYS = ("weights", "gradients", "optimizer")
+COMM_KEYS = ("tp_comm", "pp_comm", "dp_comm", "zero_comm")
+
+
+@dataclass
+class RunData:
+    run_dir: Path
+    plan: Plan
+    summary: dict
+    metrics: list[dict]
+
+    @property
+    def measured_step_s(self) -> float:
+        return float(self.summary["step_time_s"])
+
+
+def read_run(run_dir: Path | str) -> RunData:
+    """The plan, summary and metrics of a run; a run without summary falls back on its metrics."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "plan.json").is_file():
+        raise SpecNotFound(f"{run_dir}: no plan.json; give the run directory that `plan3d launch` wrote")
+    plan = load_plan(str(run_dir / "plan.json"))
+    metrics = _read_metrics(run_dir / "metrics.jsonl")
+    summary_path = run_dir / "summary.json"
+    if summary_path.is_file():
+        summary = json.loads(summary_path.read_text())
+    elif metrics:
+        timed = metrics[1:] or metrics  # the first step pays start-up costs
+        summary = {"step_time_s": sum(m["step_time_s"] for m in timed) / len(timed), "ranks": [],
+                   "steps": len(metrics), "incomplete": True}
+    else:
+        raise SpecError(str(run_dir), ["no summary.json and no metrics.jsonl: the run did not finish a step"])
+    return RunData(run_dir, plan, summary, metrics)
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def predicted_estimate(run: RunData, cluster=None) -> dict:
+    """The plan's estimate, or a fresh one under `cluster` (or when the plan carries none)."""
+    if cluster is None and run.plan.estimate.get("time_s"):
+        return run.plan.estimate
+    from plan3d.cost.estimate import estimate
+
+    plan = run.plan
+    return estimate(cluster or plan.cluster, plan.model, plan.training, plan.layout).to_dict()
+
+
+@dataclass
+class Report:
+    run_dir: str
+    layout: str
+    rows: list[dict]
+    notes: list[str] = field(default_factory=list)
+    predicted_time_s: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema_version": REPORT_SCHEMA_VERSION, "run_dir": self.run_dir, "layout": self.layout,
+                "rows": self.rows, "predicted_time_s": self.predicted_time_s, "notes": self.notes}
+
+
+def row(term: str, predicted: float | None, measured: float | None, unit: str) -> dict:
+    """One paired term; `error` = measured / predicted - 1 when both exist."""
+    error = measured / predicted - 1 if predicted and measured is not None else None
+    return {"term": term, "predicted": predicted, "measured": measured, "unit": unit, "error": error}
+
+
+def compare(run: RunData, cluster=None) -> Report:
+    """Pair predicted and measured per term: step time, throughput, comm share, memory."""
+    est = predicted_estimate(run, cluster)
+    summary = run.summary
+    step_pred = est["step_time_s"]
+    rows = [row("step time", step_pred, summary.get("step_time_s"), "s"),
+            row("tokens/s", est.get("tokens_per_s"), summary.get("tokens_per_s"), "tokens_per_s")]
+    time_s = est.get("time_s", {})
+    comm = sum(time_s.get(k, 0.0) for k in COMM_KEYS)
+    rows.append(row("communication share of step", comm / step_pred if step_pred else None, None, "ratio"))
+    rows += _memory_rows(est, summary.get("ranks") or [])
+    return Report(str(run.run_dir), run.plan.layout.short(), rows, _notes(run), dict(time_s))
+
+
+def _memory_rows(est: dict, ranks: list[dict]) -> list[dict]:
+    """Model states of the most-loaded rank per category, and the peak over ranks."""
+    predicted = est.get("memory_bytes", {})
+    states = [r["model_state_bytes"] for r in ranks if r and r.get("model_state_bytes")]
+    rows = []
+    for key in STATE_KEYS:
+        measured = max((s.get(key, 0) for s in states), default=None)
+        rows.append(row(f"{key} (most-loaded rank)", predicted.get(key), measured, "bytes"))
+    peaks = [r["peak_memory_bytes"] for r in ranks if r and r.get("peak_memory_bytes")]
+    rows.append(row("peak memory (most-loaded rank)", est.get("peak_memory_bytes"),
+                    max(peaks) if peaks else None, "bytes"))
+    return rows
+
+
+def _notes(run: RunData) -> list[str]:
+    notes = ["communication is predicted only: the runtime does not time collectives apart from the step"]
+    summary, plan = run.summary, run.plan
+    if summary.get("incomplete"):
+        notes.append("the run wrote no summary.json: step time is the mean of metrics.jsonl without its first step")
+    if summary.get("precision") and summary["precision"] != plan.training.precision:
+        notes.append(f"the run trained in {summary['precision']}, the plan assumed {plan.training.precision}: "
+                     "memory and compute predictions assume the plan's precision")
+    if summary.get("backend") == "gloo":
+        notes.append("CPU run: peak memory is the process's resident set (Python and torch included), "
+                     "not comparable with the plan's device-memory terms")
+    return notes

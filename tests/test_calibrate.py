@@ -1,0 +1,159 @@
+"""Calibration fits: recover known parameters from synthetic measurements; the worker and CLI on gloo."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from plan3d.calibrate import (calibrated_cluster, collective_groups, collective_terms, fit_compute_efficiency,
+                              fit_measurements, fit_memory_bandwidth, fit_tier, layer_gemms, refit_from_runs,
+                              scaled_compute, sweep_config, write_calibrated_spec)
+from plan3d.specs.catalog import load_cluster, load_model
+from plan3d.specs.gpu import ComputeEfficiency
+
+PEAK = 1e14
+
+
+def synthetic_gemms(max_fraction: float, half_work: float, noise: float = 0.0) -> list[dict]:
+    out = []
+    for i, work in enumerate([1e6, 1e7, 1e8, 1e9, 1e10, 1e11]):
+        eff = max_fraction * work / (work + half_work)
+        out.append({"flops": work, "time_s": work / (PEAK * eff) * (1 + noise * (-1) ** i)})
+    return out
+
+
+@pytest.mark.parametrize("max_fraction,half_work", [(0.7, 2e9), (0.45, 5e7), (0.9, 0.0)])
+def test_compute_fit_recovers_the_curve(max_fraction, half_work):
+    fit = fit_compute_efficiency(synthetic_gemms(max_fraction, half_work), PEAK)
+    assert fit.efficiency.max_fraction == pytest.approx(max_fraction, rel=1e-6)
+    assert fit.efficiency.half_work_flops == pytest.approx(half_work, rel=1e-6, abs=1.0)
+    assert fit.max_rel_error < 1e-6 and fit.peak_flops == PEAK
+
+
+def test_compute_fit_tolerates_noise_and_raises_a_low_peak():
+    noisy = fit_compute_efficiency(synthetic_gemms(0.6, 1e8, noise=0.05), PEAK)
+    assert noisy.efficiency.max_fraction == pytest.approx(0.6, rel=0.1)
+    assert 0.03 < noisy.max_rel_error < 0.15
+    beaten = fit_compute_efficiency(synthetic_gemms(0.8, 1e8), PEAK / 2)  # catalog peak half the truth
+    assert beaten.efficiency.max_fraction == 1.0
+    assert beaten.peak_flops * 1.0 == pytest.approx(PEAK * 0.8, rel=1e-6)
+
+
+def alpha_beta_samples(bw: float, alpha: float) -> list[dict]:
+    out = []
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "p2p"):
+        for n in (2, 4, 8):
+            for size in (4096, 65536, 1 << 20, 1 << 24):
+                volume, hops = collective_terms(op, n, size)
+                out.append({"op": op, "group_size": n, "bytes": size, "time_s": volume / bw + hops * alpha})
+    return out
+
+
+@pytest.mark.parametrize("bw,alpha", [(2.5e10, 5e-6), (1e9, 3e-4), (4.5e11, 0.0)])
+def test_tier_fit_recovers_bandwidth_and_latency(bw, alpha):
+    fit = fit_tier(alpha_beta_samples(bw, alpha), tier_index=0)
+    assert fit.bandwidth_bytes_per_s == pytest.approx(bw, rel=1e-6)
+    assert fit.latency_s == pytest.approx(alpha, rel=1e-6, abs=1e-12)
+
+
+def test_collective_terms_match_the_ring_formulas():
+    assert collective_terms("all_reduce", 4, 1000) == (1500.0, 6)
+    assert collective_terms("all_gather", 4, 1000) == (750.0, 3)
+    assert collective_terms("p2p", 2, 1000) == (1000, 1)
+
+
+def test_memory_bandwidth_fit():
+    samples = [{"bytes": b, "time_s": b / 3e9} for b in (1e4, 1e6, 1e8)]
+    bw, worst = fit_memory_bandwidth(samples)
+    assert bw == pytest.approx(3e9) and worst < 1e-9
+
+
+def test_layer_gemms_follow_the_tp_split():
+    model = load_model("llama3-8b")
+    one, eight = layer_gemms(model, 1024, 1, 2), layer_gemms(model, 1024, 8, 2)
+    flops = lambda gs: sum(2 * g["batch"] * g["m"] * g["n"] * g["k"] for g in gs)  # noqa: E731
+    assert flops(one) == pytest.approx(8 * flops(eight))
+    qkv = one[0]
+    assert qkv["n"] == (model.heads + 2 * model.kv_heads_) * model.head_dim_ and qkv["m"] == 2048
+
+
+def test_collective_groups_inside_and_across_nodes():
+    kinds = collective_groups(load_cluster("dgx-h100", nodes=2), 16)
+    sizes = [(len(k["members"]), len(k["members"][0]), k["tier"]) for k in kinds]
+    assert sizes == [(8, 2, 0), (4, 4, 0), (2, 8, 0), (8, 2, 1)]
+    assert kinds[-1]["members"][3] == [3, 11]
+
+
+def test_calibrated_spec_round_trips_and_estimate_uses_it(tmp_path):
+    from plan3d.cost.estimate import estimate
+    from plan3d.layout import Layout
+    from plan3d.specs.training import TrainingSpec
+
+    base = load_cluster("local-cpu")
+    raw = {"device": "cpu", "backend": "gloo", "world_size": 8,
+           "gemm": synthetic_gemms(0.5, 1e5), "elementwise": [{"bytes": 1e6, "time_s": 1e-4}],
+           "collectives": [dict(s, tier=0) for s in alpha_beta_samples(3e8, 1e-4)]}
+    fit = fit_measurements(base, raw, "fp32")
+    fitted = calibrated_cluster(base, fit, "test")
+    path = tmp_path / "cpu.yaml"
+    write_calibrated_spec(fitted, raw, path)
+    loaded = load_cluster(str(path))
+    assert loaded.tiers()[0].effective_bytes_per_s == pytest.approx(3e8, rel=1e-6)
+    assert loaded.gpu.hbm_tbytes_per_s * 1e12 == pytest.approx(1e10)
+    assert json.loads((tmp_path / "cpu.yaml.measurements.json").read_text())["world_size"] == 8
+    model, training, layout = load_model("tiny-gpt"), TrainingSpec(global_batch=16, precision="fp32"), Layout(dp=8)
+    assert estimate(loaded, model, training, layout).step_time_s != estimate(base, model, training, layout).step_time_s
+
+
+def test_refit_from_runs_recovers_a_throughput_scale():
+    from plan3d.cost.estimate import estimate
+    from plan3d.layout import Layout
+    from plan3d.specs.training import TrainingSpec
+
+    base = load_cluster("local-cpu")
+    model, training = load_model("tiny-gpt"), TrainingSpec(global_batch=16, precision="fp32")
+    layouts = [Layout(dp=8), Layout(tp=2, dp=4), Layout(pp=2, dp=4, micro_batch=1)]
+
+    def predict(cluster):
+        return [estimate(cluster, model, training, layout).step_time_s for layout in layouts]
+
+    truth = predict(scaled_compute(base, 0.3))
+    refit, fitted = refit_from_runs(base, predict, truth, fit_overhead=False)
+    assert fitted["throughput_scale"] == pytest.approx(0.3, rel=1e-3)
+    assert predict(refit) == pytest.approx(truth, rel=1e-3)
+
+
+def test_worker_measures_on_two_gloo_ranks(tmp_path):
+    from plan3d.runtime.calibrate_worker import run_local
+
+    config = sweep_config(load_cluster("local-cpu"), load_model("tiny-gpt"), 32, 2, "cpu", [1], [1], [4096], 1)
+    config.update(target_s=0.0005, threads=1, ops=["all_reduce", "p2p"])
+    raw = run_local(config, 2, tmp_path)
+    assert len(raw["gemm"]) == 6 and all(g["time_s"] > 0 for g in raw["gemm"])
+    assert {c["op"] for c in raw["collectives"]} == {"all_reduce", "p2p"}
+    assert all(c["time_s"] > 0 and c["group_size"] == 2 for c in raw["collectives"])
+    assert (tmp_path / "progress").read_text().split()[0] == (tmp_path / "progress").read_text().split()[1]
+
+
+def test_cli_calibrate_writes_a_spec_that_estimate_reads(tmp_path, capsys):
+    from plan3d.cli import main
+
+    out = tmp_path / "cpu.yaml"
+    with pytest.raises(SystemExit) as info:
+        main(["calibrate", "--nproc", "2", "--tp", "1", "--micro-batch", "1,2", "--max-bytes", "16384",
+              "--repeats", "1", "--run-dir", str(tmp_path / "run"), "--out", str(out), "--json"])
+    assert info.value.code in (0, None)
+    result = json.loads(capsys.readouterr().out)
+    assert {r["quantity"] for r in result["rows"]} >= {"max fraction of peak", "latency"}
+    with pytest.raises(SystemExit) as info:
+        main(["estimate", "--cluster", str(out), "--model", "tiny-gpt", "--dp", "2", "--json"])
+    assert info.value.code in (0, None)
+    assert json.loads(capsys.readouterr().out)["step_time_s"] > 0
+
+
+def test_cli_calibrate_rejects_a_bad_list(capsys):
+    from plan3d.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["calibrate", "--tp", "1,x"])
+    assert info.value.code == 2 and "comma-separated" in capsys.readouterr().err

@@ -150,7 +150,11 @@ class RankMap:
                 return index
         return len(tiers) - 1
 
-    def warnings(self) -> list[str]:
+    def warnings(self, tiers: list[ResolvedTier] | None = None) -> list[str]:
+        """Placement warnings; with the cluster's tiers, only those that leave the fast domain
+        (a TP group over two trays of one GB200 NVL72 rack is fine), see `placement_warnings`."""
+        if tiers is not None:
+            return placement_warnings(self, tiers)
         out = []
         tp_nodes = self.nodes_spanned("tp")
         if self.layout.tp > 1 and tp_nodes > 1:

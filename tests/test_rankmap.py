@@ -175,3 +175,11 @@ def test_no_hard_coded_eight_gpus_per_node_in_the_package():
                     and before.string in HARD_CODED_8 and not re.search(r"bits?|byte", token.line, re.I)):
                 offenders.append(f"{path.name}:{token.start[0]}: {token.line.strip()}")
     assert offenders == []
+
+
+def test_rankmap_warnings_with_tiers_know_the_nvlink_domain():
+    gb200, dgx = load_cluster("gb200-nvl72"), load_cluster("dgx-h100", nodes=2)
+    rmap = RankMap(Layout(tp=8, dp=36), gb200.gpus_per_node)
+    assert rmap.warnings() and rmap.warnings(gb200.tiers()) == []
+    wide = RankMap(Layout(tp=16), dgx.gpus_per_node)
+    assert "spans 2 nodes" in wide.warnings(dgx.tiers())[0]

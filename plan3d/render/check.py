@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 
 from plan3d.ranking import CheckReport, Finding
-from plan3d.render.units import gib, ms
+from plan3d.render.recommend import duration
+from plan3d.render.units import gib
 
 SCHEMA_VERSION = 1
 GITHUB_LEVELS = {"error": "error", "warning": "warning", "notice": "notice"}
@@ -30,7 +31,7 @@ def summary(report: CheckReport) -> str | None:
     est = report.estimate
     if not est:
         return None
-    return (f"predicted: step {ms(est['step_time_s'])}, {est['tokens_per_s']:,.0f} tokens/s, "
+    return (f"predicted: step {duration(est['step_time_s'])}, {est['tokens_per_s']:,.0f} tokens/s, "
             f"MFU {est['mfu']:.1%}, peak {gib(est['peak_memory_bytes'])} of {gib(est['capacity_bytes'])} usable")
 
 

@@ -1,0 +1,93 @@
+"""Search speed of `plan3d recommend` (issue 5): layouts per second and wall time.
+
+Prints three tables:
+1. the two headline cases, searched in-process (median of --repeat runs): layouts considered
+   (every knob combination of the space), valid ones (sent to the vectorised cost model), feasible
+   ones, seconds, layouts/s and valid layouts/s;
+2. the same cases through the real command (`plan3d recommend --json`) in a fresh process pinned
+   to one core (`taskset -c 0` when available): wall time including interpreter and import start-up;
+3. a sweep of cluster sizes from 8 to 32,768 GPUs (DGX H100 nodes, GPT-3 175B) showing how the
+   cost grows with the number of factorizations.
+
+    .venv/bin/python benchmarks/search_speed.py [--repeat 5]
+"""
+from __future__ import annotations
+
+import argparse
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from plan3d.search import search
+from plan3d.specs.catalog import load_cluster, load_model
+from plan3d.specs.training import TrainingSpec
+
+CASES = [  # label, cluster, nodes, model
+    ("GPT-3 175B on 512 A100 (seed)", "dgx-a100-80g", 64, "gpt3-175b"),
+    ("Llama-3 405B on 16,384 H100", "dgx-h100", 2048, "llama3-405b"),
+]
+SWEEP_NODES = (1, 4, 16, 64, 256, 1024, 2048, 4096)
+
+
+def timed_search(cluster_name: str, nodes: int, model_name: str, repeat: int):
+    cluster, model = load_cluster(cluster_name, nodes), load_model(model_name)
+    training = TrainingSpec(global_batch=model.default_global_batch)
+    seconds, result = [], None
+    for _ in range(repeat):
+        start = time.perf_counter()
+        result = search(cluster, model, training)
+        seconds.append(time.perf_counter() - start)
+    return result, statistics.median(seconds)
+
+
+def row(label: str, result, seconds: float) -> str:
+    return (f"| {label} | {result.cluster.world_size:,} | {result.considered:,} | {result.size:,} | "
+            f"{result.feasible_count:,} | {seconds * 1e3:.1f} | {result.considered / seconds:,.0f} | "
+            f"{result.size / seconds:,.0f} |")
+
+
+HEADER = ("| case | GPUs | layouts considered | valid (evaluated) | feasible | search ms | layouts/s | "
+          "evaluated/s |\n|---|---|---|---|---|---|---|---|")
+
+
+def cli_wall(cluster_name: str, nodes: int, model_name: str, repeat: int) -> tuple[float, float]:
+    """Median wall and CPU (user + sys) seconds of the command in a fresh process."""
+    plan3d = Path(sys.executable).with_name("plan3d")
+    cmd = [str(plan3d), "recommend", "--cluster", cluster_name, "--nodes", str(nodes), "--model", model_name, "--json"]
+    if shutil.which("taskset"):
+        cmd = ["taskset", "-c", "0"] + cmd
+    walls, cpus = [], []
+    for _ in range(repeat):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        start = time.perf_counter()
+        subprocess.run(cmd, check=True, capture_output=True)
+        walls.append(time.perf_counter() - start)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpus.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+    return statistics.median(walls), statistics.median(cpus)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=5)
+    repeat = parser.parse_args().repeat
+    print("in-process search, median of", repeat, "runs\n" + HEADER)
+    for label, cluster, nodes, model in CASES:
+        print(row(label, *timed_search(cluster, nodes, model, repeat)))
+    print("\nthe command, fresh process, one core (includes start-up; CPU = user + sys, which a busy machine "
+          "does not inflate)\n| case | wall s | CPU s |\n|---|---|---|")
+    for label, cluster, nodes, model in CASES:
+        wall, cpu = cli_wall(cluster, nodes, model, repeat)
+        print(f"| {label} | {wall:.3f} | {cpu:.3f} |")
+    print("\ncluster-size sweep: GPT-3 175B on DGX H100 nodes\n" + HEADER)
+    for nodes in SWEEP_NODES:
+        result, seconds = timed_search("dgx-h100", nodes, "gpt3-175b", repeat)
+        print(row(f"{nodes} nodes", result, seconds))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Measured vs predicted: a run directory in the runtime's format, read, paired and rendered."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from plan3d.cli import main
+from plan3d.cost.estimate import estimate
+from plan3d.layout import Layout
+from plan3d.plan import build_plan, save_plan
+from plan3d.report_run import compare, read_run
+from plan3d.specs.catalog import load_cluster, load_model
+from plan3d.specs.training import TrainingSpec
+
+
+def make_run(tmp_path, measured_scale=1.1, with_summary=True):
+    cluster, model = load_cluster("local-cpu"), load_model("tiny-gpt")
+    training, layout = TrainingSpec(global_batch=16, precision="fp32"), Layout(tp=2, pp=2, dp=2)
+    est = estimate(cluster, model, training, layout).to_dict()
+    save_plan(build_plan(cluster, model, training, layout, est), tmp_path / "plan.json")
+    steps = [{"step": s, "loss": 5.0, "step_time_s": est["step_time_s"] * (3 if s == 1 else measured_scale),
+              "tokens_per_s": 1.0} for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    if with_summary:
+        ranks = [{"rank": r, "model_state_bytes": {k: est["memory_bytes"][k] * 1.02 for k in
+                                                   ("weights", "gradients", "optimizer")},
+                  "peak_memory_bytes": 3e8, "pp": r // 4, "dp": 0, "tp": 0} for r in range(8)]
+        summary = {"step_time_s": est["step_time_s"] * measured_scale, "tokens_per_s": est["tokens_per_s"] / measured_scale,
+                   "precision": "fp32", "backend": "gloo", "ranks": ranks}
+        (tmp_path / "summary.json").write_text(json.dumps(summary))
+    return est
+
+
+def by_term(report):
+    return {r["term"]: r for r in report.rows}
+
+
+def test_pairs_step_time_and_memory(tmp_path):
+    est = make_run(tmp_path)
+    rows = by_term(compare(read_run(tmp_path)))
+    assert rows["step time"]["predicted"] == pytest.approx(est["step_time_s"])
+    assert rows["step time"]["error"] == pytest.approx(0.1)
+    assert rows["weights (most-loaded rank)"]["error"] == pytest.approx(0.02)
+    assert rows["communication share of step"]["measured"] is None
+    assert 0 < rows["communication share of step"]["predicted"] < 1
+
+
+def test_without_summary_the_first_step_is_left_out(tmp_path):
+    make_run(tmp_path, measured_scale=1.25, with_summary=False)
+    report = compare(read_run(tmp_path))
+    assert by_term(report)["step time"]["error"] == pytest.approx(0.25)
+    assert any("no summary.json" in n for n in report.notes)
+
+
+def test_another_cluster_spec_changes_the_prediction(tmp_path):
+    from plan3d.calibrate import scaled_compute
+
+    est = make_run(tmp_path)
+    slower = scaled_compute(load_cluster("local-cpu"), 0.5)
+    assert by_term(compare(read_run(tmp_path), slower))["step time"]["predicted"] > est["step_time_s"]
+
+
+def test_cli_report_json_table_and_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    make_run(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["report", str(tmp_path), "--json"])
+    assert info.value.code in (0, None)
+    data = json.loads(capsys.readouterr().out)
+    assert data["schema_version"] == 1 and data["rows"][0]["term"] == "step time"
+    picture = tmp_path / "report.png"
+    with pytest.raises(SystemExit) as info:
+        main(["report", str(tmp_path), "--plot", str(picture)])
+    assert info.value.code in (0, None)
+    assert "measured vs predicted" in capsys.readouterr().out
+    assert picture.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_report_missing_run_dir_is_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["report", str(tmp_path / "nope")])
+    assert info.value.code == 2 and "plan.json" in capsys.readouterr().err
+
+
+def test_plots_write_files(tmp_path):
+    pytest.importorskip("matplotlib")
+    from plan3d.render.plots import pareto_front, plot_pareto, plot_step_breakdown
+
+    points = [{"tokens_per_s": t, "peak_memory_bytes": m * 2**30, "label": f"L{i}"}
+              for i, (t, m) in enumerate([(10, 1), (20, 2), (15, 3), (30, 4), (5, 0.5)])]
+    assert pareto_front(points) == [4, 0, 1, 3]
+    plot_pareto(points, tmp_path / "pareto.svg", capacity_bytes=3.5 * 2**30)
+    assert b"<svg" in (tmp_path / "pareto.svg").read_bytes()[:500]
+    est = estimate(load_cluster("local-cpu"), load_model("tiny-gpt"), TrainingSpec(global_batch=16),
+                   Layout(pp=2, dp=4)).to_dict()
+    plot_step_breakdown(est, tmp_path / "step.png")
+    assert (tmp_path / "step.png").stat().st_size > 1000
+
+
+def test_plot_rejects_an_unknown_suffix(tmp_path):
+    pytest.importorskip("matplotlib")
+    from plan3d.errors import Plan3dError
+    from plan3d.render.plots import plot_pareto
+
+    with pytest.raises(Plan3dError, match=".png"):
+        plot_pareto([{"tokens_per_s": 1, "peak_memory_bytes": 1}], tmp_path / "x.jpg")

@@ -168,3 +168,11 @@ def test_cli_bad_configs_exit_2_one_line_per_problem(tmp_path, capsys, config, e
 def test_cli_missing_file(tmp_path, capsys):
     code, _, err = run(capsys, "import-hf", str(tmp_path / "nope" / "config.json"))
     assert code == 2 and "no such file" in err
+
+
+def test_cli_accepts_the_model_folder_and_reports_unwritable_output(tmp_path, capsys):
+    folder = write_config(tmp_path, QWEN25_7B, "Qwen2.5-7B").parent
+    code, out, _ = run(capsys, "import-hf", str(folder))
+    assert code == 0 and "name: qwen2.5-7b" in out and "kv_heads: 4" in out
+    code, _, err = run(capsys, "import-hf", str(folder), "-o", str(tmp_path))  # a directory
+    assert code == 2 and "cannot be written" in err

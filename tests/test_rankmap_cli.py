@@ -101,3 +101,8 @@ def test_bad_input_exits_2_with_an_example(capsys, args, expect):
 def test_unknown_cluster_suggests_the_closest(capsys):
     code, _, err = run(capsys, "rankmap", "--cluster", "dgx-h10")
     assert code == 2 and "did you mean 'dgx-h100'" in err
+
+
+def test_unwritable_svg_path(capsys, tmp_path):
+    code, _, err = run(capsys, "rankmap", "--cluster", "local-cpu", "--svg", str(tmp_path / "no" / "dir" / "x.svg"))
+    assert code == 2 and "cannot be written" in err and "Traceback" not in err

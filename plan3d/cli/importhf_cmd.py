@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from plan3d.cli.app import app
+from plan3d.errors import SpecError
 from plan3d.specs.catalog import require_positive
 
 
@@ -28,6 +29,9 @@ def import_hf_cmd(
     if output is None:
         print(text, end="")
         return
-    output.write_text(text)
+    try:
+        output.write_text(text)
+    except OSError as err:
+        raise SpecError(str(output), [f"cannot be written ({err.strerror}); choose another -o path"]) from err
     print(f"wrote {output}: model {spec.name!r}, {count(total_params(spec))} parameters, "
           f"{spec.layers} layers, hidden {spec.hidden}")

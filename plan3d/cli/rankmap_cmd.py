@@ -47,7 +47,7 @@ def rankmap(
     tiers = spec.tiers()
     facts, warnings, notes = placements(rmap, tiers), placement_warnings(rmap, tiers), _notes(spec, layout)
     if svg is not None:
-        svg.write_text(render.rankmap_svg(rmap, f"{spec.name}: {layout.short()}, order {layout.order}"))
+        _write(svg, render.rankmap_svg(rmap, f"{spec.name}: {layout.short()}, order {layout.order}"))
         notes.append(f"wrote {svg}")
     if fmt == "json":
         payload = rankmap_dict(rmap) | {"cluster": spec.name, "placement": [vars(f) for f in facts],
@@ -57,6 +57,13 @@ def rankmap(
         print(render.rankmap_csv(rmap), end="")
     else:
         render.print_rankmap(rmap, facts, notes, warnings)
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        path.write_text(text)
+    except OSError as err:
+        raise SpecError(str(path), [f"cannot be written ({err.strerror}); choose another --svg path"]) from err
 
 
 def _fit_layout(spec: ClusterSpec, dp: int | None, **degrees) -> Layout:

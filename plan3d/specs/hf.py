@@ -127,6 +127,8 @@ def default_name(path: Path, config: dict) -> str:
 def import_hf(path_str: str, name: str | None = None, seq_len: int | None = None) -> ModelSpec:
     """Read a Hugging Face config.json from disk and return the ModelSpec it describes."""
     path = Path(path_str)
+    if path.is_dir() and (path / "config.json").is_file():  # a downloaded model folder
+        path = path / "config.json"
     config = read_mapping(path)
     fields = spec_fields(config, path_str, name or default_name(path, config), seq_len)
     return validate(ModelSpec, fields, path_str)

@@ -119,7 +119,21 @@ def why_wins(result: SearchResult, order: np.ndarray, objective: str = "throughp
     if len(feasible) < 2:
         return f"{result.layout(best).short()} is the only layout that fits"
     runner = int(feasible[1])
-    return compare_sentence(result, best, runner, "the runner-up")
+    sentence = compare_sentence(result, best, runner, "the runner-up")
+    other = other_degrees(result, feasible)
+    if other is not None and other != runner:
+        sentence += ". Against the best other tp/pp/dp: " + compare_sentence(result, best, other, "it")
+    return sentence
+
+
+def other_degrees(result: SearchResult, rows: np.ndarray) -> int | None:
+    """The first of `rows` whose (tp, pp, dp) differ from the first row's."""
+    lay = result.layouts
+    first = rows[0]
+    differ = (lay["tp"][rows] != lay["tp"][first]) | (lay["pp"][rows] != lay["pp"][first]) | \
+             (lay["dp"][rows] != lay["dp"][first])
+    hits = np.flatnonzero(differ)
+    return int(rows[hits[0]]) if len(hits) else None
 
 
 def compare_sentence(result: SearchResult, best: int, other: int, other_name: str) -> str:

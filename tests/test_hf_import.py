@@ -10,7 +10,8 @@ from plan3d.cost.params import total_params
 from plan3d.specs.catalog import load_model
 from plan3d.specs.hf import import_hf
 
-# config.json files as published on the Hugging Face Hub (copied verbatim, irrelevant keys included).
+# config.json contents of published Hugging Face models, written from the Hub files: every shape field
+# plan3d reads is as published; unrelated keys are kept to show they are ignored (a few may be trimmed).
 LLAMA3_8B = {  # meta-llama/Meta-Llama-3-8B
     "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
     "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,

@@ -80,7 +80,7 @@ PUBLISHED = {
     "llama3-8b": (LLAMA3_8B, 8.03e9, "Hub page of meta-llama/Meta-Llama-3-8B: 8.03B params"),
     "gpt2": (GPT2, 124e6, "model card of openai-community/gpt2: 124M parameters"),
     "mistral-7b": (MISTRAL_7B, 7.3e9, "Mistral AI, 'Mistral 7B' announcement: a 7.3B parameter model"),
-    "gpt-neox-20b": (GPT_NEOX_20B, 20_554_567_680, "Black et al. 2022, GPT-NeoX-20B (arXiv:2204.06745)"),
+    "gpt-neox-20b": (GPT_NEOX_20B, 20_554_567_680, "model card of EleutherAI/gpt-neox-20b: 20,554,567,680 parameters"),
     "opt-125m": (OPT_125M, 125e6, "Zhang et al. 2022, OPT (arXiv:2205.01068), Table 1: 125M"),
     "qwen2.5-7b": (QWEN25_7B, 7.61e9, "model card of Qwen/Qwen2.5-7B: Number of Parameters 7.61B"),
     "bloom-560m": (BLOOM_560M, 559_214_592, "model card of bigscience/bloom-560m: 559,214,592 parameters"),

@@ -184,7 +184,7 @@ def summary_rows(before: ClusterSpec, after: ClusterSpec, fit: CalibrationFit, d
     compute, tiers = fit.compute, fit.tiers
     b_eff, a_eff = before.gpu.compute_efficiency, after.gpu.compute_efficiency
     rows = [
-        row("compute", "peak FLOP/s", before.gpu.peak_flops(dtype), after.gpu.peak_flops(dtype), "flops"),
+        row("compute", "peak FLOP/s", before.gpu.peak_flops(dtype), after.gpu.peak_flops(dtype), "flops_per_s"),
         row("compute", "max fraction of peak", b_eff.max_fraction, a_eff.max_fraction, "ratio"),
         row("compute", "half-efficiency GEMM FLOPs", b_eff.half_work_flops, a_eff.half_work_flops, "flops"),
         row("compute", "worst GEMM fit error", None, compute.max_rel_error, "ratio"),

@@ -159,3 +159,15 @@ def test_cli_emit_writes_file_and_exits_1_when_inexpressible(tmp_path, capsys):
     out = tmp_path / "titan.toml"
     assert run_cli(["emit", "torchtitan", str(path), "-o", str(out)]) == 0
     assert tomllib.loads(out.read_text())["parallelism"]["data_parallel_shard_degree"] == 2
+
+
+def test_cli_emit_torchrun_one_line_per_node(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    save_plan(make_plan(tp=8, pp=2, dp=2, zero=1), path)  # 32 ranks on 4 DGX nodes
+    assert run_cli(["emit", "torchrun", str(path), "--master-port", "29511", "--steps", "7"]) == 0
+    commands = [shlex.split(line) for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+    assert len(commands) == 4
+    for node, argv in enumerate(commands):
+        assert f"--node-rank={node}" in argv and "--nproc-per-node=8" in argv and "--nnodes=4" in argv
+        assert "--rdzv-backend=static" in argv and "--master-port=29511" in argv
+        assert argv[argv.index("--plan") + 1] == str(path) and argv[argv.index("--steps") + 1] == "7"

@@ -34,6 +34,10 @@ def calibrate_command(
     repeats: Annotated[int, typer.Option("--repeats", help="Timings per measurement (median).")] = 3,
     from_run: Annotated[Optional[list[Path]], typer.Option("--from-run", help="Refit from a launch's run dir.")] = None,
     run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="Where the sweep writes (default runs/).")] = None,
+    nnodes: Annotated[int, typer.Option("--nnodes", help="Machines taking part (run the command on each).")] = 1,
+    node_rank: Annotated[int, typer.Option("--node-rank", help="This machine's index, 0..nnodes-1.")] = 0,
+    master_addr: Annotated[str, typer.Option("--master-addr", help="Address of node 0.")] = "127.0.0.1",
+    master_port: Annotated[Optional[int], typer.Option("--master-port", help="Port on node 0 (same on every node).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the fit as JSON.")] = False,
 ) -> None:
     """Fit compute efficiency, memory bandwidth and per-tier bandwidth/latency on this machine."""
@@ -43,13 +47,19 @@ def calibrate_command(
     if from_run:
         return _from_runs(base, from_run, out, json_out)
     device = _device(backend)
-    world = nproc or min(base.gpus_per_node, base.world_size)
-    if world < 1:
-        raise SpecError("command line", ["--nproc must be positive"])
+    per_node = nproc or base.gpus_per_node
+    if per_node < 1 or nnodes < 1:
+        raise SpecError("command line", ["--nproc and --nnodes must be positive"])
+    # The ranks as they are placed: per_node on each of nnodes machines (the spec keeps its own size).
+    placed = base.with_size(nodes=nnodes, gpus_per_node=per_node)
+    world = per_node * nnodes
+    nodes = {"nnodes": nnodes, "node_rank": node_rank, "master_addr": master_addr, "master_port": master_port}
     run_dir = run_dir or Path("runs") / time.strftime("calibrate-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
-    raw = _measure(base, model, device, backend, world, run_dir, _ints(tps), _ints(micro_batches),
-                   max_bytes, repeats)
+    raw = _measure(placed, model, device, backend, world, run_dir, _ints(tps), _ints(micro_batches),
+                   max_bytes, repeats, nodes)
+    if raw is None:
+        return print(f"node {node_rank} done; node 0 writes the spec")
     _fit_and_write(base, raw, DTYPE_OF[device], out or run_dir / "cluster.yaml", json_out)
 
 
@@ -77,28 +87,39 @@ def _device(backend: str) -> str:
     return "cpu"
 
 
-def _measure(cluster, model_name, device, backend, world, run_dir, tps, mbs, max_bytes, repeats) -> dict:
+def _measure(cluster, model_name, device, backend, world, run_dir, tps, mbs, max_bytes, repeats, nodes) -> dict:
     from plan3d.calibrate import message_sizes, sweep_config
     from plan3d.render.report import progress_while
     from plan3d.specs.catalog import load_model
 
     model = load_model(model_name)
-    config = sweep_config(cluster.with_size(nodes=max(1, world // cluster.gpus_per_node)) if world > cluster.world_size
-                          else cluster, model, model.seq_len, world, device, tps, mbs,
-                          message_sizes(max_bytes), repeats)
+    config = sweep_config(cluster, model, model.seq_len, world, device, tps, mbs, message_sizes(max_bytes), repeats)
     if device == "cpu" and world > 1:
         config["threads"] = 1  # as torchrun sets OMP_NUM_THREADS=1 for several ranks per machine
     sweep_path = run_dir / "sweep.json"
     sweep_path.write_text(json.dumps(config, indent=1))
-    progress_while(lambda: _run_sweep(config, world, run_dir, backend), run_dir / "progress",
+    progress_while(lambda: _run_sweep(cluster, model, config, world, run_dir, backend, nodes), run_dir / "progress",
                    f"calibrating {world} ranks on {device}")
-    return json.loads((run_dir / "calibration.json").read_text())
+    record = run_dir / "calibration.json"
+    return json.loads(record.read_text()) if record.exists() else None
 
 
-def _run_sweep(config: dict, world: int, run_dir: Path, backend: str) -> None:
-    from plan3d.runtime.calibrate_worker import run_local
+def _run_sweep(cluster, model, config: dict, world: int, run_dir: Path, backend: str, nodes: dict) -> None:
+    """Through the same launcher as training: a plan of `world` data-parallel ranks carries the
+    placement; the calibration worker replaces the training worker."""
+    from plan3d.launch import launch
+    from plan3d.layout import Layout
+    from plan3d.plan import build_plan
+    from plan3d.specs.training import TrainingSpec
 
-    run_local(config, world, run_dir, "nccl" if config["device"] == "cuda" else "gloo")
+    plan = build_plan(cluster, model, TrainingSpec(global_batch=world), Layout(dp=world))
+    result = launch(plan, None, run_dir, steps=0, backend=backend, nnodes=nodes["nnodes"],
+                    node_rank=nodes["node_rank"], master_addr=nodes["master_addr"], master_port=nodes["master_port"],
+                    worker_module="plan3d.runtime.calibrate_worker",
+                    worker_args=["--sweep", str(run_dir / "sweep.json")])
+    if not result.ok:
+        where = f" (rank {result.failed_rank})" if result.failed_rank is not None else ""
+        raise LaunchError(f"calibration failed{where}: {result.error or 'see ' + str(run_dir / 'logs')}")
 
 
 def _fit_and_write(base, raw: dict, dtype: str, out: Path, json_out: bool) -> None:

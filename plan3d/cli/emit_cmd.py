@@ -58,16 +58,28 @@ def emit_torchtitan_cmd(plan: PlanArg, out: OutOpt = None) -> None:
     _write(emit_torchtitan(load_plan(plan)), out)
 
 
+MasterAddrOpt = Annotated[str, typer.Option("--master-addr", help="Address of node 0 (a host name, or $VAR).")]
+MasterPortOpt = Annotated[int, typer.Option("--master-port", help="Rendezvous port on node 0.")]
+StepsOpt = Annotated[int, typer.Option("--steps", help="Training steps the runtime worker runs.")]
+RunDirOpt = Annotated[str, typer.Option("--run-dir", help="Run directory on the nodes (shared file system).")]
+
+
 @emit_app.command("torchrun")
-def emit_torchrun_cmd(plan: PlanArg, out: OutOpt = None) -> None:
+def emit_torchrun_cmd(plan: PlanArg, out: OutOpt = None, master_addr: MasterAddrOpt = "$MASTER_ADDR",
+                      master_port: MasterPortOpt = 29500, steps: StepsOpt = 100, run_dir: RunDirOpt = "runs/job") -> None:
     """One torchrun command line per node (static rendezvous, so the rank map holds)."""
     from plan3d.emit.megatron import Emitted
     from plan3d.emit.torchrun import torchrun_commands
+    from plan3d.launch import worker_argv
     from plan3d.plan import load_plan
 
-    commands = torchrun_commands(load_plan(plan), plan)
-    text = commands if isinstance(commands, str) else "\n".join(_as_line(c) for c in commands) + "\n"
-    _write(Emitted(text), out)
+    loaded = load_plan(plan)
+    world, gpn = loaded.layout.world_size, int(loaded.rankmap["gpus_per_node"])
+    nnodes = -(-world // min(world, gpn))
+    commands = torchrun_commands(plan, world, nnodes, gpn, master_addr, master_port,
+                                 worker_argv(Path(run_dir), steps, "auto", ()), python="python")
+    lines = [f"# node {node}\n{_shell_line(cmd)}" for node, cmd in enumerate(commands)]
+    _write(Emitted("\n".join(lines) + "\n"), out)
 
 
 @emit_app.command("slurm")
@@ -80,7 +92,8 @@ def emit_slurm_cmd(plan: PlanArg, out: OutOpt = None) -> None:
     _write(Emitted(sbatch_script(load_plan(plan), plan)), out)
 
 
-def _as_line(command) -> str:
+def _shell_line(argv: list[str]) -> str:
+    """argv quoted for a shell, except that $VARIABLES stay expandable."""
     import shlex
 
-    return command if isinstance(command, str) else shlex.join(command)
+    return " ".join(a if a.startswith("$") or "=$" in a else shlex.quote(a) for a in argv)

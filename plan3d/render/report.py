@@ -26,13 +26,20 @@ def fmt(value, unit: str) -> str:
         return gib(value) if value >= 2**30 else f"{value / 2**20:.1f} MiB"
     if unit == "bytes_per_s":
         return f"{value / 1e9:.2f} GB/s"
-    if unit == "flops":
-        return f"{value / 1e9:,.3g} GFLOP" if value < 1e12 else f"{value / 1e12:,.3g} TFLOP"
+    if unit in ("flops", "flops_per_s"):
+        return _si(value, "FLOP" if unit == "flops" else "FLOP/s")
     if unit == "ratio":
         return f"{value:.3g}" if value > 1.5 else f"{value:.1%}"
     if unit == "tokens_per_s":
         return f"{value:,.0f}"
     return f"{value:.4g}"
+
+
+def _si(value: float, unit: str) -> str:
+    for prefix, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= size:
+            return f"{value / size:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
 
 
 def report_table(report) -> Table:

@@ -1,8 +1,8 @@
 """Calibration micro-benchmarks, run on every rank: GEMMs of a transformer layer, collectives by size.
 
-Started like a training worker (by `plan3d.launch.launch(..., worker_module=...)`, which sets the
-torchrun environment RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT) or, for development and tests,
-by `run_local` (torch.multiprocessing, one machine). It reads a sweep description (JSON, written by
+Started like a training worker, by `plan3d.launch.launch(..., worker_module=
+"plan3d.runtime.calibrate_worker")` (torchrun sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT),
+or, for development and tests, by `run_local` (torch.multiprocessing, one machine). It reads a sweep description (JSON, written by
 `plan3d calibrate`, see `plan3d.cli.calibrate_cmd.sweep_config`) and rank 0 writes the raw
 measurements that `plan3d.calibrate` fits.
 
@@ -202,14 +202,16 @@ def run_local(config: dict, world_size: int, out_dir: Path, backend: str = "gloo
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point under a launcher: `python -m plan3d.runtime.calibrate_worker --sweep S --out DIR`."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """Entry point under the launcher: `python -m plan3d.runtime.calibrate_worker --plan P --run-dir D
+    --backend B --sweep S` (the launcher adds --plan, --run-dir, --steps, --backend; `plan3d calibrate`
+    adds --sweep through worker_args). Rank 0 writes D/calibration.json."""
+    parser = argparse.ArgumentParser(prog="plan3d.runtime.calibrate_worker", description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", required=True, help="sweep description (JSON file)")
-    parser.add_argument("--out", required=True, help="directory for calibration.json and progress")
-    parser.add_argument("--backend", default=None)
-    args, _unknown = parser.parse_known_args(argv)  # the launcher may pass its own flags too
+    parser.add_argument("--run-dir", "--out", dest="out", required=True, help="where calibration.json goes")
+    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    args, _unknown = parser.parse_known_args(argv)  # --plan, --steps: the launcher's, unused here
     config = json.loads(Path(args.sweep).read_text())
-    backend = args.backend or ("nccl" if config.get("device") == "cuda" else "gloo")
+    backend = args.backend if args.backend != "auto" else ("nccl" if config.get("device") == "cuda" else "gloo")
     _worker(config, Path(args.out), backend)
 
 

@@ -1,0 +1,124 @@
+"""Does calibration make the cost model predict this machine? Calibrate, launch, compare.
+
+    .venv/bin/python benchmarks/calibration_check.py [--model bench-gpt|tiny-gpt] [--steps 6]
+        [--out runs/calibration-check] [--spec SPEC.yaml (skip the micro-benchmarks)]
+
+1. `plan3d calibrate` on 8 local ranks (gloo): GEMM, memory-bound and collective sweeps -> spec.
+2. For each layout: a plan under that spec (fp32, as the CPU runtime trains), `launch` it for
+   --steps steps, read the measured mean step time (first step excluded) from summary.json.
+3. Table A: predicted (micro-benchmark calibration only) vs measured.
+4. Table B: `calibrate --from-run` refit (throughput multiplier and per-layer overhead) on the
+   first REFERENCE layouts only, then predicted vs measured on the others (held out).
+Writes OUT/results.json. Timing is the point here, so run it on a quiet machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from plan3d.calibrate import refit_from_runs
+from plan3d.cost.estimate import estimate
+from plan3d.launch import launch
+from plan3d.layout import Layout
+from plan3d.plan import build_plan
+from plan3d.specs.catalog import load_cluster, load_model
+from plan3d.specs.model import ModelSpec
+from plan3d.specs.training import TrainingSpec
+
+BENCH_GPT = ModelSpec(name="bench-gpt", layers=8, hidden=256, heads=8, vocab=2048, seq_len=128,
+                      default_global_batch=16, source="benchmarks/calibration_check.py")
+LAYOUTS = {  # the first REFERENCE are used by the refit in table B
+    "dp8": Layout(dp=8, micro_batch=2),
+    "tp2-pp2-dp2": Layout(tp=2, pp=2, dp=2, micro_batch=2),
+    "tp2-dp4": Layout(tp=2, dp=4, micro_batch=2),
+    "pp2-dp4": Layout(pp=2, dp=4, micro_batch=1),
+    "tp4-pp2-sp": Layout(tp=4, pp=2, micro_batch=2, sequence_parallel=True),
+    "pp4-dp2-zero1": Layout(pp=4, dp=2, micro_batch=1, zero=1),
+    "tp2-dp4-zero3": Layout(tp=2, dp=4, micro_batch=2, zero=3),
+}
+REFERENCE = 2
+
+
+def calibrate(out: Path, model_name: str) -> Path:
+    spec = out / "cpu-calibrated.yaml"
+    cmd = [str(Path(sys.executable).parent / "plan3d"), "calibrate", "--nproc", "8", "--model", model_name,
+           "--tp", "1,2,4", "--micro-batch", "1,2,4", "--max-bytes", str(1 << 22),
+           "--run-dir", str(out / "calibrate"), "--out", str(spec)]
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    return spec
+
+
+def run_layout(cluster, model, training, name: str, layout: Layout, out: Path, steps: int) -> dict:
+    est = estimate(cluster, model, training, layout)
+    plan = build_plan(cluster, model, training, layout, est.to_dict())
+    start = time.monotonic()
+    result = launch(plan, None, out / name, steps=steps, backend="gloo", worker_args=["--no-save"])
+    if not result.ok:
+        raise SystemExit(f"{name}: launch failed (rank {result.failed_rank}): {result.error}")
+    summary = json.loads((out / name / "summary.json").read_text())
+    return {"layout": name, "short": layout.short(), "predicted_s": est.step_time_s,
+            "measured_s": summary["step_time_s"], "wall_s": time.monotonic() - start}
+
+
+def table(title: str, rows: list[dict], key: str = "predicted_s") -> None:
+    print(f"\n{title}")
+    print(f"| layout | predicted ms | measured ms | error |\n|---|---:|---:|---:|")
+    for r in rows:
+        error = r[key] / r["measured_s"] - 1
+        print(f"| {r['layout']} | {r[key] * 1e3:.1f} | {r['measured_s'] * 1e3:.1f} | {error:+.1%} |")
+    worst = max(abs(r[key] / r["measured_s"] - 1) for r in rows)
+    print(f"worst |error|: {worst:.1%} over {len(rows)} layouts")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="bench-gpt", help="bench-gpt (built in) or a model spec name/path")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--out", type=Path, default=Path("runs/calibration-check"))
+    parser.add_argument("--spec", type=Path, default=None, help="use this calibrated spec (skip step 1)")
+    parser.add_argument("--only", default=None, help="comma list of layout names")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = BENCH_GPT if args.model == "bench-gpt" else load_model(args.model)
+    if args.model == "bench-gpt":
+        (args.out / "bench-gpt.yaml").write_text(json.dumps(model.model_dump(exclude_none=True)))
+        model_ref = str(args.out / "bench-gpt.yaml")
+    else:
+        model_ref = args.model
+    spec = args.spec or calibrate(args.out, model_ref)
+    cluster = load_cluster(str(spec))
+    training = TrainingSpec(global_batch=model.default_global_batch or 16, precision="fp32")
+    names = args.only.split(",") if args.only else list(LAYOUTS)
+    rows = []
+    for name in names:
+        rows.append(run_layout(cluster, model, training, name, LAYOUTS[name], args.out, args.steps))
+        print(f"{name}: predicted {rows[-1]['predicted_s'] * 1e3:.1f} ms, measured {rows[-1]['measured_s'] * 1e3:.1f} ms",
+              flush=True)
+    table(f"A. micro-benchmark calibration only ({spec})", rows)
+    refit_rows(cluster, model, training, rows)
+    (args.out / "results.json").write_text(json.dumps({"spec": str(spec), "model": model.name, "rows": rows}, indent=1))
+
+
+def refit_rows(cluster, model, training, rows: list[dict]) -> None:
+    """Table B: refit on the REFERENCE layouts, predict the held-out ones."""
+    reference, held_out = rows[:REFERENCE], rows[REFERENCE:]
+
+    def predict(layout_rows):
+        return lambda c: [estimate(c, model, training, LAYOUTS[r["layout"]]).step_time_s for r in layout_rows]
+
+    refit, fitted = refit_from_runs(cluster, predict(reference), [r["measured_s"] for r in reference])
+    for r, p in zip(rows, predict(rows)(refit)):
+        r["refit_s"] = p
+    print(f"\nrefit on {', '.join(r['layout'] for r in reference)}: throughput x{fitted['throughput_scale']:.3f}, "
+          f"layer overhead {fitted['layer_overhead_s'] * 1e6:.0f} us")
+    if held_out:
+        table("B. after --from-run refit, held-out layouts only", held_out, key="refit_s")
+
+
+if __name__ == "__main__":
+    main()

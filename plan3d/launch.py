@@ -105,7 +105,10 @@ def launch(plan: Plan, plan_path: str | Path | None, run_dir: str | Path, steps:
         master_port = free_port()
     cmd = node_command(str(plan_file), nnodes, nproc, node_rank, master_addr, master_port,
                        worker_argv(run_dir, steps, backend, worker_args), worker_module)
-    child_env = {**os.environ, "PLAN3D_NODE_RANK": str(node_rank), "OMP_NUM_THREADS": "1",
+    # The node's identity from the scheduler (SLURM) wins; the placement check compares it with
+    # the rank torchrun derived from --node-rank.
+    node_identity = os.environ.get("PLAN3D_NODE_RANK", str(node_rank))
+    child_env = {**os.environ, "PLAN3D_NODE_RANK": node_identity, "OMP_NUM_THREADS": "1",
                  "PYTHONUNBUFFERED": "1", **(env or {})}
     return _run(cmd, child_env, run_dir, node_rank, on_progress)
 
@@ -196,3 +199,19 @@ def diagnose(run_dir: Path, launcher_log: str) -> tuple[int | None, str]:
         return first["rank"], first["error"]
     tail = [line for line in launcher_log.splitlines() if line.strip()][-1:] or ["no output"]
     return None, f"torchrun failed: {tail[0][:300]} (see {run_dir / 'logs'})"
+
+
+def predicted_model_state(plan: Plan, precision: str) -> dict[int, float]:
+    """The memory model's model-state bytes per pipeline rank, for the precision the run used."""
+    from plan3d.cost.memory import model_state_bytes
+
+    training = plan.training.model_copy(update={"precision": precision})
+    return {pp: sum(model_state_bytes(plan.model, training, plan.layout, pp).values())
+            for pp in range(plan.layout.pp)}
+
+
+def read_summary(run_dir: Path) -> dict:
+    path = Path(run_dir) / "summary.json"
+    if not path.exists():
+        raise LaunchError(f"the run finished without {path}; see {Path(run_dir) / 'logs'}")
+    return json.loads(path.read_text())

@@ -112,6 +112,16 @@ def _append(path: Path, record: dict) -> None:
         f.flush()
 
 
+def _truncate(path: Path, last_step: int) -> None:
+    """Keep the records of steps <= last_step (a resumed run rewrites what follows)."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.replace(path)
+
+
 def _summary(runner: Runner, records: list[dict], peaks: list, start_step: int) -> dict:
     args, plan = runner.args, runner.plan
     timed = records[args.warmup_steps:] or records
@@ -133,6 +143,8 @@ def train(args, run_dir: Path, rank: int, inject) -> None:
     runner = Runner(args, run_dir, rank)
     start_step = runner.resume()
     records, metrics = [], run_dir / "metrics.jsonl"
+    if rank == 0:
+        _truncate(metrics, start_step)
     for step in range(start_step + 1, args.steps + 1):
         record = runner.step(step)
         if not runner.state_bytes:
@@ -144,7 +156,8 @@ def train(args, run_dir: Path, rank: int, inject) -> None:
         if not args.no_save and ((args.save_every and step % args.save_every == 0) or step == args.steps):
             runner.save(step)
     mine = {"rank": rank, "model_state_bytes": runner.state_bytes, "peak_memory_bytes": memory.peak_bytes(runner.device),
-            "pp": runner.ctx.local("pp"), "dp": runner.ctx.local("dp"), "tp": runner.ctx.local("tp")}
+            "pp": runner.ctx.local("pp"), "dp": runner.ctx.local("dp"), "tp": runner.ctx.local("tp"),
+            "mesh_groups": {d: dist.get_process_group_ranks(runner.ctx.group(d)) for d in ("tp", "dp", "pp")}}
     peaks: list = [None] * runner.ctx.world
     dist.all_gather_object(peaks, mine)
     if rank == 0:

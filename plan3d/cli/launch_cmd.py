@@ -1,0 +1,115 @@
+"""`plan3d launch`: run a plan (or a layout given by flags) with the bundled runtime (issue 6)."""
+from __future__ import annotations
+
+import shlex
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from plan3d.cli.app import app
+from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, GlobalBatchOpt, GpnOpt, MicroBatchOpt, ModelOpt,
+                               NodesOpt, OrderOpt, PpOpt, RecomputeOpt, SeqLenOpt, SeqParallelOpt, TpOpt,
+                               VppOpt, ZeroOpt, load_specs, make_layout)
+from plan3d.errors import LaunchError
+
+PlanArg = Annotated[Optional[str], typer.Argument(help="Plan JSON (plan3d recommend/plan); omit to use the flags.")]
+
+
+def _plan_from_flags(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision, layout_flags):
+    from plan3d.cost.estimate import estimate
+    from plan3d.layout import check_layout
+    from plan3d.plan import build_plan
+
+    cluster_spec, model_spec, training = load_specs(cluster, model, nodes, gpus_per_node, global_batch,
+                                                    seq_len, precision or _default_precision(cluster))
+    layout = make_layout(**layout_flags)
+    check_layout(layout, model_spec, training, cluster_spec.world_size)
+    return build_plan(cluster_spec, model_spec, training, layout,
+                      estimate(cluster_spec, model_spec, training, layout).to_dict())
+
+
+def _default_precision(cluster: str) -> str:
+    return "fp32" if "cpu" in cluster else "bf16"
+
+
+def _worker_args(save_every: int, resume_from: str | None, timeout_s: float, seed: int) -> list[str]:
+    args = ["--save-every", str(save_every), "--timeout-s", str(timeout_s), "--seed", str(seed)]
+    return args + (["--resume-from", resume_from] if resume_from else [])
+
+
+@app.command("launch")
+def launch_command(
+    plan_file: PlanArg = None,
+    steps: Annotated[int, typer.Option("--steps", help="Train up to this step.")] = 10,
+    backend: Annotated[str, typer.Option("--backend", help="auto, gloo or nccl.")] = "auto",
+    run_dir: Annotated[Optional[str], typer.Option("--run-dir", help="Default runs/<time>-<layout>.")] = None,
+    nnodes: Annotated[int, typer.Option("--nnodes", help="Nodes taking part (one launcher each).")] = 1,
+    node_rank: Annotated[int, typer.Option("--node-rank", help="This node's rank, 0..nnodes-1.")] = 0,
+    master_addr: Annotated[str, typer.Option("--master-addr", help="Node 0's address.")] = "127.0.0.1",
+    master_port: Annotated[Optional[int], typer.Option("--master-port", help="Default: a free port (one node) or 29500.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print every node's command and exit.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from --run-dir's last checkpoint.")] = False,
+    resume_from: Annotated[Optional[str], typer.Option("--resume-from", help="Checkpoint or run directory (any layout).")] = None,
+    save_every: Annotated[int, typer.Option("--save-every", help="Checkpoint every N steps (0: at the end only).")] = 0,
+    timeout_s: Annotated[float, typer.Option("--timeout-s", help="Collective timeout: a hung rank ends the job.")] = 300.0,
+    seed: Annotated[int, typer.Option("--seed", help="Weights and data seed.")] = 1234,
+    cluster: ClusterOpt = "local-cpu", model: ModelOpt = "tiny-gpt",
+    tp: TpOpt = 1, pp: PpOpt = 1, dp: Annotated[int, typer.Option("--dp", help="Data-parallel degree.")] = 1,
+    micro_batch: MicroBatchOpt = 1, global_batch: GlobalBatchOpt = None, seq_len: SeqLenOpt = None,
+    vpp: VppOpt = 1, zero: ZeroOpt = 0, recompute: RecomputeOpt = "none",
+    sequence_parallel: SeqParallelOpt = False, order: OrderOpt = DEFAULT_ORDER,
+    nodes: NodesOpt = None, gpus_per_node: GpnOpt = None,
+    precision: Annotated[Optional[str], typer.Option("--precision", help="Default fp32 on CPU clusters, else bf16.")] = None,
+) -> None:
+    """Train a plan's layout with the bundled runtime; print measured against predicted."""
+    from plan3d.plan import load_plan
+
+    if plan_file:
+        plan = load_plan(plan_file)
+    else:
+        flags = dict(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, vpp=vpp, zero=zero, recompute=recompute,
+                     sequence_parallel=sequence_parallel, order=order)
+        plan = _plan_from_flags(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision, flags)
+    run_path = Path(run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{plan.layout.short().replace(' ', '-')}")
+    if resume:
+        if not run_dir:
+            raise LaunchError("--resume continues a run: pass its --run-dir (or use --resume-from)")
+        resume_from = resume_from or str(run_path)
+    worker_args = _worker_args(save_every, resume_from, timeout_s, seed)
+    if master_port is None and nnodes > 1:
+        master_port = 29500
+    if dry_run:
+        return _print_dry_run(plan, run_path, steps, backend, nnodes, master_addr, master_port, worker_args)
+    _launch_and_report(plan, run_path, steps, backend, nnodes, node_rank, master_addr, master_port, worker_args)
+
+
+def _print_dry_run(plan, run_path, steps, backend, nnodes, master_addr, master_port, worker_args) -> None:
+    from plan3d.emit.torchrun import torchrun_commands
+    from plan3d.launch import node_layout, worker_argv
+
+    gpn = node_layout(plan, nnodes, 0)
+    cmds = torchrun_commands(str(run_path / "plan.json"), plan.layout.world_size, nnodes, gpn, master_addr,
+                             master_port or 29500, worker_argv(run_path, steps, backend, worker_args))
+    for node, cmd in enumerate(cmds):
+        print(f"# node {node}: PLAN3D_NODE_RANK={node}")
+        print(shlex.join(cmd))
+
+
+def _launch_and_report(plan, run_path, steps, backend, nnodes, node_rank, master_addr, master_port, worker_args):
+    from plan3d.launch import launch, predicted_model_state, read_summary
+    from plan3d.render.launch import print_summary, progress_bar
+
+    with progress_bar(steps) as on_progress:
+        result = launch(plan, None, run_path, steps, backend=backend, nnodes=nnodes, node_rank=node_rank,
+                        master_addr=master_addr, master_port=master_port, worker_args=worker_args,
+                        on_progress=on_progress)
+    if not result.ok:
+        where = f"rank {result.failed_rank}" if result.failed_rank is not None else "the job"
+        raise LaunchError(f"{where} failed: {result.error} (exit {result.exit_code}; logs in {run_path / 'logs'})")
+    if node_rank != 0:
+        print(f"node {node_rank} done; node 0 holds the summary in {run_path}")
+        return
+    summary = read_summary(run_path)
+    print_summary(summary, predicted_model_state(plan, summary["precision"]), str(run_path))

@@ -1,0 +1,64 @@
+"""Rendering for `plan3d launch`: a live progress bar, then measured against predicted."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from plan3d.render.units import GIB, ms
+
+
+@contextmanager
+def progress_bar(steps: int, first_step: int = 1, console: Console | None = None):
+    """Yields on_progress(record) that advances a bar showing loss and step time."""
+    bar = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
+                   TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[step_ms]}"),
+                   TimeElapsedColumn(), console=console or Console(stderr=True), transient=False)
+    with bar:
+        task = bar.add_task("train", total=steps, completed=first_step - 1, loss="-", step_ms="")
+
+        def on_progress(record: dict) -> None:
+            bar.update(task, completed=record["step"], loss=f"{record['loss']:.4f}",
+                       step_ms=ms(record["step_time_s"]))
+
+        yield on_progress
+
+
+def _mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f} MiB" if n < GIB else f"{n / GIB:.2f} GiB"
+
+
+def _ratio(measured: float | None, predicted: float | None) -> str:
+    if not measured or not predicted:
+        return "-"
+    return f"{measured / predicted:.2f}x"
+
+
+def comparison_rows(summary: dict, predicted_state: dict[int, float]) -> list[tuple[str, float | None, float | None, str]]:
+    """(quantity, measured, predicted, unit) rows: step time, then per-rank memory."""
+    pred = summary.get("predicted", {})
+    rows = [("step time (mean after warm-up)", summary["step_time_s"], pred.get("step_time_s"), "s")]
+    for r in summary["ranks"]:
+        rows.append((f"rank {r['rank']} (pp {r['pp']}) model states", r["model_state_bytes"].get("total"),
+                     predicted_state.get(r["pp"]), "B"))
+    peak = max(r["peak_memory_bytes"] for r in summary["ranks"])
+    rows.append(("peak memory (max over ranks)", peak, pred.get("peak_memory_bytes"), "B"))
+    return rows
+
+
+def print_summary(summary: dict, predicted_state: dict[int, float], run_dir: str, console: Console | None = None) -> None:
+    console = console or Console()
+    losses = ", ".join(f"{x:.4f}" for x in summary["losses"])
+    console.print(f"losses (steps {summary['first_step']}..{summary['first_step'] + summary['steps'] - 1}): {losses}")
+    table = Table(title=f"measured vs predicted ({summary['world_size']} ranks, {summary['backend']}, "
+                        f"{summary['precision']})")
+    for col in ("", "measured", "predicted", "measured/predicted"):
+        table.add_column(col, justify="left" if not col else "right")
+    for name, measured, predicted, unit in comparison_rows(summary, predicted_state):
+        show = ms if unit == "s" else _mib
+        table.add_row(name, show(measured) if measured is not None else "-",
+                      show(predicted) if predicted is not None else "-", _ratio(measured, predicted))
+    console.print(table)
+    console.print(f"run directory: {run_dir} (metrics.jsonl, summary.json, logs/)")

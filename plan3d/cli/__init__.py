@@ -18,6 +18,7 @@ from plan3d.cli import report_cmd  # noqa: F401
 from plan3d.cli import recommend_cmd  # noqa: F401
 from plan3d.cli import check_cmd  # noqa: F401
 from plan3d.cli import estimate_cmd  # noqa: F401
+from plan3d.cli import launch_cmd  # noqa: F401
 
 DEBUG_ENV = "PLAN3D_DEBUG"
 

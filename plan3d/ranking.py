@@ -155,7 +155,8 @@ def compare_sentence(result: SearchResult, best: int, other: int, other_name: st
 def _term_phrase(delta: TermDelta) -> str:
     name = delta.term.removesuffix("_s").replace("_comm", " communication").replace("_", " ")
     word = "less" if delta.saved_s > 0 else "more"
-    return f"{abs(delta.saved_s) * 1e3:.1f} ms {word} on {name}"
+    amount = f"{abs(delta.saved_s):.1f} s" if abs(delta.saved_s) >= 10 else f"{abs(delta.saved_s) * 1e3:.1f} ms"
+    return f"{amount} {word} on {name}"
 
 
 # ---- nearest misses: what to change -----------------------------------------------------------
@@ -195,27 +196,25 @@ def suggestions(result: SearchResult, row: int) -> list[Suggestion]:
     return layout_suggestions(result.cluster, result.model, result.training, result.layout(row), result.orders)
 
 
-def layout_suggestions(cluster, model, training, base, orders: tuple[str, ...]) -> list[Suggestion]:
-    """The `memory_variants` of one layout that are valid, each with its predicted memory."""
-    from plan3d.layout import Layout, layout_problems
-    from plan3d.search import evaluate, layout_row
+def layout_suggestions(cluster, model, training, base, orders: tuple[str, ...] = ()) -> list[Suggestion]:
+    """The `memory_variants` of one layout that are valid, each with its predicted memory.
 
-    orders = tuple(dict.fromkeys(orders + (base.order,)))
-    candidates = []
+    Scalar `estimate()` per variant (a handful), so uneven `pp_layers` splits are handled too."""
+    from plan3d.cost.estimate import estimate
+    from plan3d.layout import Layout, layout_problems
+
+    out = []
     for label, update in memory_variants(base):
         try:
             layout = Layout(**(base.model_dump() | update))
         except ValueError:
+            continue  # e.g. doubling pp of an explicit pp_layers split
+        if layout_problems(layout, model, training, cluster.world_size):
             continue
-        if not layout_problems(layout, model, training, cluster.world_size):
-            candidates.append((label, layout))
-    if not candidates:
-        return []
-    rows = [layout_row(layout, orders) for _, layout in candidates]
-    arrays = {k: np.array([r[k] for r in rows]) for k in rows[0]}
-    metrics = evaluate(cluster, model, training, arrays, orders)
-    return [Suggestion(label, layout, float(metrics["peak_memory_bytes"][i]), float(metrics["capacity_bytes"][i]),
-                       bool(metrics["fits"][i])) for i, (label, layout) in enumerate(candidates)]
+        est = estimate(cluster, model, training, layout).to_dict()
+        out.append(Suggestion(label, layout, float(est["peak_memory_bytes"]), float(est["capacity_bytes"]),
+                              bool(est["fits"])))
+    return out
 
 
 # ---- the verdict on one layout (plan3d check) -------------------------------------------------

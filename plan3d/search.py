@@ -325,11 +325,15 @@ def sweep_nodes(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, 
     return [search(cluster.with_size(nodes=n), model, training, space, **thresholds) for n in counts]
 
 
+MAX_GPUS_TO_TRY = 131072  # beyond this a search takes seconds (rank maps of a million ranks)
+
+
 def nodes_to_fit(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space: Space = Space(),
                  max_factor: int = 64, **thresholds) -> int | None:
     """Fewest nodes above the cluster's count with a feasible layout, trying doublings of the count
-    and powers of two (a count with an odd factor may have no valid layout at all), up to max_factor x."""
-    top = cluster.nodes * max_factor
+    and powers of two (a count with an odd factor may have no valid layout at all), up to max_factor x
+    (and at most MAX_GPUS_TO_TRY GPUs)."""
+    top = min(cluster.nodes * max_factor, max(cluster.nodes, MAX_GPUS_TO_TRY // cluster.gpus_per_node))
     counts = {cluster.nodes * 2**k for k in range(1, max_factor.bit_length())}
     counts |= {2**k for k in range(top.bit_length()) if cluster.nodes < 2**k <= top}
     for nodes in sorted(counts):

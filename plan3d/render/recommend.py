@@ -92,9 +92,11 @@ def no_fit_message(report: Recommendation) -> str:
     r = report.result
     if not r.size:
         reasons = "; ".join(f"{n} x {why}" for why, n in r.rejected_by_reason().items())
-        return f"no valid layout of {r.model.name} on {r.cluster.world_size} GPUs ({reasons}); relax the bounds"
+        return (f"no valid layout of {r.model.name} on {r.cluster.world_size} GPUs ({reasons}): tp must divide the "
+                f"heads and KV heads ({r.model.heads}/{r.model.kv_heads_}), pp*vpp the {r.model.layers} layers and dp the "
+                f"global batch ({r.training.global_batch}); try other --nodes, a larger --global-batch, or wider bounds")
     more = (f"the smallest cluster that fits has {report.nodes_needed} nodes (--nodes {report.nodes_needed})"
-            if report.nodes_needed else "no cluster up to 64x this size fits either")
+            if report.nodes_needed else "no larger cluster tried (up to 64x, 131,072 GPUs) fits either")
     return (f"no layout of {r.model.name} fits on {r.cluster.nodes} x {r.cluster.gpus_per_node} {r.cluster.gpu.name}: "
             f"{r.size} valid layouts all exceed memory or a threshold; {more}; see the nearest misses above")
 
@@ -150,6 +152,9 @@ def print_recommendation(report: Recommendation, explain: bool = False, console:
     r = report.result
     if report.sweep is not None:
         console.print(sweep_table(report))
+        fewest = next((s.cluster.nodes for s in report.sweep if s.feasible_count), None)
+        console.print(f"fewest nodes with a layout that fits: {fewest} (its layouts below)" if fewest
+                      else "no node count of the sweep fits (the largest is shown below)")
     title = (f"{r.model.name} on {r.cluster.nodes} x {r.cluster.gpus_per_node} {r.cluster.gpu.name} "
              f"({r.cluster.world_size} GPUs), global batch {r.training.global_batch}, objective {report.objective}")
     if r.feasible_count:

@@ -44,7 +44,7 @@ def moving_parts(layouts: dict[str, np.ndarray]) -> np.ndarray:
     """How many optional mechanisms a layout switches on (fewer is simpler to run and debug)."""
     return ((layouts["zero"] > 0).astype(int) + layouts["zero"] // 3 + (layouts["recompute"] > 0)
             + (layouts["vpp"] > 1) + layouts["sequence_parallel"].astype(int) + (layouts["order"] > 0)
-            + (layouts["pp"] > 1) + (layouts["tp"] > 1))
+            + (layouts["pp"] > 1) + (layouts["tp"] > 1) + layouts["uneven"].astype(int))
 
 
 def memory_fraction(result: SearchResult) -> np.ndarray:

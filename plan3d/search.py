@@ -31,7 +31,7 @@ from plan3d.specs.training import TrainingSpec
 RECOMPUTE = ("none", "selective", "full")
 DEFAULT_ORDERS = (DEFAULT_ORDER, "tp-cp-ep-pp-dp")
 SHAPE_KNOBS = ("tp", "pp", "dp", "micro_batch", "vpp", "sequence_parallel")
-LAYOUT_KNOBS = SHAPE_KNOBS + ("zero", "recompute", "order")
+LAYOUT_KNOBS = SHAPE_KNOBS + ("uneven", "zero", "recompute", "order")
 
 # (code, short reason); code 0 is "valid". Structural codes follow layout_problems' order.
 REASONS = {
@@ -71,6 +71,7 @@ class Space:
     recompute: tuple[str, ...] = RECOMPUTE
     sequence_parallel: tuple[bool, ...] = (False, True)
     orders: tuple[str, ...] = DEFAULT_ORDERS
+    uneven: bool = False  # also give pp*vpp that do not divide the layers a balanced uneven split
 
     def __post_init__(self) -> None:
         for order in self.orders:
@@ -116,13 +117,15 @@ def shape_grid(world_size: int, space: Space) -> dict[str, np.ndarray]:
     sps = np.array(sorted(set(space.sequence_parallel)), dtype=bool)
     t, m, v, s = (a.ravel() for a in np.meshgrid(np.arange(len(triples)), mbs, vpps, sps, indexing="ij"))
     grid = {"tp": triples[t, 0], "pp": triples[t, 1], "dp": triples[t, 2],
-            "micro_batch": m, "vpp": v, "sequence_parallel": s}
+            "micro_batch": m, "vpp": v, "sequence_parallel": s, "uneven": np.zeros(len(t), dtype=bool)}
     well_formed = ((grid["vpp"] == 1) | (grid["pp"] > 1)) & (~grid["sequence_parallel"] | (grid["tp"] > 1))
     return {k: a[well_formed] for k, a in grid.items()}
 
 
 def shape_reasons(grid: dict[str, np.ndarray], model: ModelSpec, training: TrainingSpec) -> np.ndarray:
-    """First failing rule per shape (0: valid), the vectorised mirror of `layout_problems`."""
+    """First failing rule per shape (0: valid), the vectorised mirror of `layout_problems`.
+
+    A shape marked `uneven` carries `balanced_split` as pp_layers, so the even-split rule skips it."""
     tp, pp, dp, mb, vpp, sp = (grid[k] for k in SHAPE_KNOBS)
     chunks = pp * vpp
     g = training.global_batch
@@ -133,7 +136,7 @@ def shape_reasons(grid: dict[str, np.ndarray], model: ModelSpec, training: Train
         (model.heads % tp != 0) | (model.kv_heads_ % tp != 0),
         model.ffn_hidden_ % tp != 0,
         chunks > model.layers,
-        model.layers % chunks != 0,
+        (model.layers % chunks != 0) & ~grid.get("uneven", np.zeros(len(tp), dtype=bool)),
         g % dp != 0,
         per_replica % mb != 0,
         (pp > 1) & (m < pp),
@@ -143,6 +146,28 @@ def shape_reasons(grid: dict[str, np.ndarray], model: ModelSpec, training: Train
     codes = np.zeros(len(tp), dtype=np.int8)
     for code, failed in enumerate(rules, start=1):
         codes[(codes == 0) & failed] = code
+    return codes
+
+
+def balanced_split(layers: int, chunks: int) -> tuple[int, ...]:
+    """Layers per virtual stage when chunks does not divide layers: the extra layers go to the
+    middle stages first, so the first (embedding) and last (logits) stages stay lighter, as in
+    Llama 3 405B's 126 layers on 16 stages (7, 8 x 14, 7; Dubey et al. 2024, section 3.3)."""
+    base, extra = divmod(layers, chunks)
+    order = list(range(1, chunks - 1)) + [0, chunks - 1]
+    split = [base] * chunks
+    for stage in order[:extra]:
+        split[stage] += 1
+    return tuple(split)
+
+
+def allow_uneven(shapes: dict[str, np.ndarray], codes: np.ndarray, model: ModelSpec,
+                 training: TrainingSpec) -> np.ndarray:
+    """Mark shapes rejected only for an uneven split as uneven, and re-judge them (codes updated)."""
+    uneven = codes == 4
+    shapes["uneven"] = uneven
+    codes = codes.copy()
+    codes[uneven] = shape_reasons({k: a[uneven] for k, a in shapes.items()}, model, training)
     return codes
 
 
@@ -177,19 +202,26 @@ def same_placement(layouts: dict[str, np.ndarray], orders: tuple[str, ...]) -> n
     return table[pattern, layouts["order"]]
 
 
-def layout_at(layouts: dict[str, np.ndarray], orders: tuple[str, ...], i: int) -> Layout:
-    """The Layout of row i (recompute and order decoded)."""
-    return Layout(tp=int(layouts["tp"][i]), pp=int(layouts["pp"][i]), dp=int(layouts["dp"][i]),
+def layout_at(layouts: dict[str, np.ndarray], orders: tuple[str, ...], i: int, layers: int = 0) -> Layout:
+    """The Layout of row i (recompute, order and an uneven split of `layers` decoded)."""
+    pp, vpp = int(layouts["pp"][i]), int(layouts["vpp"][i])
+    split = balanced_split(layers, pp * vpp) if layouts.get("uneven", np.zeros(i + 1, bool))[i] else None
+    return Layout(tp=int(layouts["tp"][i]), pp=pp, dp=int(layouts["dp"][i]), pp_layers=split,
                   micro_batch=int(layouts["micro_batch"][i]), vpp=int(layouts["vpp"][i]),
                   zero=int(layouts["zero"][i]), recompute=RECOMPUTE[int(layouts["recompute"][i])],
                   sequence_parallel=bool(layouts["sequence_parallel"][i]),
                   order=orders[int(layouts["order"][i])])
 
 
+def is_uneven(layout: Layout) -> bool:
+    return layout.pp_layers is not None and len(set(layout.pp_layers)) > 1
+
+
 def layout_row(layout: Layout, orders: tuple[str, ...]) -> dict[str, int | bool]:
     """The inverse of `layout_at` for one Layout (its order must be in `orders`)."""
     return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "micro_batch": layout.micro_batch,
-            "vpp": layout.vpp, "sequence_parallel": layout.sequence_parallel, "zero": layout.zero,
+            "vpp": layout.vpp, "sequence_parallel": layout.sequence_parallel, "uneven": is_uneven(layout),
+            "zero": layout.zero,
             "recompute": RECOMPUTE.index(layout.recompute), "order": orders.index(layout.order)}
 
 
@@ -232,11 +264,13 @@ class SearchResult:
         return int(self.feasible.sum())
 
     def layout(self, i: int) -> Layout:
-        return layout_at(self.layouts, self.orders, int(i))
+        return layout_at(self.layouts, self.orders, int(i), self.model.layers)
 
     def find(self, layout: Layout) -> int | None:
         """Row of `layout` among the evaluated ones, or None (invalid, or outside the space)."""
-        if layout.order not in self.orders or layout.cp != 1 or layout.pp_layers is not None:
+        if layout.order not in self.orders or layout.cp != 1:
+            return None
+        if is_uneven(layout) and layout.pp_layers != balanced_split(self.model.layers, layout.pp * layout.vpp):
             return None
         row = layout_row(layout, self.orders)
         hit = np.ones(self.size, dtype=bool)
@@ -257,7 +291,44 @@ class SearchResult:
 
 def evaluate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec,
              layouts: dict[str, np.ndarray], orders: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """Predicted metrics of valid layouts, one vectorised call of the cost model."""
+    """Predicted metrics of valid layouts: even splits in one vectorised call of the cost model,
+    uneven splits (which `estimate_batch` does not model) one scalar `estimate()` each."""
+    uneven = layouts.get("uneven", np.zeros(len(layouts["tp"]), dtype=bool))
+    if not uneven.any():
+        return evaluate_even(cluster, model, training, layouts, orders)
+    parts = {}
+    if (~uneven).any():
+        parts[False] = evaluate_even(cluster, model, training, {k: a[~uneven] for k, a in layouts.items()}, orders)
+    parts[True] = evaluate_scalar(cluster, model, training, {k: a[uneven] for k, a in layouts.items()}, orders)
+    keys = list(parts[True])
+    out = {k: np.empty(len(uneven), dtype=parts[True][k].dtype) for k in keys}
+    for flag, metrics in parts.items():
+        for k in keys:
+            out[k][uneven == flag] = metrics[k]
+    return out
+
+
+def evaluate_scalar(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec,
+                    layouts: dict[str, np.ndarray], orders: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The same metrics as `evaluate_even`, from `estimate()` one layout at a time."""
+    from plan3d.cost.estimate import estimate
+
+    rows = []
+    for i in range(len(layouts["tp"])):
+        d = estimate(cluster, model, training, layout_at(layouts, orders, i, model.layers)).to_dict()
+        row = {k: d[k] for k in SCALAR_METRICS}
+        row.update({f"{k}_s": v for k, v in d["time_s"].items()})
+        rows.append(row)
+    return {k: np.array([r[k] for r in rows]) for k in rows[0]}
+
+
+SCALAR_METRICS = ("step_time_s", "tokens_per_s", "peak_memory_bytes", "capacity_bytes", "fits", "mfu",
+                  "model_tflops_per_gpu", "bubble_fraction")
+
+
+def evaluate_even(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec,
+                  layouts: dict[str, np.ndarray], orders: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Predicted metrics of valid even-split layouts, one vectorised call of the cost model."""
     from plan3d.cost.batch import Candidates, estimate_batch
 
     cands = Candidates(tp=layouts["tp"], pp=layouts["pp"], dp=layouts["dp"],
@@ -273,6 +344,8 @@ def search(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space
     start = time.perf_counter()
     shapes = shape_grid(cluster.world_size, space)
     codes = shape_reasons(shapes, model, training)
+    if space.uneven:
+        codes = allow_uneven(shapes, codes, model, training)
     per = space.layouts_per_shape
     rejected = {int(c): int(n) * per for c, n in enumerate(np.bincount(codes, minlength=10)) if c and n}
     valid = {k: a[codes == 0] for k, a in shapes.items()}

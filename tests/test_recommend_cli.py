@@ -121,3 +121,14 @@ def test_explain_invalid_layout_exits_2(capsys):
 def test_recommend_explain_flag(capsys):
     data = run_json(capsys, "recommend", *SMALL, "--top", "2", "--explain", "--pick", "2")
     assert data["explain"]["position"] == 2
+
+
+def test_uneven_splits_are_searched_on_request(capsys, tmp_path):
+    args = ["recommend", "--cluster", "dgx-a100-80g", "--model", "tiny-gpt", "--nodes", "1", "--global-batch", "24",
+            "--max-micro-batch", "1", "--top", "50"]
+    even = run_json(capsys, *args)
+    uneven = run_json(capsys, *args, "--uneven")
+    assert uneven["search"]["layouts_considered"] == even["search"]["layouts_considered"]
+    assert uneven["search"]["layouts_evaluated"] > even["search"]["layouts_evaluated"]
+    splits = [r["layout"]["pp_layers"] for r in uneven["top"] if "pp_layers" in r["layout"]]
+    assert splits and all(sum(s) == 8 and max(s) - min(s) == 1 for s in splits)

@@ -13,16 +13,18 @@ from plan3d import ranking
 from plan3d.cost.estimate import estimate
 from plan3d.layout import Layout, layout_problems
 from plan3d.rankmap import rankmap_for
-from plan3d.search import RECOMPUTE, SearchResult, Space, layout_row, search
+from plan3d.search import RECOMPUTE, SearchResult, Space, balanced_split, layout_row, search
 from plan3d.specs.catalog import load_cluster, load_model
 from plan3d.specs.training import TrainingSpec
 from test_search_space import code_of
 
 SPACE = Space(max_micro_batch=3, max_vpp=3)
-CASES = [  # (cluster, nodes, model, global batch, seq len)
-    ("dgx-a100-80g", 1, "tiny-gpt", 16, None),
-    ("dgx-a100-80g", 2, "llama3-8b", 32, 4096),
-    ("dgx-a100-40g", 2, "gpt-neox-20b", 24, None),
+UNEVEN = Space(max_micro_batch=2, max_vpp=3, uneven=True)
+CASES = [  # (cluster, nodes, model, global batch, seq len, space)
+    ("dgx-a100-80g", 1, "tiny-gpt", 16, None, SPACE),
+    ("dgx-a100-80g", 2, "llama3-8b", 32, 4096, SPACE),
+    ("dgx-a100-40g", 2, "gpt-neox-20b", 24, None, SPACE),
+    ("dgx-a100-80g", 1, "tiny-gpt", 24, None, UNEVEN),
 ]
 
 
@@ -49,6 +51,9 @@ def exhaustive(cluster, model, training, space: Space):
                 continue  # not a layout at all (vpp without pp, sp without tp): not counted
             considered += 1
             problems = layout_problems(layout, model, training, world)
+            if space.uneven and problems and code_of(problems[0]) == 4:
+                layout = Layout(**(layout.model_dump() | {"pp_layers": balanced_split(model.layers, pp * vpp)}))
+                problems = layout_problems(layout, model, training, world)
             if problems:
                 rejected[code_of(problems[0])] = rejected.get(code_of(problems[0]), 0) + 1
                 continue
@@ -80,14 +85,16 @@ def as_result(cluster, model, training, rows, metrics, space) -> SearchResult:
                         seconds=1.0, codes=codes)
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[c[2] for c in CASES])
+@pytest.fixture(scope="module", params=CASES, ids=[f"{c[2]}{'-uneven' * c[5].uneven}" for c in CASES])
 def pair(request):
-    name, nodes, model_name, batch, seq = request.param
+    name, nodes, model_name, batch, seq, space = request.param
     cluster, model = load_cluster(name, nodes), load_model(model_name)
     training = TrainingSpec(global_batch=batch, seq_len=seq)
-    fast = search(cluster, model, training, SPACE)
-    rows, metrics, rejected, considered = exhaustive(cluster, model, training, SPACE)
-    return fast, as_result(cluster, model, training, rows, metrics, SPACE), rejected, considered
+    fast = search(cluster, model, training, space)
+    rows, metrics, rejected, considered = exhaustive(cluster, model, training, space)
+    if space.uneven:
+        assert any(r["uneven"] for r in rows), "the uneven case should contain uneven layouts"
+    return fast, as_result(cluster, model, training, rows, metrics, space), rejected, considered
 
 
 def test_same_counts_and_reasons(pair):

@@ -58,6 +58,8 @@ def recommend(
     sequence_parallel: Annotated[Optional[bool], typer.Option(
         "--sequence-parallel/--no-sequence-parallel", help="Force sequence parallelism on or off.")] = None,
     order: Annotated[Optional[list[str]], _opt("--order", "Allowed rank order(s); repeat the flag.")] = None,
+    uneven: Annotated[bool, _opt("--uneven", "Also try uneven layer splits when pp*vpp does not divide the "
+                                 "layers (evaluated one by one: slower).")] = False,
     min_nodes: Annotated[IntOpt, _opt("--min-nodes", "With --max-nodes: how many nodes do I need?")] = None,
     max_nodes: Annotated[IntOpt, _opt("--max-nodes", "Largest node count of the sweep.")] = None,
     min_mfu: MinMfuOpt = None,
@@ -111,7 +113,8 @@ def space_from_flags(flags: dict):
                  **bound("dp", flags["min_dp"], flags["max_dp"]),
                  **bound("micro_batch", 1, max(flags["max_micro_batch"], flags["micro_batch"] or 1)),
                  **bound("vpp", 1, max(flags["max_vpp"], flags["vpp"] or 1)),
-                 zero=tuple(flags["zero"] or (0, 1, 2, 3)), recompute=recompute, sequence_parallel=sp, orders=orders)
+                 zero=tuple(flags["zero"] or (0, 1, 2, 3)), recompute=recompute, sequence_parallel=sp, orders=orders,
+                 uneven=flags["uneven"])
 
 
 def _thresholds(min_mfu: float | None, max_memory_fraction: float | None) -> dict:

@@ -39,7 +39,7 @@ class Recommendation:
 # ---- plain data (JSON) ---------------------------------------------------------------------------
 def row_dict(result: SearchResult, row: int, tokens: float | None = None) -> dict:
     m = result.metrics
-    out = {"layout": result.layout(row).model_dump(mode="json", exclude={"pp_layers", "cp", "ep"})}
+    out = {"layout": result.layout(row).model_dump(mode="json", exclude={"cp", "ep"}, exclude_none=True)}
     out.update({k: float(m[k][row]) for k in METRICS if k in m})
     out["headroom_bytes"] = out["capacity_bytes"] - out["peak_memory_bytes"]
     out["fits"] = bool(m["fits"][row])
@@ -120,7 +120,8 @@ def _pct(x: float) -> str:
 def layout_cells(result: SearchResult, row: int) -> list[str]:
     lay = result.layout(row)
     order = "pp-dp" if lay.order.endswith("pp-dp") else "dp-pp"
-    return [str(lay.tp), str(lay.pp), str(lay.dp), str(lay.micro_batch), str(lay.vpp), str(lay.zero),
+    pp = f"{lay.pp}*" if lay.pp_layers is not None else str(lay.pp)
+    return [str(lay.tp), pp, str(lay.dp), str(lay.micro_batch), str(lay.vpp), str(lay.zero),
             lay.recompute, "y" if lay.sequence_parallel else "", order]
 
 
@@ -159,6 +160,8 @@ def print_recommendation(report: Recommendation, explain: bool = False, console:
              f"({r.cluster.world_size} GPUs), global batch {r.training.global_batch}, objective {report.objective}")
     if r.feasible_count:
         console.print(layouts_table(r, report.shown, title, report.tokens))
+        if any(r.layout(int(row)).pp_layers is not None for row in report.shown):
+            console.print("* uneven split: the first and last stages hold fewer layers (--json lists pp_layers)")
         console.print(f"[bold]why #1:[/bold] {ranking.why_wins(r, report.order, report.objective)}")
         front = ranking.pareto_front(r, report.order)
         console.print(f"Pareto front (tokens/s vs memory headroom): {len(front)} layouts; "

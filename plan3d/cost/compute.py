@@ -66,6 +66,15 @@ def layer_forward_s(ctx: CostContext, mb, tp, sp_div):
             + memory_bound_s(ctx, scores, ctx.attention_score_bytes))
 
 
+def host_bound_s(gpu_s, host_s):
+    """Time of a pass whose kernels take `gpu_s` on the GPU and `host_s` to issue on the host.
+
+    Issue and execution overlap: large kernels hide the host (-> gpu_s), tiny ones leave the GPU
+    waiting (-> host_s); in between, launch jitter empties the queue part of the time. The
+    smooth maximum sqrt(gpu^2 + host^2) covers the three regimes with no extra parameter."""
+    return np.sqrt(gpu_s**2 + host_s**2)
+
+
 def attention_core_forward_s(ctx: CostContext, mb, tp):
     """Forward time of the attention core alone (what selective recompute repeats)."""
     scores = mb * ctx.heads / tp * ctx.seq**2

@@ -17,7 +17,9 @@ from plan3d.cost.pipeline import masked_argmax, masked_max, pipeline_s
 
 FULL, SELECTIVE = RECOMPUTE_CODES["full"], RECOMPUTE_CODES["selective"]
 MEMORY_KEYS = ("weights", "gradients", "optimizer", "activations", "buffers", "reserve")
-TIME_KEYS = ("compute", "recompute", "bubble", "tp_comm", "pp_comm", "dp_comm", "zero_comm", "optimizer")
+TIME_KEYS = ("compute", "recompute", "bubble", "tp_comm", "pp_comm", "overhead", "dp_comm", "zero_comm",
+             "optimizer")
+PER_MICRO_BATCH = ("compute", "recompute", "tp_comm", "pp_comm", "overhead")
 
 
 @dataclass(frozen=True)
@@ -33,20 +35,37 @@ class Links:
 
 
 def stage_micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, layers) -> dict:
-    """Per micro-batch times of one rank of pipeline rank `pp_rank` holding `layers` layers."""
+    """Per micro-batch times of one rank of pipeline rank `pp_rank` holding `layers` layers.
+
+    Each layer pass (forward, recompute, backward = 2x forward) costs its GPU time (kernels plus
+    its two blocking TP all-reduces) combined with the host time to issue it; what the host adds
+    beyond the GPU time is reported as `overhead`."""
     first, last = pp_rank == 0, pp_rank == la.pp - 1
     layer_fwd = compute.layer_forward_s(ctx, la.mb, la.tp, la.sp_div)
+    boundary_bytes = la.mb * ctx.seq * ctx.hidden * ctx.act_bytes
+    tp_pair = 2 * comm.all_reduce_s(boundary_bytes, la.tp, links.tp_bw, links.tp_lat)  # per pass
+    full = la.recompute >= FULL
+    redo = np.where(full, layer_fwd,
+                    np.where(la.recompute == SELECTIVE, compute.attention_core_forward_s(ctx, la.mb, la.tp), 0.0))
+    host = ctx.layer_overhead_s
+    passes = (compute.host_bound_s(layer_fwd + tp_pair, host)
+              + compute.host_bound_s(2 * layer_fwd + tp_pair, 2 * host)
+              + np.where(full, compute.host_bound_s(layer_fwd + tp_pair, host), redo))
+    gpu_layer = 3 * layer_fwd + redo + np.where(full, 3, 2) * tp_pair
     logits_fwd = np.where(last, compute.logits_forward_s(ctx, la.mb, la.tp), 0.0)
     embed = np.where(first, compute.memory_bound_s(ctx, la.mb * ctx.seq * ctx.hidden, ctx.elementwise_bytes), 0.0)
-    forward = layers * layer_fwd + logits_fwd + embed
-    redo = np.where(la.recompute >= FULL, layer_fwd,
-                    np.where(la.recompute == SELECTIVE, compute.attention_core_forward_s(ctx, la.mb, la.tp), 0.0))
-    boundary_bytes = la.mb * ctx.seq * ctx.hidden * ctx.act_bytes
-    all_reduces = 4 + np.where(la.recompute >= FULL, 2, 0)  # 2 forward, 2 backward, 2 in the redo
-    tp = layers * all_reduces * comm.all_reduce_s(boundary_bytes, la.tp, links.tp_bw, links.tp_lat)
-    pp = np.where(la.pp > 1, 2 * la.vpp * comm.p2p_s(boundary_bytes / la.sp_div, links.pp_bw, links.pp_lat), 0.0)
-    return {"compute": 3 * forward, "recompute": layers * redo, "tp_comm": tp, "pp_comm": pp,
-            "backward": 2 * forward}
+    return {"compute": 3 * (layers * layer_fwd + logits_fwd + embed), "recompute": layers * redo,
+            "tp_comm": layers * np.where(full, 3, 2) * tp_pair, "pp_comm": _p2p_s(ctx, la, links, boundary_bytes),
+            "overhead": layers * (passes - gpu_layer), "backward": 2 * (layers * layer_fwd + logits_fwd)}
+
+
+def _p2p_s(ctx: CostContext, la: LayoutArrays, links: Links, boundary_bytes):
+    """Pipeline sends per micro-batch: one forward and one backward per chunk (v per rank).
+    Each tp rank sends 1/tp of the boundary and the receivers all-gather it over tp (Megatron's
+    scatter-gather optimisation, Narayanan et al. 2021 section 4.1)."""
+    send = comm.p2p_s(boundary_bytes / la.tp, links.pp_bw, links.pp_lat)
+    gather = np.where(la.sp > 0, 0.0, comm.all_gather_s(boundary_bytes, la.tp, links.tp_bw, links.tp_lat))
+    return np.where(la.pp > 1, 2 * la.vpp * (send + gather), 0.0)
 
 
 def stage_step_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, params, backward_s, compute_s) -> dict:
@@ -75,13 +94,13 @@ def evaluate(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, layers, 
     """Everything for the stacked stages: memory per stage, times, step time and rates."""
     mem = memory.stage_memory(ctx, la, pp_rank, layers)
     per_mb = stage_micro_batch_s(ctx, la, links, pp_rank, layers)
-    per_mb_total = sum(per_mb[k] for k in ("compute", "recompute", "tp_comm", "pp_comm"))
+    per_mb_total = sum(per_mb[k] for k in PER_MICRO_BATCH)
     pipe, bubble = pipeline_s(per_mb_total, weights, la.m, la.vpp)
     extra = stage_step_s(ctx, la, links, pp_rank, mem["params"], per_mb["backward"],
                          la.m * (per_mb["compute"] + per_mb["recompute"]))
     slow = masked_argmax(per_mb_total, weights)
     pick = lambda a: np.take_along_axis(np.broadcast_to(a, per_mb_total.shape), slow[None], 0)[0]  # noqa: E731
-    time = {k: la.m * pick(per_mb[k]) for k in ("compute", "recompute", "tp_comm", "pp_comm")}
+    time = {k: la.m * pick(per_mb[k]) for k in PER_MICRO_BATCH}
     time["bubble"] = bubble
     time.update({k: masked_max(np.broadcast_to(v, per_mb_total.shape), weights) for k, v in extra.items()})
     return _summary(ctx, la, mem, time, weights)

@@ -11,6 +11,7 @@ MEMORY_LABELS = {"weights": "weights", "gradients": "gradients", "optimizer": "o
                  "reserve": "reserve (context, NCCL, fragmentation)"}
 TIME_LABELS = {"compute": "compute (forward + backward)", "recompute": "recompute",
                "bubble": "pipeline bubble", "tp_comm": "TP communication", "pp_comm": "PP communication",
+               "overhead": "host overhead (kernel launches)",
                "dp_comm": "DP communication (exposed)", "zero_comm": "ZeRO-3 gathers (exposed)",
                "optimizer": "optimizer step"}
 

@@ -25,6 +25,9 @@ class ComputeEfficiency(StrictModel):
     `elementwise_bytes` of HBM traffic per activation element a layer's forward touches, and
     `attention_score_bytes` per attention-score element (0 with fused flash attention, whose
     scores never reach HBM; ~10-16 for an unfused softmax + dropout).
+    `layer_overhead_s`: fixed time per layer per forward pass (twice that per backward) that no
+    FLOP or byte explains: kernel launches and host-side dispatch the GPU waits for when kernels
+    are short (dominant for small models and small micro-batches in eager PyTorch).
     `dp_overlap_fraction`: the share of one micro-batch's backward that hides the data-parallel
     gradient reduction (0 without gradient bucketing, as in the vTrain runs).
     Values are fitted by `benchmarks/accuracy.py` (and later `plan3d calibrate`).
@@ -34,6 +37,7 @@ class ComputeEfficiency(StrictModel):
     half_work_flops: float = Field(2.0e9, ge=0)
     elementwise_bytes: float = Field(8.0, ge=0)
     attention_score_bytes: float = Field(0.0, ge=0)
+    layer_overhead_s: float = Field(1.0e-4, ge=0)
     dp_overlap_fraction: float = Field(0.8, ge=0, le=1)
 
 

@@ -1,0 +1,232 @@
+"""Accuracy of the performance model against measured Megatron-DeepSpeed runs (vTrain data).
+
+    .venv/bin/python benchmarks/accuracy.py            # table with the bundled vtrain-a100 spec
+    .venv/bin/python benchmarks/accuracy.py --json     # the same figures for machines
+    .venv/bin/python benchmarks/accuracy.py --fit      # refit the efficiency values on half the rows
+
+Every row of ../shared/data/vtrain/*.csv (relative to the repository root; --data DIR to change)
+is predicted with `estimate_batch` on the bundled `vtrain-a100` cluster: GPT blocks (FFN 4h,
+GELU, vocabulary 50257, tied embeddings), fp16 with 16-bit gradients, Adam, full recompute, 1F1B,
+no ZeRO. --fit fits the global efficiency values (GEMM curve, elementwise bytes, attention-score
+bytes, link efficiencies) on the even-numbered rows of each file with a Nelder-Mead search
+(numpy only) and reports the error on the odd-numbered rows, which the fit did not see.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from plan3d.cost.batch import Candidates, estimate_batch
+from plan3d.layout import DEFAULT_ORDER
+from plan3d.specs.catalog import load_cluster
+from plan3d.specs.cluster import ClusterSpec
+from plan3d.specs.model import ModelSpec
+from plan3d.specs.training import TrainingSpec
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = REPO.parent / "shared" / "data" / "vtrain"
+SETS = {"multi_node": "ground_truth_multi.csv", "single_node": "ground_truth_single.csv"}
+VOCAB = 50257
+EFF_KEYS = ("max_fraction", "half_work_flops", "elementwise_bytes", "attention_score_bytes", "layer_overhead_s")
+FIT_KEYS = EFF_KEYS + ("nvlink_efficiency", "ib_efficiency", "nvlink_latency_us")
+
+
+# ---- data ------------------------------------------------------------------------------------
+def read_rows(path: Path) -> list[dict]:
+    """Rows as dicts of ints (and the measured time in seconds)."""
+    names = {"# GPUs": "gpus", "global batch": "global_batch", "micro batch": "mb", "hidden size": "hidden",
+             "attention heads": "heads", "# layers": "layers", "sequence length": "seq",
+             "tensor parallelism": "tp", "data parallelism": "dp", "pipeline parallelism": "pp"}
+    rows = []
+    with path.open() as f:
+        for index, raw in enumerate(csv.DictReader(f)):
+            row = {names[k]: int(v) for k, v in raw.items() if k in names}
+            row["measured_s"] = float(raw["iteration time (ms)"]) / 1e3
+            row["index"] = index
+            rows.append(row)
+    return rows
+
+
+def row_specs(row: dict) -> tuple[ModelSpec, TrainingSpec]:
+    model = ModelSpec(name=f"gpt-h{row['hidden']}-l{row['layers']}", layers=row["layers"], hidden=row["hidden"],
+                      heads=row["heads"], vocab=VOCAB, seq_len=row["seq"], tied_embeddings=True)
+    training = TrainingSpec(global_batch=row["global_batch"], precision="fp16", fp32_grad_accum=False)
+    return model, training
+
+
+# ---- prediction ------------------------------------------------------------------------------
+def group_rows(rows: list[dict]) -> dict[tuple, list[dict]]:
+    groups = defaultdict(list)
+    for row in rows:
+        groups[(row["hidden"], row["heads"], row["layers"], row["seq"], row["global_batch"], row["gpus"])].append(row)
+    return groups
+
+
+def predict(cluster: ClusterSpec, rows: list[dict]) -> np.ndarray:
+    """Predicted step time (s) of every row, one estimate_batch per model and GPU count."""
+    out = np.empty(len(rows))
+    position = {id(r): i for i, r in enumerate(rows)}
+    for group in group_rows(rows).values():
+        model, training = row_specs(group[0])
+        nodes = -(-group[0]["gpus"] // cluster.gpus_per_node)
+        sized = cluster if nodes == cluster.nodes else cluster.model_copy(update={"nodes": nodes})
+        col = lambda k: np.array([r[k] for r in group])  # noqa: E731
+        n = len(group)
+        cands = Candidates(col("tp"), col("pp"), col("dp"), col("mb"), np.ones(n), np.zeros(n),
+                           np.full(n, 2), np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64))
+        times = estimate_batch(sized, model, training, cands, (DEFAULT_ORDER,))["step_time_s"]
+        for row, t in zip(group, times):
+            out[position[id(row)]] = t
+    return out
+
+
+# ---- metrics ---------------------------------------------------------------------------------
+def ranks(values: np.ndarray) -> np.ndarray:
+    """Ranks with ties averaged (for Spearman)."""
+    order = np.argsort(values, kind="mergesort")
+    r = np.empty(len(values))
+    r[order] = np.arange(len(values))
+    for v in np.unique(values):
+        same = values == v
+        r[same] = r[same].mean()
+    return r
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    ra, rb = ranks(a), ranks(b)
+    if ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def metrics(rows: list[dict], predicted: np.ndarray) -> dict:
+    measured = np.array([r["measured_s"] for r in rows])
+    err = np.abs(predicted - measured) / measured * 100
+    sweeps = defaultdict(list)
+    for i, r in enumerate(rows):
+        sweeps[(r["hidden"], r["heads"], r["layers"], r["seq"], r["gpus"])].append(i)
+    rhos = [spearman(predicted[idx], measured[idx]) for idx in sweeps.values() if len(idx) >= 3]
+    rhos = [x for x in rhos if x == x]
+    return {"mape_pct": float(err.mean()), "median_abs_pct": float(np.median(err)),
+            "max_abs_pct": float(err.max()), "spearman_min": float(min(rhos)) if rhos else float("nan"),
+            "spearman_mean": float(np.mean(rhos)) if rhos else float("nan"), "rows": len(rows),
+            "sweeps": len(rhos)}
+
+
+# ---- fitting ---------------------------------------------------------------------------------
+def with_params(cluster: ClusterSpec, theta: dict) -> ClusterSpec:
+    data = cluster.model_dump()
+    eff = data["gpu"]["compute_efficiency"]
+    for key in EFF_KEYS:
+        eff[key] = theta[key]
+    data["network"][0]["efficiency"] = theta["nvlink_efficiency"]
+    data["network"][1]["efficiency"] = theta["ib_efficiency"]
+    data["network"][0]["latency_us"] = theta["nvlink_latency_us"]
+    return ClusterSpec.model_validate(data)
+
+
+def current_params(cluster: ClusterSpec) -> dict:
+    eff = cluster.gpu.compute_efficiency
+    theta = {k: getattr(eff, k) for k in EFF_KEYS}
+    theta["nvlink_efficiency"], theta["ib_efficiency"] = cluster.network[0].efficiency, cluster.network[1].efficiency
+    theta["nvlink_latency_us"] = cluster.network[0].latency_us
+    return theta
+
+
+FRACTIONS = {"max_fraction", "nvlink_efficiency", "ib_efficiency"}  # in (0, 1); the rest > 0
+
+
+def decode(x: np.ndarray) -> dict:
+    """Unconstrained vector -> parameters within their physical bounds (logistic or exp)."""
+    return {k: float(1 / (1 + np.exp(-v)) if k in FRACTIONS else np.exp(v)) for k, v in zip(FIT_KEYS, x)}
+
+
+def encode(theta: dict) -> np.ndarray:
+    def one(key):
+        v = theta[key]
+        return np.log(min(v, 0.999) / (1 - min(v, 0.999))) if key in FRACTIONS else np.log(max(v, 1e-12))
+    return np.array([one(k) for k in FIT_KEYS])
+
+
+def nelder_mead(f, x0: np.ndarray, step: float = 0.3, iters: int = 400, tol: float = 1e-5) -> np.ndarray:
+    """Minimise f from x0 (Nelder and Mead 1965, standard coefficients)."""
+    simplex = [x0] + [x0 + step * np.eye(len(x0))[i] for i in range(len(x0))]
+    values = [f(x) for x in simplex]
+    for _ in range(iters):
+        order = np.argsort(values)
+        simplex, values = [simplex[i] for i in order], [values[i] for i in order]
+        if values[-1] - values[0] < tol:
+            break
+        centroid = np.mean(simplex[:-1], axis=0)
+        reflected = centroid + (centroid - simplex[-1])
+        fr = f(reflected)
+        if fr < values[0]:
+            expanded = centroid + 2 * (centroid - simplex[-1])
+            fe = f(expanded)
+            simplex[-1], values[-1] = (expanded, fe) if fe < fr else (reflected, fr)
+        elif fr < values[-2]:
+            simplex[-1], values[-1] = reflected, fr
+        else:
+            contracted = centroid + 0.5 * (simplex[-1] - centroid)
+            fc = f(contracted)
+            if fc < values[-1]:
+                simplex[-1], values[-1] = contracted, fc
+            else:
+                simplex = [simplex[0]] + [simplex[0] + 0.5 * (s - simplex[0]) for s in simplex[1:]]
+                values = [values[0]] + [f(s) for s in simplex[1:]]
+    return simplex[int(np.argmin(values))]
+
+
+def fit(cluster: ClusterSpec, train: dict[str, list[dict]]) -> dict:
+    """Parameters minimising the mean of the per-set MAPEs on the training rows."""
+    def loss(x):
+        c = with_params(cluster, decode(x))
+        return float(np.mean([metrics(rows, predict(c, rows))["mape_pct"] for rows in train.values()]))
+    return decode(nelder_mead(loss, encode(current_params(cluster))))
+
+
+# ---- report ----------------------------------------------------------------------------------
+def print_table(title: str, results: dict) -> None:
+    print(title)
+    print(f"{'set':<12} {'rows':>5} {'MAPE %':>7} {'median %':>9} {'max %':>7} {'rho min':>8} {'rho mean':>9} {'sweeps':>6}")
+    for name, m in results.items():
+        print(f"{name:<12} {m['rows']:>5} {m['mape_pct']:>7.2f} {m['median_abs_pct']:>9.2f} {m['max_abs_pct']:>7.2f} "
+              f"{m['spearman_min']:>8.3f} {m['spearman_mean']:>9.3f} {m['sweeps']:>6}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=DATA, help="folder with the vTrain CSV files")
+    parser.add_argument("--cluster", default="vtrain-a100", help="cluster spec (name or file)")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--fit", action="store_true", help="refit efficiency values on the even rows")
+    args = parser.parse_args(argv)
+    cluster = load_cluster(args.cluster)
+    data = {name: read_rows(args.data / file) for name, file in SETS.items()}
+    if args.fit:
+        train = {k: [r for r in rows if r["index"] % 2 == 0] for k, rows in data.items()}
+        test = {k: [r for r in rows if r["index"] % 2 == 1] for k, rows in data.items()}
+        theta = fit(cluster, train)
+        fitted = with_params(cluster, theta)
+        print(json.dumps(theta, indent=1))
+        print_table("held-out (odd rows, not seen by the fit)",
+                    {k: metrics(rows, predict(fitted, rows)) for k, rows in test.items()})
+        print_table("training rows", {k: metrics(rows, predict(fitted, rows)) for k, rows in train.items()})
+        return 0
+    results = {k: metrics(rows, predict(cluster, rows)) for k, rows in data.items()}
+    if args.json:
+        keys = ("mape_pct", "median_abs_pct", "max_abs_pct", "spearman_min", "spearman_mean", "rows")
+        print(json.dumps({k: {key: m[key] for key in keys} for k, m in results.items()}, indent=1))
+    else:
+        print_table(f"step-time error of {cluster.name} against {args.data}", results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -132,3 +132,10 @@ def test_uneven_splits_are_searched_on_request(capsys, tmp_path):
     assert uneven["search"]["layouts_evaluated"] > even["search"]["layouts_evaluated"]
     splits = [r["layout"]["pp_layers"] for r in uneven["top"] if "pp_layers" in r["layout"]]
     assert splits and all(sum(s) == 8 and max(s) - min(s) == 1 for s in splits)
+
+
+def test_uneven_splits_are_tried_when_no_even_split_is_valid(capsys):
+    data = run_json(capsys, "recommend", "--cluster", "dgx-a100-80g", "--model", "tiny-gpt", "--nodes", "3",
+                    "--pp", "3", "--global-batch", "24", "--top", "3")
+    assert any("uneven" in note for note in data["notes"])
+    assert all(r["layout"]["pp"] == 3 and sum(r["layout"]["pp_layers"]) == 8 for r in data["top"])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -80,9 +81,13 @@ def recommend(
         result = next((r for r in sweep if r.feasible_count), sweep[-1])
     else:
         result = search.search(*specs, space, **thresholds)
+    notes = []
+    if not result.size and not space.uneven:  # no even split is valid: the uneven ones may be
+        result = search.search(*specs, replace(space, uneven=True), **thresholds)
+        notes.append("no layout with an even layer split is valid here, so uneven splits were searched (--uneven)")
     order_ = ranking.rank(result, objective)
     _require_pick(result, order_, pick)
-    report = render.Recommendation(result, order_, objective, top, pick, sweep, tokens)
+    report = render.Recommendation(result, order_, objective, top, pick, sweep, tokens, notes)
     if not result.feasible_count:
         _no_fit(report, space, thresholds, json_out)
     if out is not None:

@@ -83,7 +83,8 @@ def recommend(
         result = search.search(*specs, space, **thresholds)
     notes = []
     if not result.size and not space.uneven:  # no even split is valid: the uneven ones may be
-        result = search.search(*specs, replace(space, uneven=True), **thresholds)
+        space = replace(space, uneven=True)
+        result = search.search(*specs, space, **thresholds)
         notes.append("no layout with an even layer split is valid here, so uneven splits were searched (--uneven)")
     order_ = ranking.rank(result, objective)
     _require_pick(result, order_, pick)

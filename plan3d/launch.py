@@ -14,6 +14,7 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Callable
 
 from plan3d.emit.torchrun import WORKER_MODULE, node_command
 from plan3d.errors import LaunchError
-from plan3d.plan import Plan, save_plan
+from plan3d.plan import Plan
 
 STOP_GRACE_S = 10.0
 AFTER_ERROR_S = 20.0
@@ -84,8 +85,17 @@ def prepare_run_dir(plan: Plan, run_dir: Path) -> Path:
     for stale in errors.glob("*.json") if errors.exists() else ():
         stale.unlink()
     plan_file = run_dir / "plan.json"
-    save_plan(plan, plan_file)
+    _write_once(plan_file, plan.model_dump_json(indent=1))
     return plan_file
+
+
+def _write_once(path: Path, text: str) -> None:
+    """Atomic write through a private temp name: several launchers may share one run directory."""
+    if path.exists() and path.read_text() == text:
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def launch(plan: Plan, plan_path: str | Path | None, run_dir: str | Path, steps: int, backend: str = "auto",

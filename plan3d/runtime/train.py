@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from plan3d.plan import load_plan
-from plan3d.runtime import checkpoint, memory
+from plan3d.runtime import memory
 from plan3d.runtime.clip import clip_global_norm
 from plan3d.runtime.context import build_context, check_placement
 from plan3d.runtime.data import replica_batch
@@ -97,11 +97,15 @@ class Runner:
     def save(self, step: int) -> None:
         meta = {"layout": self.plan.layout.model_dump(mode="json"), "digest": self.plan.digest,
                 "seed": self.args.seed}
+        from plan3d.runtime import checkpoint  # DCP imports DTensor (~2 s): only when saving
+
         checkpoint.save(self.run_dir / "checkpoints", step, self.engine, self.ctx, meta)
 
     def resume(self) -> int:
         if not self.args.resume_from:
             return 0
+        from plan3d.runtime import checkpoint
+
         meta = checkpoint.load(Path(self.args.resume_from), self.engine, self.ctx)
         return int(meta["step"])
 

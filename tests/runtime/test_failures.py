@@ -1,0 +1,88 @@
+"""Multi-node simulation, placement check, crash / hang handling, resume and reshard."""
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+
+import pytest
+
+from conftest import STEPS, assert_same_losses, make_plan, metrics, run, summary
+
+pytestmark = pytest.mark.slow
+
+
+def _survivors(marker: str) -> list[str]:
+    """Processes whose command line mentions `marker` (the run directory)."""
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if marker in line and "ps -eo" not in line]
+
+
+def _two_launchers(plan, run_dir, env_for_node=lambda node: None, extra=()):
+    from plan3d.launch import free_port
+
+    port, results = free_port(), {}
+
+    def node(rank):
+        results[rank] = run(plan, run_dir, extra=extra, nnodes=2, node_rank=rank, master_port=port,
+                            env=env_for_node(rank))
+
+    threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
+
+
+def test_two_nodes_static_rendezvous_same_losses(reference, tmp_path):
+    plan = make_plan(nodes=2, gpus_per_node=2, tp=2, pp=2)
+    results = _two_launchers(plan, tmp_path, extra=["--no-save"])
+    assert all(r.ok for r in results.values()), {k: r.error for k, r in results.items()}
+    assert_same_losses(metrics(tmp_path), reference, range(1, STEPS + 1))
+    assert [r["rank"] for r in summary(tmp_path)["ranks"]] == list(range(4))
+
+
+def test_wrong_node_rank_is_caught_by_the_placement_check(tmp_path):
+    plan = make_plan(nodes=2, gpus_per_node=1, dp=2)
+    # node 1's scheduler says it is node 0 while torchrun is told --node-rank 1
+    results = _two_launchers(plan, tmp_path, env_for_node=lambda node: {"PLAN3D_NODE_RANK": "0"})
+    assert all(not r.ok for r in results.values())
+    errors = " ".join(r.error or "" for r in results.values())
+    assert "placement check failed" in errors and "rank 1 runs on node 0" in errors
+
+
+def test_killed_rank_ends_job_then_resume_and_reshard_reproduce_losses(reference, tmp_path):
+    plan = make_plan(tp=2, pp=2, dp=2, zero=1)
+    first = tmp_path / "killed"
+    start = time.monotonic()
+    result = run(plan, first, extra=["--save-every", "2", "--fail-at-step", "3", "--fail-rank", "5"])
+    assert not result.ok and result.exit_code != 0
+    assert time.monotonic() - start < 30 + 25, "start-up (~20 s) plus the 30 s allowed to stop"
+    assert result.failed_rank == 5 and "SIGKILL" in result.error
+    assert not _survivors(str(first)), "orphan processes"
+    assert (first / "checkpoints" / "latest").read_text() == "step_00000002"
+    assert not list((first / "checkpoints").glob("*.tmp"))
+    assert_same_losses(metrics(first), reference, (1, 2, 3))
+
+    resumed = run(plan, first, extra=["--resume-from", str(first), "--no-save"])
+    assert resumed.ok, resumed.error
+    assert_same_losses(metrics(first), reference, range(1, STEPS + 1))
+
+    reshard = tmp_path / "tp1-pp4-dp2"
+    other = make_plan(tp=1, pp=4, dp=2, zero=3)
+    resharded = run(other, reshard, extra=["--resume-from", str(first / "checkpoints" / "step_00000002"), "--no-save"])
+    assert resharded.ok, resharded.error
+    assert summary(reshard)["first_step"] == 3
+    assert_same_losses(metrics(reshard), reference, (3, 4))
+
+
+def test_hung_rank_times_out_and_ends_the_job(tmp_path):
+    plan = make_plan(dp=2)
+    start = time.monotonic()
+    result = run(plan, tmp_path, extra=["--fail-at-step", "2", "--fail-rank", "1", "--fail-mode", "hang",
+                                        "--timeout-s", "4", "--no-save"])
+    assert not result.ok
+    assert time.monotonic() - start < 60
+    assert result.failed_rank == 0 and result.error
+    assert not _survivors(str(tmp_path))

@@ -1,0 +1,161 @@
+"""Single-process checks of the runtime's pure parts, the launcher's commands and the CLI."""
+from __future__ import annotations
+
+import shlex
+
+import pytest
+import torch
+
+from conftest import make_plan
+
+
+@pytest.mark.parametrize("order", ["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp", "dp-cp-ep-tp-pp"])
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 4, 2), (4, 1, 2), (2, 1, 4)])
+def test_mesh_from_rank_map_holds_the_plans_groups(order, shape):
+    from plan3d.runtime.context import MESH_DIMS, mesh_array
+
+    tp, pp, dp = shape
+    plan = make_plan(tp=tp, pp=pp, dp=dp, order=order)
+    mesh = mesh_array(plan.rankmap, plan.layout)
+    for axis, dim in enumerate(MESH_DIMS):
+        groups = sorted(tuple(row) for row in mesh.movedim(axis, -1).reshape(-1, mesh.shape[axis]).tolist())
+        assert groups == sorted(tuple(g) for g in plan.rankmap["groups"][dim])
+
+
+def _params(tp_size: int, tp_rank: int, ranges) -> dict[str, torch.Tensor]:
+    from plan3d.runtime.model import Stage, init_stage
+    from plan3d.runtime.tp import TPInfo
+
+    plan = make_plan()
+    tp = TPInfo(tp_size, tp_rank, None, False)
+    out = {}
+    for i, layers in enumerate(ranges):
+        stage = Stage(plan.model, tp, layers, first=i == 0, last=i == len(ranges) - 1)
+        init_stage(stage, tp, seed=7, layers=plan.model.layers)
+        out.update({n: (p.detach(), p.tp_dim) for n, p in stage.named_parameters()})
+    return out
+
+
+def test_initial_weights_do_not_depend_on_the_layout():
+    full = _params(1, 0, [range(0, 8)])
+    split = [_params(2, r, [range(0, 3), range(3, 8)]) for r in (0, 1)]
+    assert set(full) == set(split[0])
+    for name, (tensor, _) in full.items():
+        shards, dim = [s[name][0] for s in split], split[0][name][1]
+        joined = shards[0] if dim is None else torch.cat(shards, dim=dim)
+        assert torch.equal(joined, tensor), name
+
+
+def test_data_parallel_replicas_cover_the_global_batch():
+    from plan3d.runtime.data import global_batch, replica_batch
+
+    whole = global_batch(3, 5, 8, 16, 64)
+    parts = [replica_batch(3, 5, 8, 16, 64, 4, d) for d in range(4)]
+    assert torch.equal(torch.cat([x for x, _ in parts]), whole[:, :-1])
+    assert torch.equal(torch.cat([y for _, y in parts]), whole[:, 1:])
+    assert not torch.equal(whole, global_batch(3, 6, 8, 16, 64))
+
+
+def test_torchrun_commands_use_the_static_rendezvous():
+    from plan3d.emit.torchrun import torchrun_commands
+
+    cmds = torchrun_commands("p.json", 16, 2, 8, "node0", 29511, ["--steps", "3"])
+    assert len(cmds) == 2
+    for node, cmd in enumerate(cmds):
+        assert "--rdzv-backend=static" in cmd and f"--node-rank={node}" in cmd
+        assert "--nproc-per-node=8" in cmd and "--master-addr=node0" in cmd and "--master-port=29511" in cmd
+        assert cmd[-4:] == ["--plan", "p.json", "--steps", "3"]
+
+
+def test_sbatch_script_takes_node_rank_and_master_from_slurm():
+    from plan3d.emit.slurm import sbatch_script
+
+    plan = make_plan(nodes=2, gpus_per_node=4, tp=2, pp=2, dp=2)
+    script = sbatch_script(plan, "plan.json", steps=5)
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=1" in script
+    assert "SLURM_NODEID" in script and "SLURM_PROCID" in script
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in script
+    assert "--node-rank $NODE_RANK" in script and "--nnodes 2" in script
+
+
+def test_placement_problems_name_the_misplaced_rank():
+    from plan3d.runtime.context import placement_problems
+
+    plan = make_plan(nodes=2, gpus_per_node=4, tp=2, pp=2, dp=2)
+    ok = [{"rank": r, "node": r // 4, "local_rank": r % 4, "host": "h"} for r in range(8)]
+    assert placement_problems(plan, ok) == []
+    swapped = [dict(p, node=1 - p["node"]) for p in ok]
+    problems = placement_problems(plan, swapped)
+    assert len(problems) == 8 and "rank 0 runs on node 1" in problems[0]
+
+
+def test_launch_rejects_what_the_runtime_cannot_place():
+    from plan3d.errors import LaunchError
+    from plan3d.launch import node_layout
+
+    plan = make_plan(nodes=2, gpus_per_node=4, tp=2, pp=2, dp=2)
+    with pytest.raises(LaunchError, match="need --nnodes 2"):
+        node_layout(plan, 1, 0)
+    with pytest.raises(LaunchError, match="outside 0..1"):
+        node_layout(plan, 2, 2)
+
+
+def test_diagnose_names_the_killed_rank(tmp_path):
+    from plan3d.launch import diagnose
+
+    log = ("Root Cause (first observed failure):\n[0]:\n  time      : x\n  host      : h\n"
+           "  rank      : 5 (local_rank: 5)\n  exitcode  : -9 (pid: 42)\n")
+    assert diagnose(tmp_path, log) == (5, "rank 5 was killed by signal SIGKILL")
+
+
+def test_dry_run_prints_exactly_the_commands_launch_runs(capsys, tmp_path):
+    from plan3d.cli import main
+    from plan3d.emit.torchrun import torchrun_commands
+    from plan3d.launch import worker_argv
+
+    run_dir = tmp_path / "r"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["launch", "--tp", "2", "--pp", "2", "--dp", "2", "--steps", "3", "--run-dir", str(run_dir), "--dry-run"])
+    assert exit_info.value.code in (0, None)
+    printed = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+    args = worker_argv(run_dir, 3, "auto", ["--save-every", "0", "--timeout-s", "300.0", "--seed", "1234"])
+    assert printed == [shlex.join(c) for c in torchrun_commands(str(run_dir / "plan.json"), 8, 1, 8, "127.0.0.1", 29500, args)]
+    assert not run_dir.exists()
+
+
+def test_launch_flags_with_an_impossible_layout_are_a_one_line_error(capsys):
+    from plan3d.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["launch", "--tp", "3", "--steps", "1"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "tp=3" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_cli_launch_prints_losses_and_measured_vs_predicted(capsys, tmp_path):
+    from plan3d.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["launch", "--tp", "2", "--steps", "2", "--run-dir", str(tmp_path)])
+    assert exit_info.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert "losses (steps 1..2)" in out and "measured vs predicted" in out and "model states" in out
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 2
+    assert (tmp_path / "logs" / "rank1.log").exists() and (tmp_path / "plan.json").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_single_rank_bf16_runs(tmp_path):
+    from conftest import run, summary
+
+    from plan3d.cli.common import load_specs, make_layout
+    from plan3d.plan import build_plan
+
+    cluster, model, training = load_specs("h200", "tiny-gpt", 1, 1, None, None, "bf16")
+    plan = build_plan(cluster, model, training, make_layout(), {})
+    result = run(plan, tmp_path, steps=3, extra=["--no-save"], backend="nccl")
+    assert result.ok, result.error
+    assert summary(tmp_path)["precision"] == "bf16"

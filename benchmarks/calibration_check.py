@@ -1,9 +1,9 @@
 """Does calibration make the cost model predict this machine? Calibrate, launch, compare.
 
-    .venv/bin/python benchmarks/calibration_check.py [--model bench-gpt|tiny-gpt] [--steps 6]
-        [--out runs/calibration-check] [--spec SPEC.yaml (skip the micro-benchmarks)]
+    .venv/bin/python benchmarks/calibration_check.py [--nproc 4|8] [--model bench-gpt|tiny-gpt]
+        [--steps 6] [--out runs/calibration-check] [--spec SPEC.yaml (skip the micro-benchmarks)]
 
-1. `plan3d calibrate` on 8 local ranks (gloo): GEMM, memory-bound and collective sweeps -> spec.
+1. `plan3d calibrate` on --nproc local ranks (gloo): GEMM, memory-bound and collective sweeps -> spec.
 2. For each layout: a plan under that spec (fp32, as the CPU runtime trains), `launch` it for
    --steps steps, read the measured mean step time (first step excluded) from summary.json.
 3. Table A: predicted (micro-benchmark calibration only) vs measured.
@@ -31,21 +31,36 @@ from plan3d.specs.training import TrainingSpec
 
 BENCH_GPT = ModelSpec(name="bench-gpt", layers=8, hidden=256, heads=8, vocab=2048, seq_len=128,
                       default_global_batch=16, source="benchmarks/calibration_check.py")
-LAYOUTS = {  # the first REFERENCE are used by the refit in table B
-    "dp8": Layout(dp=8, micro_batch=2),
-    "tp2-pp2-dp2": Layout(tp=2, pp=2, dp=2, micro_batch=2),
-    "tp2-dp4": Layout(tp=2, dp=4, micro_batch=2),
-    "pp2-dp4": Layout(pp=2, dp=4, micro_batch=1),
-    "tp4-pp2-sp": Layout(tp=4, pp=2, micro_batch=2, sequence_parallel=True),
-    "pp4-dp2-zero1": Layout(pp=4, dp=2, micro_batch=1, zero=1),
-    "tp2-dp4-zero3": Layout(tp=2, dp=4, micro_batch=2, zero=3),
+# Layouts per world size. The first REFERENCE of each list are the ones the refit of table B
+# sees; the rest are held out. Data parallelism uses ZeRO-1 (one flat gradient all-reduce, as the
+# cost model assumes) except in the layouts named "-zero0" (the runtime's ZeRO-0 all-reduces every
+# parameter separately: one latency per parameter tensor, which the model does not count).
+LAYOUTS = {
+    4: {
+        "tp2-dp2-z1": Layout(tp=2, dp=2, micro_batch=2, zero=1),
+        "pp2-dp2-z1": Layout(pp=2, dp=2, micro_batch=2, zero=1),
+        "dp4-z1": Layout(dp=4, micro_batch=2, zero=1),
+        "tp2-pp2": Layout(tp=2, pp=2, micro_batch=2),
+        "tp4-sp": Layout(tp=4, micro_batch=4, sequence_parallel=True),
+        "pp4-mb1": Layout(pp=4, micro_batch=1),
+        "tp2-pp2-full": Layout(tp=2, pp=2, micro_batch=2, recompute="full"),
+        "pp2-dp2-zero0": Layout(pp=2, dp=2, micro_batch=2),
+    },
+    8: {
+        "tp2-pp2-dp2-z1": Layout(tp=2, pp=2, dp=2, micro_batch=2, zero=1),
+        "pp4-dp2-z1": Layout(pp=4, dp=2, micro_batch=1, zero=1),
+        "dp8-z1": Layout(dp=8, micro_batch=2, zero=1),
+        "tp2-dp4-z1": Layout(tp=2, dp=4, micro_batch=2, zero=1),
+        "tp4-pp2-sp": Layout(tp=4, pp=2, micro_batch=2, sequence_parallel=True),
+        "dp8-zero0": Layout(dp=8, micro_batch=2),
+    },
 }
 REFERENCE = 2
 
 
-def calibrate(out: Path, model_name: str) -> Path:
+def calibrate(out: Path, model_name: str, nproc: int) -> Path:
     spec = out / "cpu-calibrated.yaml"
-    cmd = [str(Path(sys.executable).parent / "plan3d"), "calibrate", "--nproc", "8", "--model", model_name,
+    cmd = [str(Path(sys.executable).parent / "plan3d"), "calibrate", "--nproc", str(nproc), "--model", model_name,
            "--tp", "1,2,4", "--micro-batch", "1,2,4", "--max-bytes", str(1 << 22),
            "--run-dir", str(out / "calibrate"), "--out", str(spec)]
     print("$", " ".join(cmd), flush=True)
@@ -82,6 +97,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/calibration-check"))
     parser.add_argument("--spec", type=Path, default=None, help="use this calibrated spec (skip step 1)")
     parser.add_argument("--only", default=None, help="comma list of layout names")
+    parser.add_argument("--nproc", type=int, default=4, choices=sorted(LAYOUTS),
+                        help="ranks per launch (and for the calibration): 4 or 8 on this 2-core machine")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model = BENCH_GPT if args.model == "bench-gpt" else load_model(args.model)
@@ -90,26 +107,28 @@ def main() -> None:
         model_ref = str(args.out / "bench-gpt.yaml")
     else:
         model_ref = args.model
-    spec = args.spec or calibrate(args.out, model_ref)
+    spec = args.spec or calibrate(args.out, model_ref, args.nproc)
+    layouts = LAYOUTS[args.nproc]
     cluster = load_cluster(str(spec))
     training = TrainingSpec(global_batch=model.default_global_batch or 16, precision="fp32")
-    names = args.only.split(",") if args.only else list(LAYOUTS)
+    names = args.only.split(",") if args.only else list(layouts)
     rows = []
     for name in names:
-        rows.append(run_layout(cluster, model, training, name, LAYOUTS[name], args.out, args.steps))
+        rows.append(run_layout(cluster, model, training, name, layouts[name], args.out, args.steps))
         print(f"{name}: predicted {rows[-1]['predicted_s'] * 1e3:.1f} ms, measured {rows[-1]['measured_s'] * 1e3:.1f} ms",
               flush=True)
     table(f"A. micro-benchmark calibration only ({spec})", rows)
-    refit_rows(cluster, model, training, rows)
-    (args.out / "results.json").write_text(json.dumps({"spec": str(spec), "model": model.name, "rows": rows}, indent=1))
+    refit_rows(cluster, model, training, rows, layouts)
+    (args.out / "results.json").write_text(json.dumps({"spec": str(spec), "model": model.name, "nproc": args.nproc,
+                                                       "rows": rows}, indent=1))
 
 
-def refit_rows(cluster, model, training, rows: list[dict]) -> None:
+def refit_rows(cluster, model, training, rows: list[dict], layouts: dict) -> None:
     """Table B: refit on the REFERENCE layouts, predict the held-out ones."""
     reference, held_out = rows[:REFERENCE], rows[REFERENCE:]
 
     def predict(layout_rows):
-        return lambda c: [estimate(c, model, training, LAYOUTS[r["layout"]]).step_time_s for r in layout_rows]
+        return lambda c: [estimate(c, model, training, layouts[r["layout"]]).step_time_s for r in layout_rows]
 
     refit, fitted = refit_from_runs(cluster, predict(reference), [r["measured_s"] for r in reference])
     for r, p in zip(rows, predict(rows)(refit)):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -95,8 +95,26 @@ def collective_terms(op: str, n: int, size_bytes: float) -> tuple[float, float]:
     raise ValueError(f"unknown collective {op!r}")
 
 
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
 def fit_tier(samples: list[dict], tier_index: int) -> TierFit:
-    """Fit bandwidth and latency of one tier to samples {'op', 'group_size', 'bytes', 'time_s'}."""
+    """Fit bandwidth and latency of one tier to samples {'op', 'group_size', 'bytes', 'time_s'}.
+
+    The collectives (what TP and DP traffic uses) decide the fit when there are any; point-to-point
+    ping-pongs take a cheaper path in gloo (no reduction, no ring steps) and, pooled in, would
+    pull the per-hop latency far below what a collective pays. They are fitted on their own
+    (`fit_p2p`) and reported."""
+    collective = [s for s in samples if s["op"] in COLLECTIVE_OPS]
+    return _fit_alpha_beta(collective or samples, tier_index)
+
+
+def fit_p2p(samples: list[dict], tier_index: int) -> TierFit | None:
+    p2p = [s for s in samples if s["op"] == "p2p"]
+    return _fit_alpha_beta(p2p, tier_index) if p2p else None
+
+
+def _fit_alpha_beta(samples: list[dict], tier_index: int) -> TierFit:
     rows = np.array([collective_terms(s["op"], s["group_size"], s["bytes"]) for s in samples], dtype=float)
     time_s = np.array([s["time_s"] for s in samples], dtype=float)
     inv_bw, alpha = _nonneg_relative_lstsq(rows, time_s)
@@ -130,6 +148,9 @@ class CalibrationFit:
     tiers: list[TierFit]
     memory_bytes_per_s: float | None = None
     memory_max_rel_error: float | None = None
+    dtype: str = "bf16"
+    device: str = "cuda"
+    p2p: list[TierFit] = field(default_factory=list)
 
 
 def fit_measurements(cluster: ClusterSpec, raw: dict, dtype: str) -> CalibrationFit:
@@ -139,8 +160,9 @@ def fit_measurements(cluster: ClusterSpec, raw: dict, dtype: str) -> Calibration
     for sample in raw.get("collectives", []):
         by_tier.setdefault(sample["tier"], []).append(sample)
     tiers = [fit_tier(samples, index) for index, samples in sorted(by_tier.items())]
+    p2p = [fit for index, samples in sorted(by_tier.items()) if (fit := fit_p2p(samples, index))]
     memory = fit_memory_bandwidth(raw["elementwise"]) if raw.get("elementwise") else (None, None)
-    return CalibrationFit(compute, tiers, *memory)
+    return CalibrationFit(compute, tiers, *memory, dtype=dtype, device=raw.get("device", "cuda"), p2p=p2p)
 
 
 def calibrated_cluster(cluster: ClusterSpec, fit: CalibrationFit, source: str) -> ClusterSpec:
@@ -152,7 +174,10 @@ def calibrated_cluster(cluster: ClusterSpec, fit: CalibrationFit, source: str) -
         include={"max_fraction", "half_work_flops"})}
     if fit.memory_bytes_per_s is not None:
         gpu["hbm_tbytes_per_s"] = fit.memory_bytes_per_s / 1e12
-    scale = compute.peak_flops / cluster.gpu.peak_flops(_any_dtype(cluster))
+    if fit.device == "cpu" and "dp_overlap_fraction" in gpu["compute_efficiency"]:
+        # gloo reduces on the same cores that compute: nothing of the gradient reduction hides.
+        gpu["compute_efficiency"]["dp_overlap_fraction"] = 0.0
+    scale = compute.peak_flops / cluster.gpu.peak_flops(fit.dtype)
     if not math.isclose(scale, 1.0):
         gpu["peak_tflops"] = {k: v * scale for k, v in gpu["peak_tflops"].items()}
         gpu["source"] = f"{gpu.get('source', '')}; peak raised x{scale:.2f} by calibration".lstrip("; ")
@@ -161,10 +186,6 @@ def calibrated_cluster(cluster: ClusterSpec, fit: CalibrationFit, source: str) -
         data["network"][fit.tier_index] = _fitted_tier(data["network"][fit.tier_index], resolved[fit.tier_index], fit)
     data["source"] = source
     return ClusterSpec.model_validate(data)
-
-
-def _any_dtype(cluster: ClusterSpec) -> str:
-    return next(iter(cluster.gpu.peak_tflops))
 
 
 def _fitted_tier(tier: dict, resolved, fit: TierFit) -> dict:
@@ -193,14 +214,18 @@ def summary_rows(before: ClusterSpec, after: ClusterSpec, fit: CalibrationFit, d
         rows += [row("memory", "bandwidth", before.gpu.hbm_tbytes_per_s * 1e12, fit.memory_bytes_per_s, "bytes_per_s"),
                  row("memory", "worst elementwise fit error", None, fit.memory_max_rel_error, "ratio")]
     old, new = before.tiers(), after.tiers()
-    for fit in tiers:
-        name = new[fit.tier_index].name
+    for tier in tiers:
+        name = new[tier.tier_index].name
         rows += [
-            row(name, "effective bandwidth per GPU", old[fit.tier_index].effective_bytes_per_s,
-                 new[fit.tier_index].effective_bytes_per_s, "bytes_per_s"),
-            row(name, "latency", old[fit.tier_index].latency_s, new[fit.tier_index].latency_s, "s"),
-            row(name, "worst collective fit error", None, fit.max_rel_error, "ratio"),
+            row(name, "effective bandwidth per GPU", old[tier.tier_index].effective_bytes_per_s,
+                new[tier.tier_index].effective_bytes_per_s, "bytes_per_s"),
+            row(name, "latency per hop", old[tier.tier_index].latency_s, new[tier.tier_index].latency_s, "s"),
+            row(name, "worst collective fit error", None, tier.max_rel_error, "ratio"),
         ]
+    for p2p in fit.p2p:  # reported, not written: the spec has one latency per tier
+        name = new[p2p.tier_index].name
+        rows += [row(name, "p2p bandwidth (not written)", None, p2p.bandwidth_bytes_per_s, "bytes_per_s"),
+                 row(name, "p2p latency (not written)", None, p2p.latency_s, "s")]
     return rows
 
 

@@ -56,6 +56,16 @@ def test_tier_fit_recovers_bandwidth_and_latency(bw, alpha):
     assert fit.latency_s == pytest.approx(alpha, rel=1e-6, abs=1e-12)
 
 
+def test_p2p_is_fitted_apart_from_the_collectives():
+    from plan3d.calibrate import fit_p2p
+
+    samples = [s for s in alpha_beta_samples(1e9, 8e-4) if s["op"] != "p2p"]
+    samples += [dict(s, time_s=s["bytes"] / 3e9 + 5e-5) for s in alpha_beta_samples(1e9, 0) if s["op"] == "p2p"]
+    collective, p2p = fit_tier(samples, 0), fit_p2p(samples, 0)
+    assert collective.latency_s == pytest.approx(8e-4, rel=1e-6)
+    assert p2p.latency_s == pytest.approx(5e-5, rel=1e-6) and p2p.bandwidth_bytes_per_s == pytest.approx(3e9, rel=1e-6)
+
+
 def test_collective_terms_match_the_ring_formulas():
     assert collective_terms("all_reduce", 4, 1000) == (1500.0, 6)
     assert collective_terms("all_gather", 4, 1000) == (750.0, 3)
@@ -95,6 +105,7 @@ def test_calibrated_spec_round_trips_and_estimate_uses_it(tmp_path):
            "collectives": [dict(s, tier=0) for s in alpha_beta_samples(3e8, 1e-4)]}
     fit = fit_measurements(base, raw, "fp32")
     fitted = calibrated_cluster(base, fit, "test")
+    assert fitted.gpu.compute_efficiency.dp_overlap_fraction == 0.0  # CPU: reduction shares the cores
     path = tmp_path / "cpu.yaml"
     write_calibrated_spec(fitted, raw, path)
     loaded = load_cluster(str(path))
@@ -144,7 +155,7 @@ def test_cli_calibrate_writes_a_spec_that_estimate_reads(tmp_path, capsys):
               "--repeats", "1", "--run-dir", str(tmp_path / "run"), "--out", str(out), "--json"])
     assert info.value.code in (0, None)
     result = json.loads(capsys.readouterr().out)
-    assert {r["quantity"] for r in result["rows"]} >= {"max fraction of peak", "latency"}
+    assert {r["quantity"] for r in result["rows"]} >= {"max fraction of peak", "latency per hop"}
     with pytest.raises(SystemExit) as info:
         main(["estimate", "--cluster", str(out), "--model", "tiny-gpt", "--dp", "2", "--json"])
     assert info.value.code in (0, None)

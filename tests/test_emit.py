@@ -171,3 +171,14 @@ def test_cli_emit_torchrun_one_line_per_node(tmp_path, capsys):
         assert f"--node-rank={node}" in argv and "--nproc-per-node=8" in argv and "--nnodes=4" in argv
         assert "--rdzv-backend=static" in argv and "--master-port=29511" in argv
         assert argv[argv.index("--plan") + 1] == str(path) and argv[argv.index("--steps") + 1] == "7"
+
+
+def test_cli_emit_slurm_script(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    save_plan(make_plan(tp=8, pp=2, dp=2, zero=1), path)
+    assert run_cli(["emit", "slurm", str(path), "--steps", "9", "--partition", "gpu", "--time", "02:00:00"]) == 0
+    script = capsys.readouterr().out
+    headers = dict(line[len("#SBATCH --"):].split("=", 1) for line in script.splitlines() if line.startswith("#SBATCH"))
+    assert headers["nodes"] == "4" and headers["gpus-per-node"] == "8"
+    assert headers["partition"] == "gpu" and headers["time"] == "02:00:00"
+    assert "--steps 9" in script and str(path) in script

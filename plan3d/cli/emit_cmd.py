@@ -83,13 +83,22 @@ def emit_torchrun_cmd(plan: PlanArg, out: OutOpt = None, master_addr: MasterAddr
 
 
 @emit_app.command("slurm")
-def emit_slurm_cmd(plan: PlanArg, out: OutOpt = None) -> None:
-    """An sbatch script that starts the plan on the cluster's nodes."""
+def emit_slurm_cmd(
+    plan: PlanArg, out: OutOpt = None, steps: StepsOpt = 100,
+    run_dir: Annotated[str, typer.Option("--run-dir", help="Run directory (shared file system).")] = "runs/slurm-$SLURM_JOB_ID",
+    master_port: MasterPortOpt = 29500,
+    job_name: Annotated[str, typer.Option("--job-name")] = "plan3d",
+    time_limit: Annotated[str, typer.Option("--time", help="SLURM time limit, HH:MM:SS.")] = "01:00:00",
+    partition: Annotated[Optional[str], typer.Option("--partition")] = None,
+) -> None:
+    """An sbatch script: one `plan3d launch` per node, static rendezvous, the plan's placement."""
     from plan3d.emit.megatron import Emitted
     from plan3d.emit.slurm import sbatch_script
     from plan3d.plan import load_plan
 
-    _write(Emitted(sbatch_script(load_plan(plan), plan)), out)
+    script = sbatch_script(load_plan(plan), plan, steps=steps, run_dir=run_dir, master_port=master_port,
+                           job_name=job_name, time_limit=time_limit, partition=partition)
+    _write(Emitted(script), out)
 
 
 def _shell_line(argv: list[str]) -> str:

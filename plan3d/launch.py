@@ -127,7 +127,9 @@ def _run(cmd, env, run_dir: Path, node_rank: int, on_progress) -> LaunchResult:
     start = time.monotonic()
     log_path = run_dir / "logs" / f"launcher{node_rank}.log"
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=_term_with_parent)
+        previous = _sigterm_as_interrupt()
         try:
             code = _watch(proc, run_dir, on_progress)
         except KeyboardInterrupt:
@@ -135,10 +137,33 @@ def _run(cmd, env, run_dir: Path, node_rank: int, on_progress) -> LaunchResult:
             raise
         finally:
             _kill_group(proc)
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
     result = LaunchResult(code, run_dir, elapsed_s=time.monotonic() - start)
     if code != 0:
         result.failed_rank, result.error = diagnose(run_dir, log_path.read_text(errors="replace"))
     return result
+
+
+def _term_with_parent() -> None:
+    """In the child (Linux): SIGTERM torchrun if this launcher dies, so it stops its workers."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _sigterm_as_interrupt():
+    """SIGTERM (scheduler cancel, kill) stops the ranks like Ctrl-C; only the main thread can."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _raise_interrupt)
 
 
 def _watch(proc: subprocess.Popen, run_dir: Path, on_progress) -> int:

@@ -86,3 +86,26 @@ def test_hung_rank_times_out_and_ends_the_job(tmp_path):
     assert time.monotonic() - start < 60
     assert result.failed_rank == 0 and result.error
     assert not _survivors(str(tmp_path))
+
+
+def test_ctrl_c_stops_every_rank_and_keeps_the_checkpoints(tmp_path):
+    import signal
+    import sys
+    from pathlib import Path
+
+    plan3d = Path(sys.executable).with_name("plan3d")
+    proc = subprocess.Popen([str(plan3d), "launch", "--dp", "2", "--steps", "500", "--save-every", "1",
+                             "--run-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 90
+    while not (tmp_path / "checkpoints" / "latest").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "interrupted" in err
+    assert time.monotonic() - start < 15
+    time.sleep(0.5)
+    assert not _survivors(str(tmp_path))
+    latest = (tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text())
+    assert (latest / "meta.json").exists()

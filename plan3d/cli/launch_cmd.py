@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -101,10 +102,16 @@ def _launch_and_report(plan, run_path, steps, backend, nnodes, node_rank, master
     from plan3d.launch import launch, predicted_model_state, read_summary
     from plan3d.render.launch import print_summary, progress_bar
 
-    with progress_bar(steps) as on_progress:
-        result = launch(plan, None, run_path, steps, backend=backend, nnodes=nnodes, node_rank=node_rank,
-                        master_addr=master_addr, master_port=master_port, worker_args=worker_args,
-                        on_progress=on_progress)
+    try:
+        with progress_bar(steps) as on_progress:
+            result = launch(plan, None, run_path, steps, backend=backend, nnodes=nnodes, node_rank=node_rank,
+                            master_addr=master_addr, master_port=master_port, worker_args=worker_args,
+                            on_progress=on_progress)
+    except KeyboardInterrupt:
+        latest = run_path / "checkpoints" / "latest"
+        kept = f"; last checkpoint {latest.read_text()}" if latest.exists() else ""
+        print(f"interrupted: stopped all ranks{kept} (resume with --resume --run-dir {run_path})", file=sys.stderr)
+        raise SystemExit(130)
     if not result.ok:
         where = f"rank {result.failed_rank}" if result.failed_rank is not None else "the job"
         raise LaunchError(f"{where} failed: {result.error} (exit {result.exit_code}; logs in {run_path / 'logs'})")

@@ -33,7 +33,9 @@ REPO = Path(__file__).resolve().parent.parent
 DATA = REPO.parent / "shared" / "data" / "vtrain"
 SETS = {"multi_node": "ground_truth_multi.csv", "single_node": "ground_truth_single.csv"}
 VOCAB = 50257
-EFF_KEYS = ("max_fraction", "half_work_flops", "elementwise_bytes", "attention_score_bytes", "layer_overhead_s")
+FP32_GRADS = False  # Megatron-LM fp16 default: 16-bit gradients, all-reduced in fp16
+EFF_KEYS = ("max_fraction", "half_work_flops", "elementwise_bytes", "attention_score_bytes", "layer_overhead_s",
+            "micro_batch_overhead_s")
 FIT_KEYS = EFF_KEYS + ("nvlink_efficiency", "ib_efficiency", "nvlink_latency_us")
 
 
@@ -56,7 +58,7 @@ def read_rows(path: Path) -> list[dict]:
 def row_specs(row: dict) -> tuple[ModelSpec, TrainingSpec]:
     model = ModelSpec(name=f"gpt-h{row['hidden']}-l{row['layers']}", layers=row["layers"], hidden=row["hidden"],
                       heads=row["heads"], vocab=VOCAB, seq_len=row["seq"], tied_embeddings=True)
-    training = TrainingSpec(global_batch=row["global_batch"], precision="fp16", fp32_grad_accum=False)
+    training = TrainingSpec(global_batch=row["global_batch"], precision="fp16", fp32_grad_accum=FP32_GRADS)
     return model, training
 
 

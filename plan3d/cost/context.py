@@ -47,6 +47,7 @@ class CostContext:
     elementwise_bytes: float
     attention_score_bytes: float
     layer_overhead_s: float
+    micro_batch_overhead_s: float
     dp_overlap_fraction: float
 
 
@@ -70,6 +71,7 @@ def make_context(cluster: ClusterSpec | None, model: ModelSpec, training: Traini
         return CostContext(**_model_fields(model, training), capacity_bytes=0.0, peak_flops=0.0,
                            hbm_bytes_per_s=0.0, gemm_max_fraction=1.0, gemm_half_work_flops=0.0,
                            elementwise_bytes=0.0, attention_score_bytes=0.0, layer_overhead_s=0.0,
+                           micro_batch_overhead_s=0.0,
                            dp_overlap_fraction=0.0)
     eff = cluster.gpu.compute_efficiency
     return CostContext(
@@ -79,7 +81,8 @@ def make_context(cluster: ClusterSpec | None, model: ModelSpec, training: Traini
         hbm_bytes_per_s=cluster.gpu.hbm_tbytes_per_s * 1e12,
         gemm_max_fraction=eff.max_fraction, gemm_half_work_flops=eff.half_work_flops,
         elementwise_bytes=eff.elementwise_bytes, attention_score_bytes=eff.attention_score_bytes,
-        layer_overhead_s=eff.layer_overhead_s, dp_overlap_fraction=eff.dp_overlap_fraction,
+        layer_overhead_s=eff.layer_overhead_s, micro_batch_overhead_s=eff.micro_batch_overhead_s,
+        dp_overlap_fraction=eff.dp_overlap_fraction,
     )
 
 

@@ -28,6 +28,9 @@ class ComputeEfficiency(StrictModel):
     `layer_overhead_s`: fixed time per layer per forward pass (twice that per backward) that no
     FLOP or byte explains: kernel launches and host-side dispatch the GPU waits for when kernels
     are short (dominant for small models and small micro-batches in eager PyTorch).
+    `micro_batch_overhead_s`: fixed time per micro-batch per pipeline stage (schedule step,
+    loss and data handling on the host, and the blocking pipeline send/receive that drains the
+    GPU queue), paid in forward + backward.
     `dp_overlap_fraction`: the share of one micro-batch's backward that hides the data-parallel
     gradient reduction (0 without gradient bucketing, as in the vTrain runs).
     Values are fitted by `benchmarks/accuracy.py` (and later `plan3d calibrate`).
@@ -38,6 +41,7 @@ class ComputeEfficiency(StrictModel):
     elementwise_bytes: float = Field(8.0, ge=0)
     attention_score_bytes: float = Field(0.0, ge=0)
     layer_overhead_s: float = Field(1.0e-4, ge=0)
+    micro_batch_overhead_s: float = Field(0.0, ge=0)
     dp_overlap_fraction: float = Field(0.8, ge=0, le=1)
 
 

@@ -54,6 +54,9 @@ class Runner:
         layout, training = self.plan.layout, self.plan.training
         self.stages, self.ids = build_stages(self.plan, self.ctx, args.seed, amp)
         entries = collect_entries(self.stages, self.ctx)
+        if args.compile:
+            for block in (b for stage in self.stages for b in stage.layers.values()):
+                block.compile()
         if layout.zero == 3:
             shard_stages(self.stages, self.ctx, amp)
             rebind_entries(entries, self.stages)

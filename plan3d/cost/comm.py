@@ -50,9 +50,9 @@ def group_link(layout: Layout, name: str, tiers: tuple[ResolvedTier, ...], gpus_
 
 @lru_cache(maxsize=65536)
 def layout_links(tp: int, pp: int, dp: int, order: str, tiers: tuple[ResolvedTier, ...],
-                 gpus_per_node: int) -> dict[str, GroupLink]:
+                 gpus_per_node: int, cp: int = 1) -> dict[str, GroupLink]:
     """GroupLink of tp, pp and dp for one shape (cached: the search asks many times)."""
-    layout = Layout(tp=tp, pp=pp, dp=dp, order=order)
+    layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, order=order)
     return {name: group_link(layout, name, tiers, gpus_per_node) for name in GROUPS}
 
 

@@ -48,7 +48,7 @@ def estimate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, lay
     check_layout(layout, model, training, cluster.world_size)
     ctx = make_context(cluster, model, training)
     tiers = tuple(cluster.tiers())
-    links = layout_links(layout.tp, layout.pp, layout.dp, layout.order, tiers, cluster.gpus_per_node)
+    links = layout_links(layout.tp, layout.pp, layout.dp, layout.order, tiers, cluster.gpus_per_node, layout.cp)
     la = layout_arrays(training.global_batch, [layout.tp], [layout.pp], [layout.dp], [layout.micro_batch],
                        [layout.vpp], [layout.zero], [RECOMPUTE_CODES[layout.recompute]],
                        [float(layout.sequence_parallel)])
@@ -87,7 +87,8 @@ def _to_estimate(out: dict, layout: Layout, tiers: dict, warnings: list[str]) ->
 def _warnings(cluster: ClusterSpec, model: ModelSpec, layout: Layout) -> list[str]:
     out = list(rankmap_for(layout, cluster.gpus_per_node).warnings())
     if layout.cp > 1:
-        out.append("context parallelism is not modelled: cp is counted as extra data parallelism")
+        out.append(f"context parallelism is not modelled: times and memory are those of cp=1 "
+                   f"(the groups still span the tiers of the cp={layout.cp} rank map)")
     if model.moe is not None:
         out.append("mixture-of-experts layers are modelled as dense layers")
     if layout.world_size < cluster.world_size:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import subprocess
 import sys
 import time
@@ -76,16 +78,20 @@ def run_layout(cluster, model, training, name: str, layout: Layout, out: Path, s
     if not result.ok:
         raise SystemExit(f"{name}: launch failed (rank {result.failed_rank}): {result.error}")
     summary = json.loads((out / name / "summary.json").read_text())
+    steps_s = [json.loads(line)["step_time_s"] for line in (out / name / "metrics.jsonl").read_text().splitlines()]
     return {"layout": name, "short": layout.short(), "predicted_s": est.step_time_s,
-            "measured_s": summary["step_time_s"], "wall_s": time.monotonic() - start}
+            # the median of the steps after the first: robust to other processes on a shared machine
+            "measured_s": statistics.median(steps_s[1:]), "mean_s": summary["step_time_s"],
+            "min_s": min(steps_s[1:]), "load_avg_1min": os.getloadavg()[0], "wall_s": time.monotonic() - start}
 
 
 def table(title: str, rows: list[dict], key: str = "predicted_s") -> None:
     print(f"\n{title}")
-    print(f"| layout | predicted ms | measured ms | error |\n|---|---:|---:|---:|")
+    print("| layout | predicted ms | measured ms (median) | error | min ms | load avg |\n|---|---:|---:|---:|---:|---:|")
     for r in rows:
         error = r[key] / r["measured_s"] - 1
-        print(f"| {r['layout']} | {r[key] * 1e3:.1f} | {r['measured_s'] * 1e3:.1f} | {error:+.1%} |")
+        print(f"| {r['layout']} | {r[key] * 1e3:.1f} | {r['measured_s'] * 1e3:.1f} | {error:+.1%} | "
+              f"{r['min_s'] * 1e3:.1f} | {r['load_avg_1min']:.1f} |")
     worst = max(abs(r[key] / r["measured_s"] - 1) for r in rows)
     print(f"worst |error|: {worst:.1%} over {len(rows)} layouts")
 

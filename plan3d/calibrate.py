@@ -148,6 +148,7 @@ class CalibrationFit:
     tiers: list[TierFit]
     memory_bytes_per_s: float | None = None
     memory_max_rel_error: float | None = None
+    layer_overhead_s: float | None = None
     dtype: str = "bf16"
     device: str = "cuda"
     p2p: list[TierFit] = field(default_factory=list)
@@ -162,7 +163,16 @@ def fit_measurements(cluster: ClusterSpec, raw: dict, dtype: str) -> Calibration
     tiers = [fit_tier(samples, index) for index, samples in sorted(by_tier.items())]
     p2p = [fit for index, samples in sorted(by_tier.items()) if (fit := fit_p2p(samples, index))]
     memory = fit_memory_bandwidth(raw["elementwise"]) if raw.get("elementwise") else (None, None)
-    return CalibrationFit(compute, tiers, *memory, dtype=dtype, device=raw.get("device", "cuda"), p2p=p2p)
+    return CalibrationFit(compute, tiers, *memory, layer_overhead_s=layer_overhead(raw.get("layer_overhead")),
+                          dtype=dtype, device=raw.get("device", "cuda"), p2p=p2p)
+
+
+def layer_overhead(probe: dict | None) -> float | None:
+    """Per-layer fixed cost of one forward pass from the probe's forward + backward time: the
+    cost model counts it once per forward and twice per backward (ComputeEfficiency docstring)."""
+    if not probe or "layer_overhead_s" not in ComputeEfficiency.model_fields:
+        return None
+    return probe["forward_backward_s"] / 3
 
 
 def calibrated_cluster(cluster: ClusterSpec, fit: CalibrationFit, source: str) -> ClusterSpec:
@@ -174,6 +184,8 @@ def calibrated_cluster(cluster: ClusterSpec, fit: CalibrationFit, source: str) -
         include={"max_fraction", "half_work_flops"})}
     if fit.memory_bytes_per_s is not None:
         gpu["hbm_tbytes_per_s"] = fit.memory_bytes_per_s / 1e12
+    if fit.layer_overhead_s is not None:
+        gpu["compute_efficiency"]["layer_overhead_s"] = fit.layer_overhead_s
     if fit.device == "cpu" and "dp_overlap_fraction" in gpu["compute_efficiency"]:
         # gloo reduces on the same cores that compute: nothing of the gradient reduction hides.
         gpu["compute_efficiency"]["dp_overlap_fraction"] = 0.0
@@ -210,6 +222,9 @@ def summary_rows(before: ClusterSpec, after: ClusterSpec, fit: CalibrationFit, d
         row("compute", "half-efficiency GEMM FLOPs", b_eff.half_work_flops, a_eff.half_work_flops, "flops"),
         row("compute", "worst GEMM fit error", None, compute.max_rel_error, "ratio"),
     ]
+    if fit.layer_overhead_s is not None:
+        rows.append(row("compute", "per-layer overhead (forward)", getattr(b_eff, "layer_overhead_s", None),
+                        fit.layer_overhead_s, "s"))
     if fit.memory_bytes_per_s is not None:
         rows += [row("memory", "bandwidth", before.gpu.hbm_tbytes_per_s * 1e12, fit.memory_bytes_per_s, "bytes_per_s"),
                  row("memory", "worst elementwise fit error", None, fit.memory_max_rel_error, "ratio")]
@@ -367,6 +382,17 @@ def message_sizes(max_bytes: int, min_bytes: int = 4096) -> list[int]:
     return sizes or [max_bytes]
 
 
+def overhead_probe(model) -> dict:
+    """A one-layer copy of `model`'s structure (norm, activation, position, bias, GQA) with tiny
+    shapes (hidden 32, 8 tokens): its forward + backward time is the fixed per-layer cost."""
+    heads = 2
+    kv = 1 if model.kv_heads_ < model.heads else None
+    probe = {"name": "overhead-probe", "layers": 1, "hidden": 32, "heads": heads, "kv_heads": kv,
+             "activation": model.activation, "norm": model.norm, "bias": model.bias,
+             "position": model.position, "vocab": 64, "seq_len": 8}
+    return {"model": {k: v for k, v in probe.items() if v is not None}, "micro_batch": 1}
+
+
 def sweep_config(cluster: ClusterSpec, model, seq_len: int, world_size: int, device: str,
                  tps: list[int], micro_batches: list[int], sizes_bytes: list[int], repeats: int,
                  ops: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "p2p")) -> dict:
@@ -375,5 +401,5 @@ def sweep_config(cluster: ClusterSpec, model, seq_len: int, world_size: int, dev
              for mb in micro_batches for g in layer_gemms(model, seq_len, tp, mb)]
     elementwise = sorted({g["m"] * g["n"] for g in gemms if g["batch"] == 1})
     return {"device": device, "torch_dtype": "float32" if device == "cpu" else "bfloat16",
-            "gemms": gemms, "elementwise": elementwise, "groups": collective_groups(cluster, world_size), "ops": list(ops),
+            "gemms": gemms, "elementwise": elementwise, "overhead_probe": overhead_probe(model), "groups": collective_groups(cluster, world_size), "ops": list(ops),
             "sizes_bytes": sizes_bytes, "repeats": repeats}

@@ -89,6 +89,25 @@ def elementwise_sweep(sizes: list[int], dtype: torch.dtype, device: torch.device
     return out
 
 
+def layer_overhead_probe(probe: dict, device: torch.device, repeats: int, progress) -> dict:
+    """Forward + backward of one runtime `Block` so small that its FLOPs and bytes are negligible:
+    what is left is the framework's fixed cost per layer (dispatch, autograd, kernel launches)."""
+    from plan3d.runtime.model import Block
+    from plan3d.runtime.tp import TPInfo
+    from plan3d.specs.model import ModelSpec
+
+    spec = ModelSpec.model_validate(probe["model"])
+    block = Block(spec, TPInfo(1, 0, None, False), "none").to(device)
+    x = torch.randn(probe["micro_batch"], spec.seq_len, spec.hidden, device=device, requires_grad=True)
+
+    def step() -> None:
+        block(x).sum().backward()
+
+    time_s = _mean_over_ranks(_timed(step, device, repeats, TARGET_S[0]))
+    progress()
+    return {"model": probe["model"], "micro_batch": probe["micro_batch"], "forward_backward_s": time_s}
+
+
 def _collective(op: str, size_bytes: int, group, group_size: int, members: list[int], device: torch.device):
     """A closure that runs one collective of `size_bytes` (the full, gathered size) on `group`."""
     numel = max(group_size, size_bytes // 4 // group_size * group_size)
@@ -142,7 +161,8 @@ def run_sweep(config: dict, out_dir: Path) -> dict | None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     dtype = getattr(torch, config.get("torch_dtype", "float32"))
-    total = len(config["gemms"]) + len(config.get("elementwise", [])) + _collective_count(config)
+    total = (len(config["gemms"]) + len(config.get("elementwise", [])) + _collective_count(config)
+             + int("overhead_probe" in config))
     done = [0]
 
     def progress() -> None:
@@ -154,12 +174,14 @@ def run_sweep(config: dict, out_dir: Path) -> dict | None:
     TARGET_S[0] = config.get("target_s", 0.1 if device.type == "cpu" else 0.005)
     gemms = gemm_sweep(config["gemms"], dtype, device, repeats, progress)
     elementwise = elementwise_sweep(config.get("elementwise", []), dtype, device, repeats, progress)
+    probe = config.get("overhead_probe")
+    overhead = layer_overhead_probe(probe, device, repeats, progress) if probe else None
     collectives = collective_sweep(config, device, repeats, progress)
     if dist.get_rank() != 0:
         return None
     return {"device": device.type, "backend": dist.get_backend(), "world_size": dist.get_world_size(),
             "torch_dtype": config.get("torch_dtype", "float32"), "threads": torch.get_num_threads(),
-            "gemm": gemms, "elementwise": elementwise, "collectives": collectives}
+            "gemm": gemms, "elementwise": elementwise, "collectives": collectives, "layer_overhead": overhead}
 
 
 def _collective_count(config: dict) -> int:

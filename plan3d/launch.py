@@ -214,15 +214,24 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-_ROOT = re.compile(r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", re.S)
+_FIELD = re.compile(r"^\s*(rank|exitcode)\s*:\s*(-?\d+)", re.M)
+
+
+def failures_from_torchrun(launcher_log: str) -> list[tuple[int, int]]:
+    """(rank, exit code) of every failure block torchrun printed ('[i]:' blocks)."""
+    out = []
+    for block in re.split(r"^\[\d+\]:\s*$", launcher_log, flags=re.M)[1:]:
+        fields = dict((k, int(v)) for k, v in _FIELD.findall(block))
+        if "rank" in fields and "exitcode" in fields:
+            out.append((fields["rank"], fields["exitcode"]))
+    return out
 
 
 def diagnose(run_dir: Path, launcher_log: str) -> tuple[int | None, str]:
     """(failing rank, one-line error): a rank killed by a signal first, else the earliest error."""
-    for rank, code in _ROOT.findall(launcher_log):
-        code = int(code)
+    for rank, code in failures_from_torchrun(launcher_log):
         if code < 0 and -code not in (signal.SIGTERM, signal.SIGINT):
-            return int(rank), f"rank {rank} was killed by signal {signal.Signals(-code).name}"
+            return rank, f"rank {rank} was killed by signal {signal.Signals(-code).name}"
     errors = []
     for path in (run_dir / "errors").glob("rank*.json"):
         try:

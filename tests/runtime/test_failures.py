@@ -59,7 +59,7 @@ def test_killed_rank_ends_job_then_resume_and_reshard_reproduce_losses(reference
     result = run(plan, first, extra=["--save-every", "2", "--fail-at-step", "3", "--fail-rank", "5"])
     assert not result.ok and result.exit_code != 0
     assert time.monotonic() - start < 30 + 25, "start-up (~20 s) plus the 30 s allowed to stop"
-    assert result.failed_rank == 5 and "SIGKILL" in result.error
+    assert result.failed_rank == 5 and "SIGKILL" in result.error, (result, (first / "logs" / "launcher0.log").read_text()[-1500:])
     assert not _survivors(str(first)), "orphan processes"
     assert (first / "checkpoints" / "latest").read_text() == "step_00000002"
     assert not list((first / "checkpoints").glob("*.tmp"))

@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster", default="vtrain-a100", help="cluster spec (name or file)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--fit", action="store_true", help="refit efficiency values on the even rows")
+    parser.add_argument("--write", type=Path, help="with --fit: write the fitted cluster spec (YAML) here")
     args = parser.parse_args(argv)
     cluster = load_cluster(args.cluster)
     data = {name: read_rows(args.data / file) for name, file in SETS.items()}
@@ -217,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
         theta = fit(cluster, train)
         fitted = with_params(cluster, theta)
         print(json.dumps(theta, indent=1))
+        if args.write:
+            import yaml
+
+            args.write.write_text(yaml.safe_dump(fitted.model_dump(mode="json"), sort_keys=False))
         print_table("held-out (odd rows, not seen by the fit)",
                     {k: metrics(rows, predict(fitted, rows)) for k, rows in test.items()})
         print_table("training rows", {k: metrics(rows, predict(fitted, rows)) for k, rows in train.items()})

@@ -107,13 +107,18 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def metrics(rows: list[dict], predicted: np.ndarray) -> dict:
-    measured = np.array([r["measured_s"] for r in rows])
-    err = np.abs(predicted - measured) / measured * 100
+def sweep_rows(rows: list[dict]) -> dict[tuple, list[int]]:
+    """Row indices of each sweep: same model (hidden, heads, layers, sequence) and GPU count."""
     sweeps = defaultdict(list)
     for i, r in enumerate(rows):
         sweeps[(r["hidden"], r["heads"], r["layers"], r["seq"], r["gpus"])].append(i)
-    rhos = [spearman(predicted[idx], measured[idx]) for idx in sweeps.values() if len(idx) >= 3]
+    return {k: v for k, v in sweeps.items() if len(v) >= 3}
+
+
+def metrics(rows: list[dict], predicted: np.ndarray) -> dict:
+    measured = np.array([r["measured_s"] for r in rows])
+    err = np.abs(predicted - measured) / measured * 100
+    rhos = [spearman(predicted[idx], measured[idx]) for idx in sweep_rows(rows).values()]
     rhos = [x for x in rhos if x == x]
     return {"mape_pct": float(err.mean()), "median_abs_pct": float(np.median(err)),
             "max_abs_pct": float(err.max()), "spearman_min": float(min(rhos)) if rhos else float("nan"),
@@ -202,6 +207,15 @@ def print_table(title: str, results: dict) -> None:
               f"{m['spearman_min']:>8.3f} {m['spearman_mean']:>9.3f} {m['sweeps']:>6}")
 
 
+def print_sweeps(rows: list[dict], predicted: np.ndarray) -> None:
+    print("multi-node sweeps (hidden, layers, GPUs): rows, Spearman, MAPE %")
+    measured = np.array([r["measured_s"] for r in rows])
+    for (hidden, _, layers, _, gpus), idx in sorted(sweep_rows(rows).items()):
+        mape = np.mean(np.abs(predicted[idx] - measured[idx]) / measured[idx]) * 100
+        print(f"  h={hidden:<6} L={layers:<4} {gpus:>4} GPUs: {len(idx):>3} rows, "
+              f"rho {spearman(predicted[idx], measured[idx]):.3f}, MAPE {mape:.1f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=DATA, help="folder with the vTrain CSV files")
@@ -232,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: {key: m[key] for key in keys} for k, m in results.items()}, indent=1))
     else:
         print_table(f"step-time error of {cluster.name} against {args.data}", results)
+        print_sweeps(data["multi_node"], predict(cluster, data["multi_node"]))
     return 0
 
 

@@ -89,3 +89,18 @@ def test_every_bundled_cluster_and_model(cluster_name, model_name):
     est = estimate(cluster, model, training, some_valid_layout(cluster, model, training))
     assert math.isfinite(est.step_time_s) and est.step_time_s > 0
     assert 0 < est.mfu < 1 and est.peak_memory_bytes > 0
+
+
+def test_uneven_stages_are_paced_by_the_slowest():
+    cluster, model, training = gpt175()
+    even = estimate(cluster, model, training, Layout(tp=8, pp=2, dp=4, recompute="full"))
+    uneven = estimate(cluster, model, training, Layout(tp=8, pp=2, dp=4, recompute="full", pp_layers=(40, 56)))
+    assert uneven.step_time_s > even.step_time_s
+    assert uneven.stage_memory_bytes[1] > even.stage_memory_bytes[1]
+
+
+def test_fits_compares_peak_with_usable_capacity():
+    cluster, model, training = gpt175()
+    est = estimate(cluster, model, training, Layout(tp=8, pp=1, dp=8))
+    assert not est.fits and est.peak_memory_bytes > est.capacity_bytes
+    assert any("does not fit" in w for w in est.warnings)

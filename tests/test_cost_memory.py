@@ -101,3 +101,14 @@ def test_swiglu_stores_three_mlp_tensors():
     diff = layer_activation_bytes(make_context(None, swiglu, training), la) - \
         layer_activation_bytes(make_context(None, gelu, training), la)
     assert float(diff[0]) == pytest.approx(2 * 32 * 128)  # one more s*B*ffn tensor in 16-bit
+
+
+def test_in_flight_micro_batches_1f1b_and_interleaved():
+    from plan3d.cost.memory import in_flight
+
+    la = layout_arrays(64, [1], [4], [1], [1], [1], [0], [0], [0])
+    assert [float(in_flight(la, r)[0]) for r in range(4)] == [4, 3, 2, 1]
+    inter = layout_arrays(64, [1], [4], [1], [1], [2], [0], [0], [0])
+    assert float(in_flight(inter, 0)[0]) == pytest.approx(4 * (1 + 3 / (4 * 2)))  # Korthikanti
+    few = layout_arrays(2, [1], [4], [1], [1], [1], [0], [0], [0])
+    assert float(in_flight(few, 0)[0]) == 2  # never more than m

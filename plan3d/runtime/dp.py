@@ -48,12 +48,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def reduce_model_parallel_grads(entries: list[Entry], ctx: ParallelContext) -> None:
+def reduce_model_parallel_grads(entries: list[Entry], ctx: ParallelContext, grad_of=None) -> None:
     """Sum sequence-parallel partial grads of tp-replicated params; sum the tied embedding copies."""
     for e in entries:
-        if e.param.grad is None:
+        grad = grad_of(e) if grad_of else e.param.grad
+        if grad is None:
             continue
-        grad = _local(e.param.grad)
+        grad = _local(grad)
         if ctx.tp.sequence_parallel and e.tp_dim is None:
             dist.all_reduce(grad, group=ctx.tp.group)
         if ctx.embedding_group is not None and e.name == "embed.tok.weight":
@@ -293,7 +294,11 @@ def rebind_entries(entries: list[Entry], stages) -> None:
         e.param = p
 
 
-def make_dp(entries, ctx, zero: int, optimizer: str, lr: float) -> ReplicatedDP:
+def make_dp(entries, ctx, zero: int, optimizer: str, lr: float, amp_dtype=None, grad_divisor: int = 1):
+    if amp_dtype is not None and zero < 3:
+        from plan3d.runtime.mixed import MixedPrecisionDP
+
+        return MixedPrecisionDP(entries, ctx, optimizer, lr, zero, amp_dtype, grad_divisor)
     if zero in (1, 2) and ctx.sizes["dp"] > 1:
         return ShardedOptimizerDP(entries, ctx, optimizer, lr, zero)
     if zero == 3:

@@ -42,19 +42,22 @@ def build_stages(plan, ctx: ParallelContext, seed: int, amp_dtype=None) -> tuple
     return stages, ids
 
 
-def _io_shapes(plan, ctx: ParallelContext, sid: int, seq: int):
+def _io_shapes(plan, ctx: ParallelContext, sid: int, seq: int, dtype):
     """Static (input, output) meta tensors of virtual stage `sid` for one micro-batch."""
     mb, hidden = plan.layout.micro_batch, plan.model.hidden
     local_seq = seq // ctx.tp.size if ctx.tp.sequence_parallel else seq
-    act = torch.empty(mb, local_seq, hidden, device="meta", requires_grad=True)
+    act = torch.empty(mb, local_seq, hidden, device="meta", dtype=dtype, requires_grad=True)
     inp = torch.empty(mb, seq, dtype=torch.long, device="meta") if sid == 0 else act
     last = sid == plan.layout.pp * plan.layout.vpp - 1
-    out = torch.empty(mb, seq, plan.model.vocab // ctx.tp.size, device="meta", requires_grad=True) if last else act
+    out = torch.empty(mb, seq, plan.model.vocab // ctx.tp.size, device="meta", dtype=dtype,
+                      requires_grad=True) if last else act
     return inp, out
 
 
-def make_schedule(plan, ctx: ParallelContext, stages, ids, seq: int, n_micro: int):
-    """The native schedule for this rank, or None when pp == 1."""
+def make_schedule(plan, ctx: ParallelContext, stages, ids, seq: int, n_micro: int,
+                  dtype=torch.float32, scale_grads: bool = True):
+    """The native schedule for this rank, or None when pp == 1. `scale_grads=False` when the
+    gradients live outside `param.grad` (mixed precision) and are divided by the engine."""
     if plan.layout.pp == 1:
         return None
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
@@ -62,7 +65,7 @@ def make_schedule(plan, ctx: ParallelContext, stages, ids, seq: int, n_micro: in
     total = plan.layout.pp * plan.layout.vpp
     pipe_stages = []
     for stage, sid in zip(stages, ids):
-        inp, out = _io_shapes(plan, ctx, sid, seq)
+        inp, out = _io_shapes(plan, ctx, sid, seq, dtype)
         pipe_stages.append(PipelineStage(stage, sid, total, ctx.device, input_args=inp, output_args=out,
                                          group=ctx.group("pp")))
 
@@ -70,8 +73,8 @@ def make_schedule(plan, ctx: ParallelContext, stages, ids, seq: int, n_micro: in
         return cross_entropy(output, target, ctx.tp)
 
     if plan.layout.vpp == 1:
-        return Schedule1F1B(pipe_stages[0], n_microbatches=n_micro, loss_fn=loss_fn)
-    return ScheduleInterleaved1F1B(pipe_stages, n_microbatches=n_micro, loss_fn=loss_fn)
+        return Schedule1F1B(pipe_stages[0], n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=scale_grads)
+    return ScheduleInterleaved1F1B(pipe_stages, n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=scale_grads)
 
 
 def forward_backward(schedule, stages, ids, ctx: ParallelContext, inputs, targets, n_micro: int,

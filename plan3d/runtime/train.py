@@ -33,11 +33,11 @@ def _device_and_backend(choice: str) -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
-def run_precision(plan, device: torch.device) -> tuple[str, torch.dtype | None]:
-    """fp32 on CPU; bf16 mixed (fp32 master weights) on GPU unless the plan says fp32."""
-    if device.type == "cpu" or plan.training.precision == "fp32":
-        return "fp32", None
-    return "bf16", torch.bfloat16
+def run_precision(plan, device: torch.device, choice: str = "auto") -> tuple[str, torch.dtype | None]:
+    """auto: fp32 on CPU, bf16 mixed on GPU unless the plan says fp32; or forced by --precision."""
+    if choice == "auto":
+        choice = "fp32" if device.type == "cpu" or plan.training.precision == "fp32" else "bf16"
+    return (choice, torch.bfloat16) if choice == "bf16" else ("fp32", None)
 
 
 class Runner:
@@ -50,7 +50,7 @@ class Runner:
         dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
         check_placement(self.plan)
         self.ctx = build_context(self.plan, self.device)
-        self.precision, amp = run_precision(self.plan, self.device)
+        self.precision, amp = run_precision(self.plan, self.device, args.precision)
         layout, training = self.plan.layout, self.plan.training
         self.stages, self.ids = build_stages(self.plan, self.ctx, args.seed, amp)
         entries = collect_entries(self.stages, self.ctx)
@@ -60,10 +60,13 @@ class Runner:
         if layout.zero == 3:
             shard_stages(self.stages, self.ctx, amp)
             rebind_entries(entries, self.stages)
-        self.engine = make_dp(entries, self.ctx, layout.zero, training.optimizer, args.lr)
         self.seq = training.seq_len or self.plan.model.seq_len
         self.n_micro = layout.micro_batches(training.global_batch)
-        self.schedule = make_schedule(self.plan, self.ctx, self.stages, self.ids, self.seq, self.n_micro)
+        outside_grads = amp is not None and layout.zero < 3 and layout.pp > 1
+        self.engine = make_dp(entries, self.ctx, layout.zero, training.optimizer, args.lr, amp,
+                              grad_divisor=self.n_micro if outside_grads else 1)
+        self.schedule = make_schedule(self.plan, self.ctx, self.stages, self.ids, self.seq, self.n_micro,
+                                      amp or torch.float32, scale_grads=not outside_grads)
         self.state_bytes: dict = {}
 
     def batch(self, step: int):

@@ -35,6 +35,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--resume-from", default=None)
     p.add_argument("--timeout-s", type=float, default=300.0, help="collective timeout")
     p.add_argument("--warmup-steps", type=int, default=1)
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="auto: fp32 on CPU, the plan's (bf16 mixed) on GPU")
     p.add_argument("--compile", action="store_true", help="torch.compile every transformer block")
     p.add_argument("--fail-at-step", type=int, default=0, help="testing: inject a failure")
     p.add_argument("--fail-rank", type=int, default=0)

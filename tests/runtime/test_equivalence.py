@@ -46,3 +46,17 @@ def test_layout_matches_single_process(name, reference, tmp_path):
     ranks = summary(tmp_path)["ranks"]
     _check_model_state(plan, ranks)
     _check_mesh_groups(plan, ranks)
+
+
+@pytest.mark.slow
+def test_bf16_mixed_precision_model_states_match_the_memory_model(reference, tmp_path):
+    """bf16 weights, fp32 main gradients, fp32 master + Adam (forced on CPU with --precision bf16)."""
+    plan = make_plan(tp=2, pp=2, dp=2, zero=2)
+    result = run(plan, tmp_path, extra=["--no-save", "--precision", "bf16"])
+    assert result.ok, f"{result.failed_rank}: {result.error}"
+    done = summary(tmp_path)
+    assert done["precision"] == "bf16"
+    bf16_plan = plan.model_copy(update={"training": plan.training.model_copy(update={"precision": "bf16"})})
+    _check_model_state(bf16_plan, done["ranks"])
+    for step, loss in metrics(tmp_path).items():
+        assert abs(loss - reference[step]) < 0.02, f"step {step}: bf16 {loss} vs fp32 {reference[step]}"

@@ -227,6 +227,17 @@ def failures_from_torchrun(launcher_log: str) -> list[tuple[int, int]]:
     return out
 
 
+def _hang_suspect(first: dict, errored: set[int], launcher_log: str) -> tuple[int, str]:
+    """A collective timed out: the ranks torchrun had to stop without an error of their own hung."""
+    stopped = sorted(rank for rank, code in failures_from_torchrun(launcher_log)
+                     if code == -signal.SIGTERM and rank not in errored)
+    if not stopped:
+        return first["rank"], first["error"]
+    names = ", ".join(map(str, stopped[:8])) + (" ..." if len(stopped) > 8 else "")
+    return stopped[0], (f"rank {names} hung (never reached the collective that timed out on rank "
+                        f"{first['rank']}: {first['error']})")
+
+
 def diagnose(run_dir: Path, launcher_log: str) -> tuple[int | None, str]:
     """(failing rank, one-line error): a rank killed by a signal first, else the earliest error."""
     for rank, code in failures_from_torchrun(launcher_log):
@@ -240,6 +251,8 @@ def diagnose(run_dir: Path, launcher_log: str) -> tuple[int | None, str]:
             continue
     if errors:
         first = min(errors, key=lambda e: e["time"])
+        if "timed out" in first["error"].lower():
+            return _hang_suspect(first, {e["rank"] for e in errors}, launcher_log)
         return first["rank"], first["error"]
     tail = [line for line in launcher_log.splitlines() if line.strip()][-1:] or ["no output"]
     return None, f"torchrun failed: {tail[0][:300]} (see {run_dir / 'logs'})"

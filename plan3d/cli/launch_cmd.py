@@ -35,6 +35,13 @@ def _default_precision(cluster: str) -> str:
     return "fp32" if "cpu" in cluster else "bf16"
 
 
+def _default_run_dir(plan, nnodes: int) -> str:
+    """runs/<time>-<layout>; with several nodes one name every node derives alike (the digest)."""
+    layout = plan.layout.short().replace(" ", "-")
+    stamp = plan.digest if nnodes > 1 else time.strftime("%Y%m%d-%H%M%S")
+    return f"runs/{stamp}-{layout}"
+
+
 def _worker_args(save_every: int, resume_from: str | None, timeout_s: float, seed: int) -> list[str]:
     args = ["--save-every", str(save_every), "--timeout-s", str(timeout_s), "--seed", str(seed)]
     return args + (["--resume-from", resume_from] if resume_from else [])
@@ -73,7 +80,7 @@ def launch_command(
         flags = dict(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, vpp=vpp, zero=zero, recompute=recompute,
                      sequence_parallel=sequence_parallel, order=order)
         plan = _plan_from_flags(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision, flags)
-    run_path = Path(run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{plan.layout.short().replace(' ', '-')}")
+    run_path = Path(run_dir or _default_run_dir(plan, nnodes))
     if resume:
         if not run_dir:
             raise LaunchError("--resume continues a run: pass its --run-dir (or use --resume-from)")

@@ -31,7 +31,9 @@ def calibrate_command(
     tps: Annotated[str, typer.Option("--tp", help="Tensor-parallel sizes of the GEMM sweep (comma list).")] = "1,2,4,8",
     micro_batches: Annotated[str, typer.Option("--micro-batch", help="Micro-batch sizes (comma list).")] = "1,2,4,8",
     max_bytes: Annotated[int, typer.Option("--max-bytes", help="Largest collective message.")] = 1 << 24,
-    repeats: Annotated[int, typer.Option("--repeats", help="Timings per measurement (median).")] = 3,
+    repeats: Annotated[int, typer.Option("--repeats", help="Timings per measurement.")] = 3,
+    statistic: Annotated[str, typer.Option("--statistic", help="median, or min (best of --repeats: "
+                                            "rejects interference on a shared machine).")] = "median",
     from_run: Annotated[Optional[list[Path]], typer.Option("--from-run", help="Refit from a launch's run dir.")] = None,
     run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="Where the sweep writes (default runs/).")] = None,
     nnodes: Annotated[int, typer.Option("--nnodes", help="Machines taking part (run the command on each).")] = 1,
@@ -56,8 +58,10 @@ def calibrate_command(
     nodes = {"nnodes": nnodes, "node_rank": node_rank, "master_addr": master_addr, "master_port": master_port}
     run_dir = run_dir or Path("runs") / time.strftime("calibrate-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
+    if statistic not in ("median", "min"):
+        raise SpecError("command line", [f"--statistic {statistic!r}: use median or min"])
     raw = _measure(placed, model, device, backend, world, run_dir, _ints(tps), _ints(micro_batches),
-                   max_bytes, repeats, nodes)
+                   max_bytes, repeats, nodes, statistic)
     if raw is None:
         return print(f"node {node_rank} done; node 0 writes the spec")
     _fit_and_write(base, raw, DTYPE_OF[device], out or run_dir / "cluster.yaml", json_out)
@@ -87,13 +91,15 @@ def _device(backend: str) -> str:
     return "cpu"
 
 
-def _measure(cluster, model_name, device, backend, world, run_dir, tps, mbs, max_bytes, repeats, nodes) -> dict:
+def _measure(cluster, model_name, device, backend, world, run_dir, tps, mbs, max_bytes, repeats, nodes,
+             statistic) -> dict | None:
     from plan3d.calibrate import message_sizes, sweep_config
     from plan3d.render.report import progress_while
     from plan3d.specs.catalog import load_model
 
     model = load_model(model_name)
     config = sweep_config(cluster, model, model.seq_len, world, device, tps, mbs, message_sizes(max_bytes), repeats)
+    config["statistic"] = statistic
     if device == "cpu" and world > 1:
         config["threads"] = 1  # as torchrun sets OMP_NUM_THREADS=1 for several ranks per machine
     sweep_path = run_dir / "sweep.json"

@@ -168,3 +168,31 @@ def test_cli_calibrate_rejects_a_bad_list(capsys):
     with pytest.raises(SystemExit) as info:
         main(["calibrate", "--tp", "1,x"])
     assert info.value.code == 2 and "comma-separated" in capsys.readouterr().err
+
+
+def test_cli_from_run_refits_the_plans_spec(tmp_path, capsys):
+    from plan3d.cli import main
+    from plan3d.cost.estimate import estimate
+    from plan3d.layout import Layout
+    from plan3d.plan import build_plan, save_plan
+    from plan3d.specs.training import TrainingSpec
+
+    base, model = load_cluster("local-cpu"), load_model("tiny-gpt")
+    training = TrainingSpec(global_batch=16, precision="fp32")
+    slower = scaled_compute(base, 0.4)
+    dirs = []
+    for i, layout in enumerate([Layout(dp=8), Layout(tp=2, pp=2, dp=2)]):
+        run = tmp_path / f"run{i}"
+        run.mkdir()
+        save_plan(build_plan(base, model, training, layout), run / "plan.json")
+        measured = estimate(slower, model, training, layout).step_time_s
+        (run / "summary.json").write_text(json.dumps({"step_time_s": measured, "ranks": []}))
+        dirs.append((run, layout, measured))
+    out = tmp_path / "refit.yaml"
+    with pytest.raises(SystemExit) as info:
+        main(["calibrate", "--from-run", str(dirs[0][0]), "--from-run", str(dirs[1][0]), "--out", str(out), "--json"])
+    assert info.value.code in (0, None)
+    assert json.loads(capsys.readouterr().out)["rows"][0]["quantity"] == "achieved FLOP/s multiplier"
+    refit = load_cluster(str(out))
+    for _, layout, measured in dirs:
+        assert estimate(refit, model, training, layout).step_time_s == pytest.approx(measured, rel=0.02)

@@ -156,6 +156,10 @@ def _from_runs(_catalog, run_dirs: list[Path], out: Optional[Path], json_out: bo
 
     runs = [read_run(d) for d in run_dirs]
     cluster = runs[0].plan.cluster
+    other = next((r for r in runs[1:] if r.plan.cluster != cluster), None)
+    if other is not None:
+        raise SpecError(str(other.run_dir), [f"its plan's cluster spec differs from {runs[0].run_dir}'s; "
+                                             "refit runs planned with one spec at a time"])
 
     def predict(candidate):
         return [estimate(candidate, r.plan.model, r.plan.training, r.plan.layout).step_time_s for r in runs]

@@ -190,12 +190,15 @@ def nelder_mead(f, x0: np.ndarray, step: float = 0.3, iters: int = 400, tol: flo
     return simplex[int(np.argmin(values))]
 
 
-def fit(cluster: ClusterSpec, train: dict[str, list[dict]]) -> dict:
+def fit(cluster: ClusterSpec, train: dict[str, list[dict]], restarts: int = 1) -> dict:
     """Parameters minimising the mean of the per-set MAPEs on the training rows."""
     def loss(x):
         c = with_params(cluster, decode(x))
         return float(np.mean([metrics(rows, predict(c, rows))["mape_pct"] for rows in train.values()]))
-    return decode(nelder_mead(loss, encode(current_params(cluster))))
+    x = encode(current_params(cluster))
+    for _ in range(restarts):  # a fresh simplex around the best point escapes early collapse
+        x = nelder_mead(loss, x)
+    return decode(x)
 
 
 # ---- report ----------------------------------------------------------------------------------
@@ -222,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster", default="vtrain-a100", help="cluster spec (name or file)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--fit", action="store_true", help="refit efficiency values on the even rows")
+    parser.add_argument("--restarts", type=int, default=1, help="with --fit: Nelder-Mead runs from the best point")
     parser.add_argument("--write", type=Path, help="with --fit: write the fitted cluster spec (YAML) here")
     args = parser.parse_args(argv)
     cluster = load_cluster(args.cluster)
@@ -229,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.fit:
         train = {k: [r for r in rows if r["index"] % 2 == 0] for k, rows in data.items()}
         test = {k: [r for r in rows if r["index"] % 2 == 1] for k, rows in data.items()}
-        theta = fit(cluster, train)
+        theta = fit(cluster, train, args.restarts)
         fitted = with_params(cluster, theta)
         print(json.dumps(theta, indent=1))
         if args.write:

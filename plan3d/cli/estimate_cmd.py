@@ -12,6 +12,7 @@ from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, GlobalBatchOpt, GpnOpt
                                SeqLenOpt, SeqParallelOpt, TpOpt, VppOpt, ZeroOpt, load_specs, make_layout)
 from plan3d.errors import LayoutError
 
+SCHEMA_VERSION = 1  # of the --json output
 DpOptional = Annotated[Optional[int], typer.Option("--dp", help="Data-parallel degree (default: fill the cluster).")]
 
 
@@ -47,7 +48,7 @@ def estimate_command(
     layout = make_layout(dp=dp, **flags)
     result = estimate(cluster_spec, model_spec, training, layout)
     if json_out:
-        print(json.dumps(result.to_dict(), indent=1))
+        print(json.dumps({"schema_version": SCHEMA_VERSION, **result.to_dict()}, indent=1))
     else:
         from plan3d.render.estimate import print_estimate
 

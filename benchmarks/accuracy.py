@@ -204,7 +204,8 @@ def fit(cluster: ClusterSpec, train: dict[str, list[dict]], restarts: int = 1) -
 # ---- report ----------------------------------------------------------------------------------
 def print_table(title: str, results: dict) -> None:
     print(title)
-    print(f"{'set':<12} {'rows':>5} {'MAPE %':>7} {'median %':>9} {'max %':>7} {'rho min':>8} {'rho mean':>9} {'sweeps':>6}")
+    print(f"{'set':<12} {'rows':>5} {'MAPE %':>7} {'median %':>9} {'max %':>7} {'rho min':>8} "
+          f"{'rho mean':>9} {'sweeps':>6}")
     for name, m in results.items():
         print(f"{name:<12} {m['rows']:>5} {m['mape_pct']:>7.2f} {m['median_abs_pct']:>9.2f} {m['max_abs_pct']:>7.2f} "
               f"{m['spearman_min']:>8.3f} {m['spearman_mean']:>9.3f} {m['sweeps']:>6}")

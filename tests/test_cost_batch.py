@@ -40,7 +40,8 @@ def candidates(layouts):
                                                            ("gb200-nvl72", "llama3-70b", 1024),
                                                            ("vtrain-a100", "gpt-neox-20b", 768)])
 def test_batch_equals_scalar(cluster_name, model_name, batch):
-    cluster, model = load_cluster(cluster_name, nodes=4 if cluster_name != "gb200-nvl72" else 36), load_model(model_name)
+    nodes = 36 if cluster_name == "gb200-nvl72" else 4
+    cluster, model = load_cluster(cluster_name, nodes=nodes), load_model(model_name)
     training = TrainingSpec(global_batch=batch)
     layouts = random_layouts(model, training, cluster.world_size, np.random.default_rng(7), 60)
     result = estimate_batch(cluster, model, training, candidates(layouts), ORDERS)

@@ -56,7 +56,8 @@ def stage_micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_ran
     embed = np.where(first, compute.memory_bound_s(ctx, la.mb * ctx.seq * ctx.hidden, ctx.elementwise_bytes), 0.0)
     return {"compute": 3 * (layers * layer_fwd + logits_fwd + embed), "recompute": layers * redo,
             "tp_comm": layers * np.where(full, 3, 2) * tp_pair, "pp_comm": _p2p_s(ctx, la, links, boundary_bytes),
-            "overhead": layers * (passes - gpu_layer) + ctx.micro_batch_overhead_s, "backward": 2 * (layers * layer_fwd + logits_fwd)}
+            "overhead": layers * (passes - gpu_layer) + ctx.micro_batch_overhead_s,
+            "backward": 2 * (layers * layer_fwd + logits_fwd)}
 
 
 def _p2p_s(ctx: CostContext, la: LayoutArrays, links: Links, boundary_bytes):

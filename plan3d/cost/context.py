@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from plan3d.cost.params import norm_params
 from plan3d.specs.cluster import ClusterSpec
+from plan3d.specs.gpu import GPUSpec
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
 
@@ -68,7 +69,8 @@ def make_context(cluster: ClusterSpec | None, model: ModelSpec, training: Traini
     """The context of one (cluster, model, training); cluster None leaves the hardware at zero
     (enough for memory formulas, which do not depend on the hardware)."""
     if cluster is None:
-        return CostContext(**_model_fields(model, training), capacity_bytes=0.0, peak_flops=0.0,
+        return CostContext(**_model_fields(model, training), reserve_bytes=reserve_bytes(None, training),
+                           capacity_bytes=0.0, peak_flops=0.0,
                            hbm_bytes_per_s=0.0, gemm_max_fraction=1.0, gemm_half_work_flops=0.0,
                            elementwise_bytes=0.0, attention_score_bytes=0.0, layer_overhead_s=0.0,
                            micro_batch_overhead_s=0.0,
@@ -76,6 +78,7 @@ def make_context(cluster: ClusterSpec | None, model: ModelSpec, training: Traini
     eff = cluster.gpu.compute_efficiency
     return CostContext(
         **_model_fields(model, training),
+        reserve_bytes=reserve_bytes(cluster, training),
         capacity_bytes=cluster.gpu.memory_bytes * (1 - training.memory_headroom_fraction),
         peak_flops=cluster.gpu.peak_flops(training.precision),
         hbm_bytes_per_s=cluster.gpu.hbm_tbytes_per_s * 1e12,
@@ -97,5 +100,13 @@ def _model_fields(model: ModelSpec, training: TrainingSpec) -> dict:
         norm_params=norm_params(model), bias=model.bias, tied=model.tied_embeddings,
         global_batch=training.global_batch, act_bytes=4 if training.precision == "fp32" else 2,
         weight_bytes=weights, grad_bytes=grads, optim_bytes=optim,
-        reserve_bytes=training.reserved_memory_gib * GIB,
     )
+
+
+def reserve_bytes(cluster: ClusterSpec | None, training: TrainingSpec) -> float:
+    """Memory no formula sees: the training spec's override, else the GPU's own figure."""
+    if training.reserved_memory_gib is not None:
+        return training.reserved_memory_gib * GIB
+    gpu_reserve = cluster.gpu.reserved_memory_gib if cluster is not None else GPUSpec.model_fields[
+        "reserved_memory_gib"].default
+    return gpu_reserve * GIB

@@ -52,6 +52,10 @@ class GPUSpec(StrictModel):
         description="Dense (no sparsity) peak tensor throughput per dtype, in TFLOP/s (1e12)."
     )
     hbm_tbytes_per_s: PositiveFloat = Field(description="HBM bandwidth in TB/s (1e12 bytes/s).")
+    reserved_memory_gib: float = Field(
+        2.0, ge=0, description="Per-device memory no formula sees: CUDA context, NCCL buffers, "
+        "allocator fragmentation. A property of the device and its software stack."
+    )
     compute_efficiency: ComputeEfficiency = ComputeEfficiency()
     source: str = ""
 

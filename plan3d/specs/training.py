@@ -17,7 +17,7 @@ class TrainingSpec(StrictModel):
     memory_headroom_fraction: float = Field(
         0.05, ge=0, lt=1, description="Fraction of device memory a layout must leave free to fit."
     )
-    reserved_memory_gib: float = Field(
-        2.0, ge=0, description="Per-GPU memory no formula sees: CUDA context, NCCL, fragmentation."
+    reserved_memory_gib: float | None = Field(
+        None, ge=0, description="Overrides the GPU spec's reserved_memory_gib (memory no formula sees)."
     )
     source: str = ""

@@ -85,7 +85,7 @@ def _to_estimate(out: dict, layout: Layout, tiers: dict, warnings: list[str]) ->
 
 
 def _warnings(cluster: ClusterSpec, model: ModelSpec, layout: Layout) -> list[str]:
-    out = list(rankmap_for(layout, cluster.gpus_per_node).warnings())
+    out = list(rankmap_for(layout, cluster.gpus_per_node).warnings(cluster.tiers()))
     if layout.cp > 1:
         out.append(f"context parallelism is not modelled: times and memory are those of cp=1 "
                    f"(the groups still span the tiers of the cp={layout.cp} rank map)")

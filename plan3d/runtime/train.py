@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from plan3d.plan import load_plan
 from plan3d.runtime import memory
 from plan3d.runtime.clip import clip_global_norm
 from plan3d.runtime.context import build_context, check_placement
@@ -40,12 +39,20 @@ def run_precision(plan, device: torch.device, choice: str = "auto") -> tuple[str
     return (choice, torch.bfloat16) if choice == "bf16" else ("fp32", None)
 
 
+def _read_plan(path: str):
+    """The plan the launcher wrote (and checked with load_plan); no second digest check here, so
+    the ranks do not depend on the spec schema being byte-identical to the launcher's."""
+    from plan3d.plan import Plan
+
+    return Plan.model_validate_json(Path(path).read_text())
+
+
 class Runner:
     """Everything one rank holds for a run (no module-level state)."""
 
     def __init__(self, args, run_dir: Path, rank: int):
         self.args, self.run_dir, self.rank = args, run_dir, rank
-        self.plan = load_plan(args.plan)
+        self.plan = _read_plan(args.plan)
         self.device, backend = _device_and_backend(args.backend)
         dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
         check_placement(self.plan)

@@ -7,7 +7,6 @@ import pytest
 from conftest import STEPS, assert_same_losses, make_plan, metrics, run, summary
 
 LAYOUTS = {
-    "tp2-pp2-dp2-order-pp-before-dp": dict(tp=2, pp=2, dp=2, order="tp-cp-ep-pp-dp"),
     "pp4-interleaved-vpp2-dp2": dict(pp=4, vpp=2, dp=2),
     "tp4-sequence-parallel-dp2-zero2": dict(tp=4, dp=2, sequence_parallel=True, zero=2),
     "dp8-zero1": dict(dp=8, zero=1),
@@ -15,6 +14,15 @@ LAYOUTS = {
     "dp8-zero3": dict(dp=8, zero=3),
     "pp2-dp4-zero3-uneven-3-5": dict(pp=2, dp=4, zero=3, pp_layers=(3, 5)),
 }
+
+
+def llama_style(plan):
+    """tiny-gpt reshaped like Llama: GQA (2 kv heads), SwiGLU, RMSNorm, RoPE, no biases, tied embeddings."""
+    from plan3d.plan import build_plan
+
+    model = plan.model.model_copy(update=dict(name="tiny-llama", kv_heads=2, activation="swiglu", ffn_hidden=128,
+                                              norm="rmsnorm", bias=False, position="rope", tied_embeddings=True))
+    return build_plan(plan.cluster, model, plan.training, plan.layout, {})
 
 
 def _check_model_state(plan, ranks: list[dict]) -> None:
@@ -60,3 +68,18 @@ def test_bf16_mixed_precision_model_states_match_the_memory_model(reference, tmp
     _check_model_state(bf16_plan, done["ranks"])
     for step, loss in metrics(tmp_path).items():
         assert abs(loss - reference[step]) < 0.02, f"step {step}: bf16 {loss} vs fp32 {reference[step]}"
+
+
+@pytest.mark.slow
+def test_llama_style_tied_tp2_pp2_dp2_zero1_matches_single_process(tmp_path):
+    """GQA + SwiGLU + RoPE + RMSNorm, tied embeddings split over two stages (gradients summed
+    over the embedding group), a non-default rank order, ZeRO-1."""
+    single = llama_style(make_plan())
+    assert run(single, tmp_path / "one", extra=["--no-save"]).ok
+    plan = llama_style(make_plan(tp=2, pp=2, dp=2, zero=1, order="tp-cp-ep-pp-dp"))
+    result = run(plan, tmp_path / "eight", extra=["--no-save"])
+    assert result.ok, f"{result.failed_rank}: {result.error}"
+    assert_same_losses(metrics(tmp_path / "eight"), metrics(tmp_path / "one"), range(1, STEPS + 1))
+    ranks = summary(tmp_path / "eight")["ranks"]
+    _check_model_state(plan, ranks)
+    _check_mesh_groups(plan, ranks)

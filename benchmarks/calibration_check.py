@@ -68,7 +68,7 @@ LAYOUTS = {
         "dp8-zero0": Layout(dp=8, micro_batch=2),
     },
 }
-REFERENCE = 2
+REFERENCE = 3
 
 
 def calibrate(out: Path, model_name: str, nproc: int, statistic: str) -> Path:
@@ -156,8 +156,9 @@ def refit_rows(cluster, model, training, rows: list[dict], layouts: dict) -> Non
     refit, fitted = refit_from_runs(cluster, predict(reference), [r["measured_s"] for r in reference])
     for r, p in zip(rows, predict(rows)(refit)):
         r["refit_s"] = p
-    print(f"\nrefit on {', '.join(r['layout'] for r in reference)}: throughput x{fitted['throughput_scale']:.3f}, "
-          f"layer overhead {fitted['layer_overhead_s'] * 1e6:.0f} us")
+    knobs = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in fitted.items() if k.endswith("overhead_s"))
+    print(f"\nrefit on {', '.join(r['layout'] for r in reference)}: throughput x{fitted['throughput_scale']:.3f}"
+          + (f", {knobs}" if knobs else ""))
     if held_out:
         table("B. after --from-run refit, held-out layouts only", held_out, key="refit_s")
 

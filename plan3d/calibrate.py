@@ -264,44 +264,48 @@ def write_calibrated_spec(cluster: ClusterSpec, raw: dict, path: Path) -> Path:
 Predictor = Callable[[ClusterSpec], list[float]]
 
 
+OVERHEAD_KNOBS = ("layer_overhead_s", "micro_batch_overhead_s")
+
+
 def refit_from_runs(cluster: ClusterSpec, predict: Predictor, measured_s: list[float],
                     fit_overhead: bool = True) -> tuple[ClusterSpec, dict]:
     """Refit the compute side so predicted step times best match measured ones.
 
-    `predict(cluster)` returns the predicted step time of each run under `cluster`. Two knobs:
-    a multiplier k on the achieved FLOP/s (compute time goes as 1/k) and, when `fit_overhead` and
-    there are at least two runs, the fixed per-layer time `layer_overhead_s` (framework and
-    kernel-launch cost that FLOPs do not see). The loss is the mean squared log ratio of predicted
-    to measured (robust to a mix of short and long steps), minimised by alternating golden-section
-    searches over log k and log overhead. Returns the refitted cluster and the fitted values.
+    `predict(cluster)` returns the predicted step time of each run under `cluster`. Knobs: a
+    multiplier k on the achieved FLOP/s (compute time goes as 1/k) and, when `fit_overhead`, the
+    fixed times of `OVERHEAD_KNOBS` the GPU spec has (framework and launch costs that FLOPs do not
+    see), one more knob per extra run: n runs fit at most n knobs. The loss is the mean squared
+    log ratio of predicted to measured (robust to a mix of short and long steps), minimised by
+    cyclic golden-section searches (log k in [1/50, 50], each overhead in [1e-7, 1] s on a log
+    scale). Returns the refitted cluster and the fitted values.
     """
     measured = np.array(measured_s, dtype=float)
-    overhead0 = getattr(cluster.gpu.compute_efficiency, "layer_overhead_s", 0.0)
-    fit_overhead = fit_overhead and "layer_overhead_s" in ComputeEfficiency.model_fields
+    fields = ComputeEfficiency.model_fields
+    knobs = [k for k in OVERHEAD_KNOBS if k in fields][:max(0, len(measured) - 1)] if fit_overhead else []
+    values = {"log_k": 0.0, **{k: getattr(cluster.gpu.compute_efficiency, k) for k in knobs}}
 
-    def spec(log_k: float, overhead: float) -> ClusterSpec:
-        return with_overhead(scaled_compute(cluster, math.exp(log_k)), overhead)
+    def spec(v: dict) -> ClusterSpec:
+        return with_overheads(scaled_compute(cluster, math.exp(v["log_k"])), {k: v[k] for k in knobs})
 
-    def loss(log_k: float, overhead: float) -> float:
-        predicted = np.array(predict(spec(log_k, overhead)), dtype=float)
+    def loss(v: dict) -> float:
+        predicted = np.array(predict(spec(v)), dtype=float)
         return float(np.mean(np.log(predicted / measured) ** 2))
 
-    log_k, overhead = 0.0, overhead0
-    rounds = 4 if fit_overhead and len(measured) >= 2 else 1
-    for _ in range(rounds):
-        log_k = _golden_min(lambda x: loss(x, overhead), math.log(1 / 50), math.log(50))
-        if rounds > 1:
-            overhead = math.exp(_golden_min(lambda y: loss(log_k, math.exp(y)), math.log(1e-7), math.log(1.0)))
-    fitted = {"throughput_scale": math.exp(log_k), "layer_overhead_s": overhead,
-              "rms_log_error": math.sqrt(loss(log_k, overhead))}
-    return spec(log_k, overhead), fitted
+    for _ in range(4 if knobs else 1):
+        values["log_k"] = _golden_min(lambda x: loss({**values, "log_k": x}), math.log(1 / 50), math.log(50))
+        for knob in knobs:
+            values[knob] = math.exp(_golden_min(lambda y: loss({**values, knob: math.exp(y)}),
+                                                math.log(1e-7), math.log(1.0)))
+    fitted = {"throughput_scale": math.exp(values["log_k"]), **{k: values[k] for k in knobs},
+              "rms_log_error": math.sqrt(loss(values))}
+    return spec(values), fitted
 
 
-def with_overhead(cluster: ClusterSpec, layer_overhead_s: float) -> ClusterSpec:
-    if "layer_overhead_s" not in ComputeEfficiency.model_fields:
+def with_overheads(cluster: ClusterSpec, overheads: dict[str, float]) -> ClusterSpec:
+    if not overheads:
         return cluster
     data = cluster.model_dump()
-    data["gpu"]["compute_efficiency"]["layer_overhead_s"] = layer_overhead_s
+    data["gpu"]["compute_efficiency"].update(overheads)
     return ClusterSpec.model_validate(data)
 
 

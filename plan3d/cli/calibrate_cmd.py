@@ -178,8 +178,8 @@ def _refit_rows(before, after, runs, predict, fitted: dict) -> list[dict]:
     b_eff, a_eff = before.gpu.compute_efficiency, after.gpu.compute_efficiency
     rows = [_row("compute", "achieved FLOP/s multiplier", 1.0, fitted["throughput_scale"], "ratio"),
             _row("compute", "max fraction of peak", b_eff.max_fraction, a_eff.max_fraction, "ratio"),
-            _row("compute", "per-layer overhead", getattr(b_eff, "layer_overhead_s", None),
-                 getattr(a_eff, "layer_overhead_s", None), "s")]
+            *[_row("compute", knob.removesuffix("_s").replace("_", " "), getattr(b_eff, knob), getattr(a_eff, knob), "s")
+              for knob in fitted if knob.endswith("overhead_s")]]
     old, new = predict(before), predict(after)
     for run, p_old, p_new in zip(runs, old, new):
         rows.append(_row(run.plan.layout.short(), f"step time (measured {run.measured_step_s * 1e3:.1f} ms)",

@@ -71,20 +71,27 @@ def _p2p_s(ctx: CostContext, la: LayoutArrays, links: Links, boundary_bytes):
 
 def stage_step_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, params, backward_s, compute_s) -> dict:
     """Per step work of one rank outside the pipeline: data-parallel gradient reduction (hidden
-    behind `dp_overlap_fraction` of one backward), ZeRO-3 gathers (hidden behind the same share
-    of the compute), the tied-embedding all-reduce between first and last stage, the optimizer."""
+    behind `dp_overlap_fraction` of one backward), ZeRO-3 traffic (hidden behind the same share
+    of the compute), the tied-embedding all-reduce between first and last stage, the optimizer.
+
+    ZeRO-3 / FSDP with gradient accumulation gathers the weights in the forward and again in the
+    backward (and in the recompute) of every micro-batch, and reduce-scatters that micro-batch's
+    gradients, since an unsharded gradient buffer would undo the sharding (Rajbhandari et al.
+    2020, section 7: 1.5x the all-reduce volume per pass; DeepSpeed and FSDP both reduce per
+    micro-batch)."""
     grads = params * ctx.grad_bytes
     zero12 = comm.all_gather_s(grads, la.dp, links.dp_bw, links.dp_lat) + \
         comm.all_gather_s(params * ctx.weight_bytes, la.dp, links.dp_bw, links.dp_lat)
     dp = np.where(la.zero >= 1, zero12, comm.all_reduce_s(grads, la.dp, links.dp_bw, links.dp_lat))
-    dp = np.where(la.zero >= 3, comm.all_gather_s(grads, la.dp, links.dp_bw, links.dp_lat), dp)
+    dp = np.where(la.zero >= 3, 0.0, dp)  # ZeRO-3 reduces per micro-batch, below
     shared = (pp_rank == 0) | (pp_rank == la.pp - 1)
     tied = ctx.tied & (la.pp > 1) & shared
     embed_bytes = memory.padded_vocab(ctx, la.tp) / la.tp * ctx.hidden * ctx.grad_bytes
     dp = dp + np.where(tied, comm.all_reduce_s(embed_bytes, 2.0, links.pp_bw, links.pp_lat), 0.0)
     gathers = 2 + np.where(la.recompute >= FULL, 1, 0)
-    zero3 = np.where(la.zero >= 3, la.m * gathers * comm.all_gather_s(
-        params * ctx.weight_bytes, la.dp, links.dp_bw, links.dp_lat), 0.0)
+    per_micro_batch = gathers * comm.all_gather_s(params * ctx.weight_bytes, la.dp, links.dp_bw, links.dp_lat) \
+        + comm.all_gather_s(grads, la.dp, links.dp_bw, links.dp_lat)  # reduce-scatter of this micro-batch's grads
+    zero3 = np.where(la.zero >= 3, la.m * per_micro_batch, 0.0)
     overlap = ctx.dp_overlap_fraction
     return {"dp_comm": np.maximum(dp - overlap * backward_s, 0.0),
             "zero_comm": np.maximum(zero3 - overlap * compute_s, 0.0),

@@ -163,10 +163,16 @@ class RankMap:
         return out
 
 
-@lru_cache(maxsize=4096)
 def rankmap_for(layout: Layout, gpus_per_node: int) -> RankMap:
-    """Cached RankMap (the search asks for the same shapes many times)."""
-    return RankMap(layout, gpus_per_node)
+    """Cached RankMap. The map depends only on the degrees and the order, so layouts that differ
+    in micro-batch, ZeRO or recompute share one (the search asks for the same shapes many times)."""
+    shape = Layout(tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp, ep=layout.ep, order=layout.order)
+    return _rankmap_for_shape(shape, gpus_per_node)
+
+
+@lru_cache(maxsize=4096)
+def _rankmap_for_shape(shape: Layout, gpus_per_node: int) -> RankMap:
+    return RankMap(shape, gpus_per_node)
 
 
 @dataclass(frozen=True)

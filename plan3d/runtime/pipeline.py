@@ -81,9 +81,11 @@ def forward_backward(schedule, stages, ids, ctx: ParallelContext, inputs, target
                      total_stages: int) -> torch.Tensor | None:
     """One step's forward and backward; returns this replica's mean loss where it is known."""
     if schedule is None:
-        losses = []
-        for x, y in zip(inputs.chunk(n_micro), targets.chunk(n_micro)):
-            loss = cross_entropy(stages[0](x), y, ctx.tp)
+        losses, stage = [], stages[0]
+        for i, (x, y) in enumerate(zip(inputs.chunk(n_micro), targets.chunk(n_micro))):
+            if hasattr(stage, "set_requires_gradient_sync"):  # FSDP2: reduce-scatter once, at the end
+                stage.set_requires_gradient_sync(i == n_micro - 1)
+            loss = cross_entropy(stage(x), y, ctx.tp)
             (loss / n_micro).backward()
             losses.append(loss.detach())
         return torch.stack(losses).mean()

@@ -40,7 +40,7 @@ def save(root: Path, step: int, engine, ctx, meta: dict) -> Path:
     mesh = ctx.mesh["dp", "tp"]
     sd = {f"{k}/{e.name}": _dtensor(state[e.name][k], mesh, e.tp_dim)
           for e in engine.entries if not e.tied_copy for k in state[e.name]}
-    final, tmp = root / f"step_{step:08d}", root / f"step_{step:08d}.tmp"
+    final, tmp = _fresh_name(root, step), root / f"step_{step:08d}.tmp"
     if ctx.rank == 0 and tmp.exists():
         shutil.rmtree(tmp)
     dist.barrier()
@@ -49,12 +49,19 @@ def save(root: Path, step: int, engine, ctx, meta: dict) -> Path:
     dist.barrier()
     if ctx.rank == 0:
         (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}))
-        if final.exists():
-            shutil.rmtree(final)
         os.replace(tmp, final)
         _write_latest(root, final.name)
     dist.barrier()
     return final
+
+
+def _fresh_name(root: Path, step: int) -> Path:
+    """step_N, or step_N-k when a run resumed from an earlier step saves step N again: a
+    complete checkpoint directory is never replaced in place (`latest` names the newest)."""
+    name, k = root / f"step_{step:08d}", 1
+    while (root / name.name).exists():
+        name, k = root / f"step_{step:08d}-{k}", k + 1
+    return name
 
 
 def _write_latest(root: Path, name: str) -> None:

@@ -34,8 +34,9 @@ def _dtensor(t: torch.Tensor, mesh, tp_dim: int | None) -> DTensor:
     return DTensor.from_local(t.contiguous(), mesh, placements, run_check=False)
 
 
-def save(root: Path, step: int, engine, ctx, meta: dict) -> Path:
-    """Write step `step` atomically under `root`; returns the final directory."""
+def save(root: Path, step: int, engine, ctx, meta: dict, written=None) -> Path:
+    """Write step `step` atomically under `root`; returns the final directory. `written()` runs
+    on every rank after its shards are on disk and before the commit (fault injection)."""
     state = engine.logical_state()
     mesh = ctx.mesh["dp", "tp"]
     sd = {f"{k}/{e.name}": _dtensor(state[e.name][k], mesh, e.tp_dim)
@@ -46,6 +47,8 @@ def save(root: Path, step: int, engine, ctx, meta: dict) -> Path:
     dist.barrier()
     tmp.mkdir(parents=True, exist_ok=True)
     dcp.save(sd, checkpoint_id=str(tmp))
+    if written is not None:
+        written()
     dist.barrier()
     if ctx.rank == 0:
         (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}))

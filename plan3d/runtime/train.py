@@ -107,12 +107,12 @@ class Runner:
         dist.all_reduce(mine)
         return float(mine)
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, written=None) -> None:
         meta = {"layout": self.plan.layout.model_dump(mode="json"), "digest": self.plan.digest,
                 "seed": self.args.seed}
         from plan3d.runtime import checkpoint  # DCP imports DTensor (~2 s): only when saving
 
-        checkpoint.save(self.run_dir / "checkpoints", step, self.engine, self.ctx, meta)
+        checkpoint.save(self.run_dir / "checkpoints", step, self.engine, self.ctx, meta, written)
 
     def resume(self) -> int:
         if not self.args.resume_from:
@@ -169,9 +169,11 @@ def train(args, run_dir: Path, rank: int, inject) -> None:
         records.append(record)
         if rank == 0:
             _append(metrics, record)
-        inject(args, rank, step)
+        in_save = args.fail_mode == "kill-during-save"
+        if not in_save:
+            inject(args, rank, step)
         if not args.no_save and ((args.save_every and step % args.save_every == 0) or step == args.steps):
-            runner.save(step)
+            runner.save(step, (lambda: inject(args, rank, step)) if in_save else None)
     mine = {"rank": rank, "model_state_bytes": runner.state_bytes, "peak_memory_bytes": memory.peak_bytes(runner.device),
             "pp": runner.ctx.local("pp"), "dp": runner.ctx.local("dp"), "tp": runner.ctx.local("tp"),
             "mesh_groups": {d: dist.get_process_group_ranks(runner.ctx.group(d)) for d in ("tp", "dp", "pp")}}

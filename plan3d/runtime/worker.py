@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="torch.compile every transformer block")
     p.add_argument("--fail-at-step", type=int, default=0, help="testing: inject a failure")
     p.add_argument("--fail-rank", type=int, default=0)
-    p.add_argument("--fail-mode", default="kill", choices=["kill", "hang", "raise"])
+    p.add_argument("--fail-mode", default="kill", choices=["kill", "hang", "raise", "kill-during-save"])
     return p.parse_args(argv)
 
 
@@ -73,7 +73,7 @@ def _write_error(run_dir: Path, rank: int, err: BaseException) -> None:
 def _inject(args, rank: int, step: int) -> None:
     if args.fail_at_step != step or args.fail_rank != rank:
         return
-    if args.fail_mode == "kill":
+    if args.fail_mode in ("kill", "kill-during-save"):
         os.kill(os.getpid(), signal.SIGKILL)
     if args.fail_mode == "hang":
         time.sleep(10**6)

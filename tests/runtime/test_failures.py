@@ -109,3 +109,16 @@ def test_ctrl_c_stops_every_rank_and_keeps_the_checkpoints(tmp_path):
     assert not _survivors(str(tmp_path))
     latest = (tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text())
     assert (latest / "meta.json").exists()
+
+
+def test_crash_during_a_save_keeps_the_previous_checkpoint(reference, tmp_path):
+    plan = make_plan(dp=2, zero=2)
+    result = run(plan, tmp_path, extra=["--save-every", "1", "--fail-at-step", "2", "--fail-rank", "1",
+                                        "--fail-mode", "kill-during-save"])
+    assert not result.ok and result.failed_rank == 1
+    checkpoints = tmp_path / "checkpoints"
+    assert (checkpoints / "latest").read_text() == "step_00000001"
+    assert (checkpoints / "step_00000002.tmp").exists() and not (checkpoints / "step_00000002").exists()
+    resumed = run(plan, tmp_path, extra=["--resume-from", str(tmp_path), "--no-save"])
+    assert resumed.ok, resumed.error
+    assert_same_losses(metrics(tmp_path), reference, range(1, STEPS + 1))

@@ -82,6 +82,13 @@ def calibrate(out: Path, model_name: str, nproc: int, statistic: str) -> Path:
     return spec
 
 
+def wait_for_quiet(max_load: float | None, max_wait_s: float) -> None:
+    """On a shared machine: wait (up to max_wait_s) until the 1-minute load average drops below max_load."""
+    deadline = time.monotonic() + max_wait_s
+    while max_load is not None and os.getloadavg()[0] > max_load and time.monotonic() < deadline:
+        time.sleep(5)
+
+
 def run_layout(cluster, model, training, name: str, layout: Layout, out: Path, steps: int, statistic: str) -> dict:
     est = estimate(cluster, model, training, layout)
     plan = build_plan(cluster, model, training, layout, est.to_dict())
@@ -118,6 +125,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/calibration-check"))
     parser.add_argument("--spec", type=Path, default=None, help="use this calibrated spec (skip step 1)")
     parser.add_argument("--only", default=None, help="comma list of layout names")
+    parser.add_argument("--wait-load", type=float, default=None,
+                        help="before each launch and the calibration, wait for the 1-min load average below this")
+    parser.add_argument("--wait-max-s", type=float, default=180.0)
     parser.add_argument("--statistic", default="median", choices=["median", "min"],
                         help="of the timings, in the calibration and of the steps")
     parser.add_argument("--nproc", type=int, default=2, choices=sorted(LAYOUTS),
@@ -130,6 +140,7 @@ def main() -> None:
         model_ref = str(args.out / "bench-gpt.yaml")
     else:
         model_ref = args.model
+    wait_for_quiet(args.wait_load, args.wait_max_s)
     spec = args.spec or calibrate(args.out, model_ref, args.nproc, args.statistic)
     layouts = LAYOUTS[args.nproc]
     cluster = load_cluster(str(spec))
@@ -137,6 +148,7 @@ def main() -> None:
     names = args.only.split(",") if args.only else list(layouts)
     rows = []
     for name in names:
+        wait_for_quiet(args.wait_load, args.wait_max_s)
         rows.append(run_layout(cluster, model, training, name, layouts[name], args.out, args.steps, args.statistic))
         print(f"{name}: predicted {rows[-1]['predicted_s'] * 1e3:.1f} ms, measured {rows[-1]['measured_s'] * 1e3:.1f} ms",
               flush=True)

@@ -17,7 +17,7 @@ emit_app = typer.Typer(help="Write a plan in another tool's words: Megatron-LM, 
                             "torchrun, SLURM.", no_args_is_help=True)
 app.add_typer(emit_app, name="emit")
 
-PlanArg = Annotated[str, typer.Argument(help="A plan.json written by `plan3d plan`/`recommend --save`.")]
+PlanArg = Annotated[str, typer.Argument(help="A plan JSON (`plan3d recommend --out PLAN.json`, or a run's plan.json).")]
 OutOpt = Annotated[Optional[Path], typer.Option("--output", "-o", help="Write here instead of stdout.")]
 
 
@@ -51,7 +51,7 @@ def emit_deepspeed_cmd(plan: PlanArg, out: OutOpt = None) -> None:
 
 @emit_app.command("torchtitan")
 def emit_torchtitan_cmd(plan: PlanArg, out: OutOpt = None) -> None:
-    """torchtitan TOML sections: [parallelism], [training], [activation_checkpoint]."""
+    """torchtitan TOML: the parallelism, training and activation_checkpoint sections."""
     from plan3d.emit.torchtitan import emit_torchtitan
     from plan3d.plan import load_plan
 

@@ -86,8 +86,8 @@ class Report:
 
 
 def row(term: str, predicted: float | None, measured: float | None, unit: str) -> dict:
-    """One paired term; `error` = measured / predicted - 1 when both exist."""
-    error = measured / predicted - 1 if predicted and measured is not None else None
+    """One paired term; `error` = predicted / measured - 1 (the prediction's relative error) when both exist."""
+    error = predicted / measured - 1 if predicted is not None and measured else None
     return {"term": term, "predicted": predicted, "measured": measured, "unit": unit, "error": error}
 
 

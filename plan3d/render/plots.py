@@ -95,18 +95,18 @@ def plot_step_breakdown(estimate: dict, path: Path) -> None:
 
 
 def plot_report(report: dict, path: Path) -> None:
-    """Bars of predicted and measured per term, each term normalised to its prediction."""
+    """One bar per term: predicted / measured (1 = exact), the +-15% band marked."""
     plt = _pyplot()
     rows = [r for r in report["rows"] if r["predicted"] and r["measured"] is not None]
     if not rows:
         raise Plan3dError("nothing to plot: no term has both a prediction and a measurement")
     fig, ax = plt.subplots(figsize=(7, 0.5 * len(rows) + 1.5))
     names = [r["term"] for r in rows]
-    ratios = [r["measured"] / r["predicted"] for r in rows]
+    ratios = [r["predicted"] / r["measured"] for r in rows]
     ax.barh(names, ratios, color=["tab:green" if abs(x - 1) <= 0.15 else "tab:orange" for x in ratios])
     ax.axvline(1.0, color="black", linewidth=1)
     for lim in (0.85, 1.15):
         ax.axvline(lim, color="gray", linestyle=":", linewidth=1)
-    ax.set(xlabel="measured / predicted (1 = exact; dotted: +-15%)", title=f"run {report['layout']}")
+    ax.set(xlabel="predicted / measured (1 = exact; dotted: +-15%)", title=f"run {report['layout']}")
     ax.invert_yaxis()
     _save(fig, path)

@@ -44,7 +44,8 @@ def _si(value: float, unit: str) -> str:
 
 def report_table(report) -> Table:
     table = Table(title=f"measured vs predicted: {report.layout} ({report.run_dir})")
-    for name, justify in (("term", "left"), ("predicted", "right"), ("measured", "right"), ("error", "right")):
+    for name, justify in (("term", "left"), ("predicted", "right"), ("measured", "right"),
+                          ("prediction error", "right")):
         table.add_column(name, justify=justify)
     for r in report.rows:
         error = "-" if r["error"] is None else _colour_error(r["error"])
@@ -61,6 +62,7 @@ def breakdown_table(time_s: dict) -> Table:
     table = Table(title="predicted step breakdown")
     table.add_column("term")
     table.add_column("time", justify="right")
+    table.add_column("share", justify="right")
     total = sum(time_s.values()) or 1.0
     for key, label in TIME_LABELS.items():
         if key in time_s:

@@ -18,7 +18,11 @@ MODEL_1B = dict(name="gpt-1b", layers=18, hidden=2048, heads=16, kv_heads=8, act
                 ffn_hidden=5632, norm="rmsnorm", bias=False, position="rope", vocab=32000, seq_len=2048)
 
 
-def _plan(cluster_name: str, global_batch: int, micro_batch: int):
+SMOKE = dict(MODEL_1B, name="gpt-smoke", layers=2, hidden=128, heads=4, kv_heads=2, ffn_hidden=256,
+             vocab=512, seq_len=128)
+
+
+def _plan(cluster_name: str, global_batch: int, micro_batch: int, shape: dict = MODEL_1B):
     from plan3d.cost.estimate import estimate
     from plan3d.layout import Layout
     from plan3d.plan import build_plan
@@ -27,18 +31,18 @@ def _plan(cluster_name: str, global_batch: int, micro_batch: int):
     from plan3d.specs.training import TrainingSpec
 
     cluster = load_cluster(cluster_name, 1, 1)
-    model = ModelSpec(**MODEL_1B)
+    model = ModelSpec(**shape)
     training = TrainingSpec(global_batch=global_batch, precision="bf16")
     layout = Layout(micro_batch=micro_batch)
     return build_plan(cluster, model, training, layout, estimate(cluster, model, training, layout).to_dict())
 
 
-def _run(plan, steps: int, compile_blocks: bool) -> dict | None:
+def _run(plan, steps: int, compile_blocks: bool, backend: str = "nccl") -> dict | None:
     from plan3d.launch import launch, read_summary
 
     run_dir = Path(tempfile.mkdtemp(prefix="gpu-runtime-"))
     extra = ["--no-save", "--warmup-steps", "3"] + (["--compile"] if compile_blocks else [])
-    result = launch(plan, None, run_dir, steps, backend="nccl", worker_args=extra)
+    result = launch(plan, None, run_dir, steps, backend=backend, worker_args=extra)
     if not result.ok:
         print(f"  failed ({'compiled' if compile_blocks else 'eager'}): {result.error}; logs in {run_dir}/logs")
         return None
@@ -51,23 +55,26 @@ def main() -> int:
     parser.add_argument("--cluster", default="h200")
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--smoke", action="store_true", help="a tiny model on CPU/gloo: checks this script only")
     args = parser.parse_args()
     import torch
 
-    if not torch.cuda.is_available():
-        print("no CUDA GPU: nothing to measure (run this on a GPU machine)")
+    if not torch.cuda.is_available() and not args.smoke:
+        print("no CUDA GPU: nothing to measure (run this on a GPU machine, or --smoke)")
         return 0
     from plan3d.cost.params import total_params
 
-    plan = _plan(args.cluster, args.global_batch, args.micro_batch)
+    backend = "gloo" if args.smoke else "nccl"
+    plan = _plan(args.cluster, args.global_batch, args.micro_batch, SMOKE if args.smoke else MODEL_1B)
     n, m = total_params(plan.model), plan.model
     flops_per_token = 6 * n + 12 * m.layers * m.seq_len * m.hidden
     peak = plan.cluster.gpu.peak_flops("bf16")
-    print(f"{torch.cuda.get_device_name()}  model {n / 1e9:.2f}B params, seq {m.seq_len}, "
+    device = "CPU smoke run" if args.smoke else torch.cuda.get_device_name()
+    print(f"{device}  model {n / 1e9:.2f}B params, seq {m.seq_len}, "
           f"global batch {args.global_batch}, micro-batch {args.micro_batch}")
     print(f"{'mode':<10}{'step_s':>10}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'peak GiB':>10}{'loss':>9}")
-    for compile_blocks in (False, True):
-        s = _run(plan, args.steps, compile_blocks)
+    for compile_blocks in (False,) if args.smoke else (False, True):
+        s = _run(plan, args.steps, compile_blocks, backend)
         if s is None:
             continue
         achieved = flops_per_token * s["tokens_per_s"]

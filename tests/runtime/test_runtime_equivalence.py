@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import STEPS, assert_same_losses, make_plan, metrics, run, summary
+from runtime_helpers import STEPS, assert_same_losses, make_plan, metrics, run, summary
 
 LAYOUTS = {
     "pp4-interleaved-vpp2-dp2": dict(pp=4, vpp=2, dp=2),

@@ -6,7 +6,7 @@ import shlex
 import pytest
 import torch
 
-from conftest import make_plan
+from runtime_helpers import make_plan
 
 
 @pytest.mark.parametrize("order", ["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp", "dp-cp-ep-tp-pp"])
@@ -149,7 +149,7 @@ def test_cli_launch_prints_losses_and_measured_vs_predicted(capsys, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_single_rank_bf16_runs(tmp_path):
-    from conftest import run, summary
+    from runtime_helpers import run, summary
 
     from plan3d.cli.common import load_specs, make_layout
     from plan3d.plan import build_plan
@@ -158,4 +158,11 @@ def test_gpu_single_rank_bf16_runs(tmp_path):
     plan = build_plan(cluster, model, training, make_layout(), {})
     result = run(plan, tmp_path, steps=3, extra=["--no-save"], backend="nccl")
     assert result.ok, result.error
-    assert summary(tmp_path)["precision"] == "bf16"
+    done = summary(tmp_path)
+    assert done["precision"] == "bf16" and done["backend"] == "nccl"
+    from plan3d.cost.memory import model_state_bytes
+
+    want = model_state_bytes(plan.model, plan.training, plan.layout, 0)
+    got = done["ranks"][0]["model_state_bytes"]
+    for kind in ("weights", "gradients", "optimizer"):
+        assert abs(got[kind] - want[kind]) <= 0.01 * want[kind], kind

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import STEPS, assert_same_losses, make_plan, metrics, run, summary
+from runtime_helpers import STEPS, assert_same_losses, make_plan, metrics, run, summary
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,9 @@ import pytest
 from runtime_helpers import STEPS, assert_same_losses, make_plan, metrics, run, summary
 
 LAYOUTS = {
-    "pp4-interleaved-vpp2-dp2": dict(pp=4, vpp=2, dp=2),
-    "tp4-sequence-parallel-dp2-zero2": dict(tp=4, dp=2, sequence_parallel=True, zero=2),
+    "pp4-interleaved-vpp2-dp2-full-recompute": dict(pp=4, vpp=2, dp=2, recompute="full"),
+    "tp4-sequence-parallel-dp2-zero2-selective-recompute": dict(tp=4, dp=2, sequence_parallel=True, zero=2,
+                                                                recompute="selective"),
     "dp8-zero1": dict(dp=8, zero=1),
     "dp8-zero2": dict(dp=8, zero=2),
     "dp8-zero3": dict(dp=8, zero=3),

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from plan3d.runtime.comm import all_gather_flat, reduce_scatter_flat
 from torch import nn
 
 from plan3d.runtime.context import ParallelContext
@@ -176,7 +178,7 @@ class ShardedOptimizerDP(ReplicatedDP):
             self.shard.grad = flat.narrow(0, self.lo, self.shard_numel)
         else:
             shard = torch.empty(self.shard_numel, device=self.ctx.device)
-            dist.reduce_scatter_tensor(shard, flat, group=self.dp_group)
+            reduce_scatter_flat(shard, flat, group=self.dp_group)
             self.grad_buffer = self.shard.grad = shard.div_(self.dp)
 
     def grad_sq_sum(self) -> torch.Tensor:
@@ -187,7 +189,7 @@ class ShardedOptimizerDP(ReplicatedDP):
 
     def step(self) -> None:
         self.opt.step()
-        dist.all_gather_into_tensor(self.flat, self.shard.detach().clone(), group=self.dp_group)
+        all_gather_flat(self.flat, self.shard.detach().clone(), group=self.dp_group)
 
     def zero_grad(self) -> None:
         self.shard.grad = self.grad_buffer = None
@@ -201,7 +203,7 @@ class ShardedOptimizerDP(ReplicatedDP):
 
     def _gathered(self, key: str) -> torch.Tensor:
         full = torch.empty_like(self.flat)
-        dist.all_gather_into_tensor(full, self.opt.state[self.shard][key].contiguous(), group=self.dp_group)
+        all_gather_flat(full, self.opt.state[self.shard][key].contiguous(), group=self.dp_group)
         return full
 
     def logical_state(self):

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from plan3d.runtime.comm import all_gather_flat, reduce_scatter_flat
 from torch import nn
 
 from plan3d.runtime.dp import _state_bytes, make_optimizer, reduce_model_parallel_grads
@@ -62,7 +64,7 @@ class MixedPrecisionDP:
         reduce_model_parallel_grads(self.entries, self.ctx, lambda e: self._view(grad, position[id(e)]))
         if self.zero == 2 and self.dp > 1:
             mine = torch.empty(self.slice_numel, device=self.ctx.device)
-            dist.reduce_scatter_tensor(mine, grad, group=self.dp_group)
+            reduce_scatter_flat(mine, grad, group=self.dp_group)
             self.main_grad, self.master.grad = None, mine.div_(self.dp)
             return
         if self.dp > 1:
@@ -82,7 +84,7 @@ class MixedPrecisionDP:
         if self.slices == 1:
             return mine.detach()
         full = torch.empty(self.slice_numel * self.slices, device=self.ctx.device)
-        dist.all_gather_into_tensor(full, mine.detach().contiguous(), group=self.dp_group)
+        all_gather_flat(full, mine.detach().contiguous(), group=self.dp_group)
         return full
 
     def step(self) -> None:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from plan3d.runtime.comm import all_gather_flat, reduce_scatter_flat
 from torch.autograd import Function
 
 SEQ_DIM = 1
@@ -45,7 +47,7 @@ def _gather_seq(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
     """All-gather sequence shards [b, s/tp, h] -> [b, s, h]."""
     local = x.transpose(0, SEQ_DIM).contiguous()
     out = local.new_empty((local.shape[0] * tp.size,) + tuple(local.shape[1:]))
-    dist.all_gather_into_tensor(out, local, group=tp.group)
+    all_gather_flat(out, local, group=tp.group)
     return out.transpose(0, SEQ_DIM).contiguous()
 
 
@@ -53,7 +55,7 @@ def _scatter_seq(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
     """Reduce-scatter partial sums [b, s, h] -> this rank's summed shard [b, s/tp, h]."""
     full = x.transpose(0, SEQ_DIM).contiguous()
     out = full.new_empty((full.shape[0] // tp.size,) + tuple(full.shape[1:]))
-    dist.reduce_scatter_tensor(out, full, group=tp.group)
+    reduce_scatter_flat(out, full, group=tp.group)
     return out.transpose(0, SEQ_DIM).contiguous()
 
 

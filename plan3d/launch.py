@@ -102,46 +102,69 @@ def launch(plan: Plan, plan_path: str | Path | None, run_dir: str | Path, steps:
            nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1", master_port: int | None = None,
            worker_module: str = WORKER_MODULE, worker_args=(), on_progress: Callable[[dict], None] | None = None,
            env: dict | None = None) -> LaunchResult:
-    """Run this node's ranks to the end; returns how it ended (never raises for a failed rank)."""
+    """Run this node's ranks to the end; returns how it ended (never raises for a failed rank).
+
+    A plan that spans several nodes, launched with nnodes=1 on loopback, runs every node's
+    launcher on this machine (simulated nodes, each with its own node identity)."""
     problems = runtime_problems(plan)
     if problems:
         raise LaunchError("; ".join(problems))
+    local_nodes = nnodes == 1 and master_addr in LOOPBACK and _nodes_needed(plan) > 1
+    nnodes = _nodes_needed(plan) if local_nodes else nnodes
     nproc = node_layout(plan, nnodes, node_rank)
     run_dir = Path(run_dir)
     plan_file = prepare_run_dir(plan, run_dir)
     if master_port is None:
-        if nnodes > 1:
+        if nnodes > 1 and not local_nodes:
             raise LaunchError("several nodes need the same --master-port on every node")
         master_port = free_port()
-    cmd = node_command(str(plan_file), nnodes, nproc, node_rank, master_addr, master_port,
-                       worker_argv(run_dir, steps, backend, worker_args), worker_module)
-    # The node's identity from the scheduler (SLURM) wins; the placement check compares it with
-    # the rank torchrun derived from --node-rank.
-    node_identity = os.environ.get("PLAN3D_NODE_RANK", str(node_rank))
-    child_env = {**os.environ, "PLAN3D_NODE_RANK": node_identity, "OMP_NUM_THREADS": "1",
-                 "PYTHONUNBUFFERED": "1", **(env or {})}
-    return _run(cmd, child_env, run_dir, node_rank, on_progress)
+    args = worker_argv(run_dir, steps, backend, worker_args)
+    nodes = range(nnodes) if local_nodes else [node_rank]
+    jobs = [(node, node_command(str(plan_file), nnodes, nproc, node, master_addr, master_port, args, worker_module),
+             _node_env(node, local_nodes, env)) for node in nodes]
+    return _run(jobs, run_dir, on_progress)
 
 
-def _run(cmd, env, run_dir: Path, node_rank: int, on_progress) -> LaunchResult:
-    start = time.monotonic()
-    log_path = run_dir / "logs" / f"launcher{node_rank}.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                preexec_fn=_term_with_parent)
-        previous = _sigterm_as_interrupt()
-        try:
-            code = _watch(proc, run_dir, on_progress)
-        except KeyboardInterrupt:
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _nodes_needed(plan: Plan) -> int:
+    world, gpn = plan.layout.world_size, int(plan.rankmap["gpus_per_node"])
+    return -(-world // min(world, gpn))
+
+
+def _node_env(node: int, simulated: bool, extra: dict | None) -> dict:
+    """The node's identity from the scheduler (SLURM) wins on a real node; the placement check
+    compares it with the rank torchrun derived from --node-rank."""
+    identity = str(node) if simulated else os.environ.get("PLAN3D_NODE_RANK", str(node))
+    return {**os.environ, "PLAN3D_NODE_RANK": identity, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            **(extra or {})}
+
+
+def _run(jobs, run_dir: Path, on_progress) -> LaunchResult:
+    """Start one torchrun per (node, argv, env); wait for all; diagnose a failure."""
+    start, procs, logs = time.monotonic(), [], []
+    previous = _sigterm_as_interrupt()
+    try:
+        for node, cmd, env in jobs:
+            logs.append(run_dir / "logs" / f"launcher{node}.log")
+            with logs[-1].open("w") as log:
+                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                              start_new_session=True, preexec_fn=_term_with_parent))
+        code = _watch(procs, run_dir, on_progress)
+    except KeyboardInterrupt:
+        for proc in procs:
             _stop(proc)
-            raise
-        finally:
+        raise
+    finally:
+        for proc in procs:
             _kill_group(proc)
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     result = LaunchResult(code, run_dir, elapsed_s=time.monotonic() - start)
     if code != 0:
-        result.failed_rank, result.error = diagnose(run_dir, log_path.read_text(errors="replace"))
+        text = "\n".join(path.read_text(errors="replace") for path in logs)
+        result.failed_rank, result.error = diagnose(run_dir, text)
     return result
 
 
@@ -166,19 +189,22 @@ def _sigterm_as_interrupt():
     return signal.signal(signal.SIGTERM, _raise_interrupt)
 
 
-def _watch(proc: subprocess.Popen, run_dir: Path, on_progress) -> int:
-    """Poll torchrun; forward metric records; kill it if it lingers long after a rank's error."""
-    metrics, seen, error_since = run_dir / "metrics.jsonl", 0, None
+def _watch(procs: list[subprocess.Popen], run_dir: Path, on_progress) -> int:
+    """Poll the torchruns; forward metric records; after a failure give the others
+    AFTER_ERROR_S to stop by themselves, then stop them. Returns the first non-zero exit."""
+    metrics, seen, failed_since = run_dir / "metrics.jsonl", 0, None
     while True:
-        code = proc.poll()
+        codes = [proc.poll() for proc in procs]
         seen = _forward_metrics(metrics, seen, on_progress)
-        if code is not None:
-            return code
-        if error_since is None and any((run_dir / "errors").glob("*.json")):
-            error_since = time.monotonic()
-        if error_since is not None and time.monotonic() - error_since > AFTER_ERROR_S:
-            _stop(proc)
-            return proc.wait()
+        bad = [c for c in codes if c not in (None, 0)]
+        if all(c is not None for c in codes):
+            return bad[0] if bad else 0
+        if failed_since is None and (bad or any((run_dir / "errors").glob("*.json"))):
+            failed_since = time.monotonic()
+        if failed_since is not None and time.monotonic() - failed_since > AFTER_ERROR_S:
+            for proc in procs:
+                _stop(proc)
+            return bad[0] if bad else 1
         time.sleep(0.2)
 
 

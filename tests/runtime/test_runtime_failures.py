@@ -122,3 +122,11 @@ def test_crash_during_a_save_keeps_the_previous_checkpoint(reference, tmp_path):
     resumed = run(plan, tmp_path, extra=["--resume-from", str(tmp_path), "--no-save"])
     assert resumed.ok, resumed.error
     assert_same_losses(metrics(tmp_path), reference, range(1, STEPS + 1))
+
+
+def test_a_multi_node_plan_on_one_machine_runs_every_node_locally(reference, tmp_path):
+    plan = make_plan(nodes=2, gpus_per_node=1, dp=2)
+    result = run(plan, tmp_path, extra=["--no-save"])
+    assert result.ok, result.error
+    assert (tmp_path / "logs" / "launcher0.log").exists() and (tmp_path / "logs" / "launcher1.log").exists()
+    assert_same_losses(metrics(tmp_path), reference, range(1, STEPS + 1))

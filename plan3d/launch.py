@@ -109,8 +109,8 @@ def launch(plan: Plan, plan_path: str | Path | None, run_dir: str | Path, steps:
     problems = runtime_problems(plan)
     if problems:
         raise LaunchError("; ".join(problems))
-    local_nodes = nnodes == 1 and master_addr in LOOPBACK and _nodes_needed(plan) > 1
-    nnodes = _nodes_needed(plan) if local_nodes else nnodes
+    local_nodes = nnodes == 1 and master_addr in LOOPBACK and nodes_needed(plan) > 1
+    nnodes = nodes_needed(plan) if local_nodes else nnodes
     nproc = node_layout(plan, nnodes, node_rank)
     run_dir = Path(run_dir)
     plan_file = prepare_run_dir(plan, run_dir)
@@ -128,7 +128,7 @@ def launch(plan: Plan, plan_path: str | Path | None, run_dir: str | Path, steps:
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def _nodes_needed(plan: Plan) -> int:
+def nodes_needed(plan: Plan) -> int:
     world, gpn = plan.layout.world_size, int(plan.rankmap["gpus_per_node"])
     return -(-world // min(world, gpn))
 

@@ -95,8 +95,10 @@ def launch_command(
 
 def _print_dry_run(plan, run_path, steps, backend, nnodes, master_addr, master_port, worker_args) -> None:
     from plan3d.emit.torchrun import torchrun_commands
-    from plan3d.launch import node_layout, worker_argv
+    from plan3d.launch import LOOPBACK, nodes_needed, node_layout, worker_argv
 
+    if nnodes == 1 and master_addr in LOOPBACK:
+        nnodes = nodes_needed(plan)  # simulated nodes on this machine, as launch() does
     gpn = node_layout(plan, nnodes, 0)
     cmds = torchrun_commands(str(run_path / "plan.json"), plan.layout.world_size, nnodes, gpn, master_addr,
                              master_port or 29500, worker_argv(run_path, steps, backend, worker_args))

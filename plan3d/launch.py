@@ -26,6 +26,7 @@ from plan3d.plan import Plan
 
 STOP_GRACE_S = 10.0
 AFTER_ERROR_S = 20.0
+RANKS_NAMED = 8  # how many stopped ranks a hang message lists
 
 
 @dataclass
@@ -259,7 +260,7 @@ def _hang_suspect(first: dict, errored: set[int], launcher_log: str) -> tuple[in
                      if code == -signal.SIGTERM and rank not in errored)
     if not stopped:
         return first["rank"], first["error"]
-    names = ", ".join(map(str, stopped[:8])) + (" ..." if len(stopped) > 8 else "")
+    names = ", ".join(map(str, stopped[:RANKS_NAMED])) + (" ..." if len(stopped) > RANKS_NAMED else "")
     return stopped[0], (f"rank {names} hung (never reached the collective that timed out on rank "
                         f"{first['rank']}: {first['error']})")
 

@@ -7,8 +7,10 @@
 2. For each layout: a plan under that spec (fp32, as the CPU runtime trains), `launch` it for
    --steps steps, read the measured mean step time (first step excluded) from summary.json.
 3. Table A: predicted (micro-benchmark calibration only) vs measured.
-4. Table B: `calibrate --from-run` refit (throughput multiplier and per-layer overhead) on the
+4. Table B: `calibrate --from-run` refit (throughput multiplier and the overhead fields) on the
    first REFERENCE layouts only, then predicted vs measured on the others (held out).
+5. Table C: leave-one-out; each layout predicted by a refit on all the others (same session, so
+   the same background load on a shared machine).
 Writes OUT/results.json. Timing is the point here, so run it on a quiet machine.
 """
 from __future__ import annotations
@@ -125,6 +127,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/calibration-check"))
     parser.add_argument("--spec", type=Path, default=None, help="use this calibrated spec (skip step 1)")
     parser.add_argument("--only", default=None, help="comma list of layout names")
+    parser.add_argument("--from-results", type=Path, default=None,
+                        help="recompute the tables from a results.json (no launches)")
     parser.add_argument("--wait-load", type=float, default=None,
                         help="before each launch and the calibration, wait for the 1-min load average below this")
     parser.add_argument("--wait-max-s", type=float, default=180.0)
@@ -135,6 +139,8 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model = BENCH_GPT if args.model == "bench-gpt" else load_model(args.model)
+    if args.from_results:
+        return tables_from_results(args, model)
     if args.model == "bench-gpt":
         (args.out / "bench-gpt.yaml").write_text(json.dumps(model.model_dump(exclude_none=True)))
         model_ref = str(args.out / "bench-gpt.yaml")
@@ -154,8 +160,18 @@ def main() -> None:
               flush=True)
     table(f"A. micro-benchmark calibration only ({spec})", rows)
     refit_rows(cluster, model, training, rows, layouts)
+    print(f"\nmeasured = {args.statistic} of steps 2..{args.steps}; command: {' '.join(sys.argv)}")
     (args.out / "results.json").write_text(json.dumps({"spec": str(spec), "model": model.name, "nproc": args.nproc, "statistic": args.statistic,
                                                        "rows": rows}, indent=1))
+
+
+def tables_from_results(args, model) -> None:
+    saved = json.loads(args.from_results.read_text())
+    cluster = load_cluster(saved["spec"])
+    training = TrainingSpec(global_batch=model.default_global_batch or 16, precision="fp32")
+    rows, layouts = saved["rows"], LAYOUTS[saved["nproc"]]
+    table(f"A. micro-benchmark calibration only ({saved['spec']})", rows)
+    refit_rows(cluster, model, training, rows, layouts)
 
 
 def refit_rows(cluster, model, training, rows: list[dict], layouts: dict) -> None:
@@ -173,6 +189,13 @@ def refit_rows(cluster, model, training, rows: list[dict], layouts: dict) -> Non
           + (f", {knobs}" if knobs else ""))
     if held_out:
         table("B. after --from-run refit, held-out layouts only", held_out, key="refit_s")
+    if len(rows) >= 3:
+        for i, r in enumerate(rows):  # C: leave one out, the refit sees every other run of this session
+            others = rows[:i] + rows[i + 1:]
+            refit, _ = refit_from_runs(cluster, predict(others), [o["measured_s"] for o in others])
+            r["loo_s"] = predict([r])(refit)[0]
+        table("C. leave-one-out: refit on all other layouts of this session, predict the one left out", rows,
+              key="loo_s")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@
 2. For each layout: a plan under that spec (fp32, as the CPU runtime trains), `launch` it for
    --steps steps, read the measured mean step time (first step excluded) from summary.json.
 3. Table A: predicted (micro-benchmark calibration only) vs measured.
-4. Table B: `calibrate --from-run` refit (throughput multiplier and the overhead fields) on the
-   first REFERENCE layouts only, then predicted vs measured on the others (held out).
+4. Table B: `calibrate --from-run` refit (the achieved-FLOP/s multiplier) on the first REFERENCE
+   layouts only, then predicted vs measured on the others (held out).
 5. Table C: leave-one-out; each layout predicted by a refit on all the others (same session, so
    the same background load on a shared machine).
 Writes OUT/results.json. Timing is the point here, so run it on a quiet machine.
@@ -70,7 +70,7 @@ LAYOUTS = {
         "dp8-zero0": Layout(dp=8, micro_batch=2),
     },
 }
-REFERENCE = 3
+REFERENCE = 1
 
 
 def calibrate(out: Path, model_name: str, nproc: int, statistic: str) -> Path:

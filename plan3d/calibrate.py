@@ -268,13 +268,15 @@ OVERHEAD_KNOBS = ("layer_overhead_s", "micro_batch_overhead_s")
 
 
 def refit_from_runs(cluster: ClusterSpec, predict: Predictor, measured_s: list[float],
-                    fit_overhead: bool = True) -> tuple[ClusterSpec, dict]:
+                    fit_overhead: bool = False) -> tuple[ClusterSpec, dict]:
     """Refit the compute side so predicted step times best match measured ones.
 
     `predict(cluster)` returns the predicted step time of each run under `cluster`. Knobs: a
     multiplier k on the achieved FLOP/s (compute time goes as 1/k) and, when `fit_overhead`, the
     fixed times of `OVERHEAD_KNOBS` the GPU spec has (framework and launch costs that FLOPs do not
-    see), one more knob per extra run: n runs fit at most n knobs. The loss is the mean squared
+    see), one more knob per extra run: n runs fit at most n knobs. The overheads are off by
+    default: on the CPU runs of docs/calibrate.md they soaked up communication the model does not
+    count and made held-out predictions worse than the throughput multiplier alone. The loss is the mean squared
     log ratio of predicted to measured (robust to a mix of short and long steps), minimised by
     cyclic golden-section searches (log k in [1/50, 50], each overhead in [1e-7, 1] s on a log
     scale). Returns the refitted cluster and the fitted values.

@@ -196,3 +196,22 @@ def test_cli_from_run_refits_the_plans_spec(tmp_path, capsys):
     refit = load_cluster(str(out))
     for _, layout, measured in dirs:
         assert estimate(refit, model, training, layout).step_time_s == pytest.approx(measured, rel=0.02)
+
+
+def test_refit_with_overheads_matches_every_run():
+    from plan3d.calibrate import with_overheads
+    from plan3d.cost.estimate import estimate
+    from plan3d.layout import Layout
+    from plan3d.specs.training import TrainingSpec
+
+    base = load_cluster("local-cpu")
+    model, training = load_model("tiny-gpt"), TrainingSpec(global_batch=16, precision="fp32")
+    layouts = [Layout(dp=8), Layout(tp=2, dp=4, micro_batch=2), Layout(pp=4, dp=2, micro_batch=1)]
+
+    def predict(cluster):
+        return [estimate(cluster, model, training, layout).step_time_s for layout in layouts]
+
+    truth = predict(with_overheads(scaled_compute(base, 0.5), {"layer_overhead_s": 2e-3}))
+    refit, fitted = refit_from_runs(base, predict, truth, fit_overhead=True)
+    assert "layer_overhead_s" in fitted and fitted["rms_log_error"] < 0.02
+    assert predict(refit) == pytest.approx(truth, rel=0.03)

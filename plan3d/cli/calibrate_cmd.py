@@ -35,6 +35,8 @@ def calibrate_command(
     statistic: Annotated[str, typer.Option("--statistic", help="median, or min (best of --repeats: "
                                             "rejects interference on a shared machine).")] = "median",
     from_run: Annotated[Optional[list[Path]], typer.Option("--from-run", help="Refit from a launch's run dir.")] = None,
+    fit_overheads: Annotated[bool, typer.Option("--fit-overheads", help="With --from-run: also fit the per-layer "
+                                                "and per-micro-batch overheads (one knob per extra run).")] = False,
     run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="Where the sweep writes (default runs/).")] = None,
     nnodes: Annotated[int, typer.Option("--nnodes", help="Machines taking part (run the command on each).")] = 1,
     node_rank: Annotated[int, typer.Option("--node-rank", help="This machine's index, 0..nnodes-1.")] = 0,
@@ -43,11 +45,11 @@ def calibrate_command(
     json_out: Annotated[bool, typer.Option("--json", help="Print the fit as JSON.")] = False,
 ) -> None:
     """Fit compute efficiency, memory bandwidth and per-tier bandwidth/latency on this machine."""
+    if from_run:
+        return _from_runs(from_run, out, json_out, fit_overheads)
     from plan3d.specs.catalog import load_cluster
 
     base = load_cluster(cluster)
-    if from_run:
-        return _from_runs(base, from_run, out, json_out)
     device = _device(backend)
     per_node = nproc or base.gpus_per_node
     if per_node < 1 or nnodes < 1:
@@ -148,7 +150,7 @@ def _show(rows: list[dict], out: Path, measurements: Path | None, json_out: bool
     print_calibration(rows, out, measurements)
 
 
-def _from_runs(_catalog, run_dirs: list[Path], out: Optional[Path], json_out: bool) -> None:
+def _from_runs(run_dirs: list[Path], out: Optional[Path], json_out: bool, fit_overheads: bool) -> None:
     """Refit the compute throughput of each run's plan cluster from its measured step time."""
     from plan3d.calibrate import refit_from_runs, write_calibrated_spec
     from plan3d.cost.estimate import estimate
@@ -164,7 +166,7 @@ def _from_runs(_catalog, run_dirs: list[Path], out: Optional[Path], json_out: bo
     def predict(candidate):
         return [estimate(candidate, r.plan.model, r.plan.training, r.plan.layout).step_time_s for r in runs]
 
-    refit, fitted = refit_from_runs(cluster, predict, [r.measured_step_s for r in runs])
+    refit, fitted = refit_from_runs(cluster, predict, [r.measured_step_s for r in runs], fit_overheads)
     out = out or run_dirs[0] / "cluster.yaml"
     raw = {"from_runs": [{"run_dir": str(r.run_dir), "layout": r.plan.layout.short(),
                           "measured_step_s": r.measured_step_s} for r in runs], "fit": fitted}

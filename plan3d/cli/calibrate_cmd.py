@@ -23,7 +23,7 @@ DTYPE_OF = {"cpu": "fp32", "cuda": "bf16"}
 
 @app.command("calibrate")
 def calibrate_command(
-    cluster: Annotated[str, typer.Option("--cluster", "-c", help="Cluster spec to calibrate (catalog values).")] = "local-cpu",
+    cluster: Annotated[str, typer.Option("--cluster", "-c", help="Cluster spec to calibrate (catalog values); with --from-run the plans' own spec is refitted.")] = "local-cpu",
     model: Annotated[str, typer.Option("--model", "-m", help="Model whose layer shapes the GEMM sweep uses.")] = "tiny-gpt",
     backend: Annotated[str, typer.Option("--backend", help="auto, gloo or nccl.")] = "auto",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Spec to write (YAML).")] = None,

@@ -252,11 +252,17 @@ def write_calibrated_spec(cluster: ClusterSpec, raw: dict, path: Path) -> Path:
     """Write the spec (YAML) and the raw measurements beside it; return the measurements' path."""
     import yaml
 
+    from plan3d.errors import Plan3dError
+
     measurements = path.with_name(path.name + MEASUREMENTS_SUFFIX)
-    measurements.write_text(json.dumps(raw, indent=1))
     header = (f"# Written by `plan3d calibrate`; raw measurements in {measurements.name}.\n"
               "# Use it like any cluster spec: plan3d estimate --cluster THIS_FILE ...\n")
-    path.write_text(header + yaml.safe_dump(cluster.model_dump(mode="json", exclude_none=True), sort_keys=False))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        measurements.write_text(json.dumps(raw, indent=1))
+        path.write_text(header + yaml.safe_dump(cluster.model_dump(mode="json", exclude_none=True), sort_keys=False))
+    except OSError as err:
+        raise Plan3dError(f"cannot write {path} ({err.strerror}); choose another --out") from err
     return measurements
 
 

@@ -149,7 +149,7 @@ def test_worker_measures_on_two_gloo_ranks(tmp_path):
 def test_cli_calibrate_writes_a_spec_that_estimate_reads(tmp_path, capsys):
     from plan3d.cli import main
 
-    out = tmp_path / "cpu.yaml"
+    out = tmp_path / "not-yet" / "cpu.yaml"  # --out into a folder that does not exist yet
     with pytest.raises(SystemExit) as info:
         main(["calibrate", "--nproc", "2", "--tp", "1", "--micro-batch", "1,2", "--max-bytes", "16384",
               "--repeats", "1", "--run-dir", str(tmp_path / "run"), "--out", str(out), "--json"])

@@ -1,6 +1,7 @@
 """Options shared by several commands, and turning them into specs and a Layout."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -66,3 +67,5 @@ VppOpt = Annotated[int, typer.Option("--vpp", help="Virtual pipeline stages per 
 ZeroOpt = Annotated[int, typer.Option("--zero", help="ZeRO stage 0-3.")]
 RecomputeOpt = Annotated[str, typer.Option("--recompute", help="none, selective or full.")]
 SeqParallelOpt = Annotated[bool, typer.Option("--sequence-parallel", help="Megatron sequence parallelism.")]
+PlotOpt = Annotated[Optional[Path], typer.Option(
+    "--plot", help="Also save a picture (.png, .svg or .pdf; needs matplotlib: plan3d[plot]).")]

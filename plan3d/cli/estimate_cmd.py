@@ -8,7 +8,7 @@ import typer
 
 from plan3d.cli.app import app
 from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, GlobalBatchOpt, GpnOpt, JsonOpt, MicroBatchOpt,
-                               ModelOpt, NodesOpt, OrderOpt, PpOpt, PrecisionOpt, RecomputeOpt,
+                               ModelOpt, NodesOpt, OrderOpt, PlotOpt, PpOpt, PrecisionOpt, RecomputeOpt,
                                SeqLenOpt, SeqParallelOpt, TpOpt, VppOpt, ZeroOpt, load_specs, make_layout)
 from plan3d.errors import LayoutError
 
@@ -35,6 +35,7 @@ def estimate_command(
     gpus_per_node: GpnOpt = None,
     precision: PrecisionOpt = "bf16",
     json_out: JsonOpt = False,
+    plot: PlotOpt = None,
 ) -> None:
     """Predict the memory of every rank and the time of one training step for one layout."""
     from plan3d.cost.estimate import estimate
@@ -47,6 +48,10 @@ def estimate_command(
         dp = _fill_dp(cluster_spec.world_size, make_layout(dp=1, **flags), model_spec, training)
     layout = make_layout(dp=dp, **flags)
     result = estimate(cluster_spec, model_spec, training, layout)
+    if plot is not None:
+        from plan3d.render.plots import plot_step_breakdown
+
+        plot_step_breakdown(result.to_dict(), plot)
     if json_out:
         print(json.dumps({"schema_version": SCHEMA_VERSION, **result.to_dict()}, indent=1))
     else:

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from plan3d.cli.app import app
-from plan3d.cli.common import (ClusterOpt, GlobalBatchOpt, GpnOpt, JsonOpt, ModelOpt, NodesOpt, PrecisionOpt,
+from plan3d.cli.common import (ClusterOpt, GlobalBatchOpt, GpnOpt, JsonOpt, ModelOpt, NodesOpt, PlotOpt, PrecisionOpt,
                                SeqLenOpt, load_specs, make_layout)
 from plan3d.errors import InfeasibleError, LayoutError
 
@@ -66,6 +66,7 @@ def recommend(
     min_mfu: MinMfuOpt = None,
     max_memory_fraction: MaxMemFracOpt = None,
     tokens: TokensOpt = None,
+    plot: PlotOpt = None,
 ) -> None:
     """The best layouts of a model on a cluster, ranked, with reasons and rejection counts."""
     from plan3d import ranking, search
@@ -94,6 +95,11 @@ def recommend(
     if out is not None:
         _write_plan(result, int(order_[pick - 1]), out)
         report.notes.append(f"wrote the plan of #{pick} to {out}")
+    if plot is not None:
+        from plan3d.render.plots import plot_pareto
+
+        plot_pareto(render.pareto_points(result, order_), plot, float(result.metrics["capacity_bytes"][0]))
+        report.notes.append(f"wrote the throughput-vs-memory picture to {plot}")
     if json_out:
         print(json.dumps(render.recommendation_dict(report, explain), indent=1))
     else:

@@ -67,7 +67,7 @@ def plot_pareto(points: list[dict], path: Path, capacity_bytes: float | None = N
     front = sorted(marked, key=lambda i: points[i]["peak_memory_bytes"])
     ax.plot([points[i]["peak_memory_bytes"] / 2**30 for i in front], [points[i]["tokens_per_s"] for i in front],
             "o-", color="tab:red", label="Pareto front")
-    for i in front[:12]:
+    for i in front[::max(1, len(front) // 6)]:  # a handful of labels, spread along the front
         if points[i].get("label"):
             ax.annotate(points[i]["label"], (points[i]["peak_memory_bytes"] / 2**30, points[i]["tokens_per_s"]),
                         fontsize=7, xytext=(4, 4), textcoords="offset points")
@@ -82,16 +82,20 @@ def plot_step_breakdown(estimate: dict, path: Path) -> None:
     """One stacked bar of the step time: compute, recompute, bubble, communication, optimizer."""
     plt = _pyplot()
     time_s = estimate["time_s"]
-    fig, ax = plt.subplots(figsize=(7, 2.6))
+    fig, ax = plt.subplots(figsize=(7, 3.0))
     left = 0.0
     for key, label in TIME_TERMS:
-        value_ms = time_s.get(key, 0.0) * 1e3
-        if value_ms > 0:
-            ax.barh([0], [value_ms], left=left, label=f"{label} {value_ms:.3g} ms")
-            left += value_ms
-    ax.set(yticks=[], xlabel="ms per step", title=f"predicted step {estimate['step_time_s'] * 1e3:.4g} ms")
-    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.35))
+        value_s = time_s.get(key, 0.0)
+        if value_s > 0:
+            ax.barh([0], [value_s], left=left, label=f"{label} {_seconds(value_s)}")
+            left += value_s
+    ax.set(yticks=[], xlabel="seconds per step", title=f"predicted step {_seconds(estimate['step_time_s'])}")
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.45))
     _save(fig, path)
+
+
+def _seconds(value_s: float) -> str:
+    return f"{value_s:,.2f} s" if value_s >= 1 else f"{value_s * 1e3:,.1f} ms"
 
 
 def plot_report(report: dict, path: Path) -> None:

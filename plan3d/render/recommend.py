@@ -285,3 +285,15 @@ def print_explanation(ex: Explanation, console: Console | None = None) -> None:
     console.print(table)
     for line in explanation_sentences(ex):
         console.print(line)
+
+
+def pareto_points(result, order) -> list[dict]:
+    """Every feasible layout as a point for `plots.plot_pareto`, the Pareto front labelled."""
+    from plan3d.ranking import pareto_front
+
+    front = set(pareto_front(result, order).tolist())
+    rows = order[result.feasible[order]].tolist()
+    metrics = result.metrics
+    return [{"tokens_per_s": float(metrics["tokens_per_s"][r]),
+             "peak_memory_bytes": float(metrics["peak_memory_bytes"][r]),
+             "pareto": r in front, "label": result.layout(r).short() if r in front else ""} for r in rows]

@@ -63,13 +63,17 @@ def _read_metrics(path: Path) -> list[dict]:
 
 
 def predicted_estimate(run: RunData, cluster=None) -> dict:
-    """The plan's estimate, or a fresh one under `cluster` (or when the plan carries none)."""
-    if cluster is None and run.plan.estimate.get("time_s"):
-        return run.plan.estimate
+    """The prediction for what the run did: the plan's stored estimate when the run used the
+    plan's precision and no other cluster is asked for, else a fresh estimate in the run's
+    precision (a CPU launch trains in fp32 whatever the plan assumed)."""
+    plan = run.plan
+    precision = run.summary.get("precision") or plan.training.precision
+    if cluster is None and precision == plan.training.precision and plan.estimate.get("time_s"):
+        return plan.estimate
     from plan3d.cost.estimate import estimate
 
-    plan = run.plan
-    return estimate(cluster or plan.cluster, plan.model, plan.training, plan.layout).to_dict()
+    training = plan.training.model_copy(update={"precision": precision})
+    return estimate(cluster or plan.cluster, plan.model, training, plan.layout).to_dict()
 
 
 @dataclass
@@ -126,7 +130,7 @@ def _notes(run: RunData) -> list[str]:
         notes.append("the run wrote no summary.json: step time is the mean of metrics.jsonl without its first step")
     if summary.get("precision") and summary["precision"] != plan.training.precision:
         notes.append(f"the run trained in {summary['precision']}, the plan assumed {plan.training.precision}: "
-                     "memory and compute predictions assume the plan's precision")
+                     f"predictions are recomputed for {summary['precision']}")
     if summary.get("backend") == "gloo":
         notes.append("CPU run: peak memory is the process's resident set (Python and torch included), "
                      "not comparable with the plan's device-memory terms")

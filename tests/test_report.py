@@ -105,3 +105,18 @@ def test_plot_rejects_an_unknown_suffix(tmp_path):
 
     with pytest.raises(Plan3dError, match=".png"):
         plot_pareto([{"tokens_per_s": 1, "peak_memory_bytes": 1}], tmp_path / "x.jpg")
+
+
+def test_a_bf16_plan_run_in_fp32_is_predicted_in_fp32(tmp_path):
+    """A CPU launch trains in fp32 whatever the plan assumed: memory is compared like with like."""
+    make_run(tmp_path)  # summary and measured bytes are fp32 (+2%)
+    plan_path = tmp_path / "plan.json"
+    plan = json.loads(plan_path.read_text())
+    cluster, model = load_cluster("local-cpu"), load_model("tiny-gpt")
+    bf16 = TrainingSpec(global_batch=16, precision="bf16")
+    layout = Layout(tp=2, pp=2, dp=2)
+    save_plan(build_plan(cluster, model, bf16, layout, estimate(cluster, model, bf16, layout).to_dict()), plan_path)
+    assert plan["training"]["precision"] == "fp32"  # the helper wrote fp32; now the plan says bf16
+    report = compare(read_run(tmp_path))
+    assert by_term(report)["weights (most-loaded rank)"]["error"] == pytest.approx(1 / 1.02 - 1)
+    assert any("recomputed for fp32" in n for n in report.notes)

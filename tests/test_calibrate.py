@@ -204,7 +204,13 @@ def test_refit_with_overheads_matches_every_run():
     from plan3d.layout import Layout
     from plan3d.specs.training import TrainingSpec
 
+    from plan3d.specs.gpu import ComputeEfficiency
+
+    # A base whose compute and host overhead are of comparable size, so both are identifiable
+    # (independent of what the bundled local-cpu spec holds today).
     base = load_cluster("local-cpu")
+    base = base.model_copy(update={"gpu": base.gpu.model_copy(update={"compute_efficiency": ComputeEfficiency(
+        max_fraction=0.75, half_work_flops=2e9, layer_overhead_s=1e-4)})})
     model, training = load_model("tiny-gpt"), TrainingSpec(global_batch=16, precision="fp32")
     layouts = [Layout(dp=8), Layout(tp=2, dp=4, micro_batch=2), Layout(pp=4, dp=2, micro_batch=1)]
 

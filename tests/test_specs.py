@@ -56,7 +56,7 @@ def test_bundled_cluster_tiers_are_in_si_units(name):
     tiers = cluster.tiers()
     assert tiers[-1].domain_gpus >= cluster.world_size
     assert all(1e8 < t.bandwidth_bytes_per_s < 1e13 for t in tiers)  # 0.1 GB/s .. 10 TB/s per GPU
-    assert all(0 <= t.latency_s < 1e-3 for t in tiers)
+    assert all(0 <= t.latency_s < 1e-2 for t in tiers)  # microseconds (gloo on a busy CPU: ~1 ms), never seconds
     assert [t.bandwidth_bytes_per_s for t in tiers] == sorted((t.bandwidth_bytes_per_s for t in tiers), reverse=True)
 
 

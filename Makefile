@@ -23,7 +23,7 @@ demo: $(STAMP)
 	#    then train it with the bundled runtime and compare measured with predicted.
 	mkdir -p runs/demo
 	$(BIN)/plan3d recommend --cluster local-cpu --model tiny-gpt --tp 2 --pp 2 --dp 2 --top 3 --out runs/demo/plan.json
-	$(BIN)/plan3d launch runs/demo/plan.json --steps 10 --run-dir runs/demo/run
+	$(BIN)/plan3d launch runs/demo/plan.json --steps 10
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

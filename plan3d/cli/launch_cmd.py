@@ -13,7 +13,7 @@ from plan3d.cli.app import app
 from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, GlobalBatchOpt, GpnOpt, MicroBatchOpt, ModelOpt,
                                NodesOpt, OrderOpt, PpOpt, RecomputeOpt, SeqLenOpt, SeqParallelOpt, TpOpt,
                                VppOpt, ZeroOpt, load_specs, make_layout)
-from plan3d.errors import LaunchError
+from plan3d.errors import LaunchError, Plan3dError
 
 PlanArg = Annotated[Optional[str], typer.Argument(help="Plan JSON (plan3d recommend/plan); omit to use the flags.")]
 
@@ -40,6 +40,12 @@ def _default_run_dir(plan, nnodes: int) -> str:
     layout = plan.layout.short().replace(" ", "-")
     stamp = plan.digest if nnodes > 1 else time.strftime("%Y%m%d-%H%M%S")
     return f"runs/{stamp}-{layout}"
+
+
+def _holds_a_run(run_path: Path) -> bool:
+    """A previous launch wrote steps here: starting afresh would overwrite its metrics and checkpoints."""
+    metrics = run_path / "metrics.jsonl"
+    return metrics.is_file() and metrics.stat().st_size > 0
 
 
 def _worker_args(save_every: int, resume_from: str | None, timeout_s: float, seed: int) -> list[str]:
@@ -90,6 +96,9 @@ def launch_command(
         master_port = 29500
     if dry_run:
         return _print_dry_run(plan, run_path, steps, backend, nnodes, master_addr, master_port, worker_args)
+    if not resume and _holds_a_run(run_path):
+        raise Plan3dError(f"{run_path} already holds a run (metrics.jsonl): pass --resume to continue it, "
+                          "or choose another --run-dir (default: a new runs/<time>-<layout>)")
     _launch_and_report(plan, run_path, steps, backend, nnodes, node_rank, master_addr, master_port, worker_args)
 
 

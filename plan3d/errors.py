@@ -50,3 +50,17 @@ class LaunchError(Plan3dError):
     """A launched job failed (a rank crashed, a placement mismatch, a timeout)."""
 
     exit_code = EXIT_FAILED
+
+
+def os_error_message(err: OSError) -> str:
+    """One line for a file the user named that cannot be read or written, saying what to change."""
+    import errno
+
+    path = err.filename or "a file"
+    advice = {errno.ENOENT: "no such file or folder; check the path (the folder of an output must exist)",
+              errno.EACCES: "permission denied; choose a path you may read/write",
+              errno.EISDIR: "is a directory; give a file name",
+              errno.ENOTDIR: "a part of the path is not a directory; check the path",
+              errno.ENOSPC: "no space left on the device; free space or write elsewhere",
+              errno.EROFS: "read-only file system; choose a writable path"}
+    return f"{path}: {advice.get(err.errno, (err.strerror or str(err)).lower())}"

@@ -5,6 +5,7 @@ a launch is reproducible from one file. `digest` covers the specs and the layout
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 from pathlib import Path
@@ -64,9 +65,16 @@ def build_plan(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, l
 
 def save_plan(plan: Plan, path: Path) -> None:
     """Write atomically: a crash mid-write never leaves a truncated plan."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(plan.model_dump_json(indent=1))
-    tmp.replace(path)
+    try:
+        tmp.write_text(plan.model_dump_json(indent=1))
+        tmp.replace(path)
+    except OSError as err:  # name the file the user asked for, and leave no .tmp behind
+        tmp.unlink(missing_ok=True)
+        raise type(err)(err.errno, err.strerror, str(path)) from err
 
 
 def load_plan(path_str: str) -> Plan:

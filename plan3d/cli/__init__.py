@@ -24,19 +24,28 @@ DEBUG_ENV = "PLAN3D_DEBUG"
 
 
 def main(argv: list[str] | None = None) -> None:
-    from plan3d.errors import EXIT_FAILED, Plan3dError
+    from plan3d.errors import EXIT_BAD_INPUT, EXIT_FAILED, Plan3dError, os_error_message
 
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or bool(os.environ.get(DEBUG_ENV))
     args = [a for a in args if a != "--debug"]
     try:
-        app(args=args, prog_name="plan3d")
+        code = app(args=args, prog_name="plan3d", standalone_mode=False)
     except Plan3dError as err:
         if debug:
             raise
         for line in err.lines():
             print(f"error: {line}", file=sys.stderr)
         sys.exit(err.exit_code)
+    except _usage_error_types() as err:  # typer/click: unknown option, bad value, missing argument
+        if err.__class__.__name__ != "NoArgsIsHelpError":  # that one has printed the help already
+            print(f"error: {_usage_message(err)}", file=sys.stderr)
+        sys.exit(getattr(err, "exit_code", EXIT_BAD_INPUT))
+    except OSError as err:  # a path the user gave: missing folder, no permission, a directory
+        if debug:
+            raise
+        print(f"error: {os_error_message(err)}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
@@ -46,3 +55,23 @@ def main(argv: list[str] | None = None) -> None:
         print(f"internal error: {err.__class__.__name__}: {err} (run with --debug for the traceback; "
               "please report it)", file=sys.stderr)
         sys.exit(EXIT_FAILED)
+    sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
+
+
+def _usage_error_types() -> tuple[type[BaseException], ...]:
+    """click's ClickException (typer >= 0.24 vendors click as typer._click) and typer's Abort."""
+    import typer
+
+    try:
+        from typer._click.exceptions import ClickException
+    except ImportError:
+        from click.exceptions import ClickException
+    return (ClickException, typer.Abort)
+
+
+def _usage_message(err: BaseException) -> str:
+    """One line: typer's own message, and where the help is (instead of a boxed usage panel)."""
+    message = err.format_message() if hasattr(err, "format_message") else "aborted"
+    ctx = getattr(err, "ctx", None)
+    where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+    return " ".join(message.split()) + where

@@ -13,8 +13,9 @@ from plan3d.cli.app import app
 from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, GlobalBatchOpt, GpnOpt, MicroBatchOpt, ModelOpt,
                                NodesOpt, OrderOpt, PpOpt, RecomputeOpt, SeqLenOpt, SeqParallelOpt, TpOpt,
                                VppOpt, ZeroOpt, load_specs, make_layout)
-from plan3d.errors import LaunchError, Plan3dError
+from plan3d.errors import LaunchError, Plan3dError, SpecError
 
+BACKENDS = ("auto", "gloo", "nccl")
 PlanArg = Annotated[Optional[str], typer.Argument(help="Plan JSON (plan3d recommend/plan); omit to use the flags.")]
 
 
@@ -80,6 +81,7 @@ def launch_command(
     """Train a plan's layout with the bundled runtime; print measured against predicted."""
     from plan3d.plan import load_plan
 
+    _check_run_flags(steps, nnodes, node_rank, save_every, timeout_s, master_port, backend)
     if plan_file:
         plan = load_plan(plan_file)
     else:
@@ -89,7 +91,7 @@ def launch_command(
     run_path = Path(run_dir or _default_run_dir(plan, nnodes))
     if resume:
         if not run_dir:
-            raise LaunchError("--resume continues a run: pass its --run-dir (or use --resume-from)")
+            raise Plan3dError("--resume continues a run: pass its --run-dir (or use --resume-from)")
         resume_from = resume_from or str(run_path)
     worker_args = _worker_args(save_every, resume_from, timeout_s, seed)
     if master_port is None and nnodes > 1:
@@ -100,6 +102,22 @@ def launch_command(
         raise Plan3dError(f"{run_path} already holds a run (metrics.jsonl): pass --resume to continue it, "
                           "or choose another --run-dir (default: a new runs/<time>-<layout>)")
     _launch_and_report(plan, run_path, steps, backend, nnodes, node_rank, master_addr, master_port, worker_args)
+
+
+def _check_run_flags(steps: int, nnodes: int, node_rank: int, save_every: int, timeout_s: float,
+                     master_port: int | None, backend: str) -> None:
+    """Nonsense numbers are bad input before anything is loaded or started (a dry run too)."""
+    problems = [f"--{name} must be {rule}, got {value}" for name, value, ok, rule in (
+        ("steps", steps, steps >= 1, "a positive integer"),
+        ("nnodes", nnodes, nnodes >= 1, "a positive integer"),
+        ("node-rank", node_rank, 0 <= node_rank < max(nnodes, 1), f"in 0..{max(nnodes, 1) - 1} (0 <= rank < --nnodes)"),
+        ("save-every", save_every, save_every >= 0, "0 (at the end only) or a positive integer"),
+        ("timeout-s", timeout_s, timeout_s > 0, "a positive number of seconds"),
+        ("master-port", master_port, master_port is None or 0 < master_port < 65536, "a port in 1..65535"),
+        ("backend", repr(backend), backend in BACKENDS, "one of " + ", ".join(BACKENDS)),
+    ) if not ok]
+    if problems:
+        raise SpecError("command line", problems)
 
 
 def _print_dry_run(plan, run_path, steps, backend, nnodes, master_addr, master_port, worker_args) -> None:

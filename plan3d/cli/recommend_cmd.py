@@ -113,10 +113,16 @@ def space_from_flags(flags: dict):
     def bound(knob: str, lo: int, hi: int | None) -> dict:
         fixed = flags.get(knob)
         if fixed is not None:
-            if fixed < 1:
-                raise LayoutError(f"--{knob.replace('_', '-')} must be >= 1, got {fixed}")
+            _require_at_least_1(knob, fixed)
             return {f"min_{knob}": fixed, f"max_{knob}": fixed}
+        _require_at_least_1(f"min_{knob}", lo)
+        if hi is not None:  # 0 would silently mean "no bound"
+            _require_at_least_1(f"max_{knob}", hi)
         return {f"min_{knob}": lo, f"max_{knob}": hi or 0}
+
+    for flag in ("top", "max_micro_batch", "max_vpp", "min_nodes", "max_nodes"):
+        if flags.get(flag) is not None:
+            _require_at_least_1(flag, flags[flag])
 
     recompute = ("none",) if flags["no_recompute"] else tuple(flags["recompute"] or RECOMPUTE)
     sp = (False, True) if flags["sequence_parallel"] is None else (flags["sequence_parallel"],)
@@ -127,6 +133,11 @@ def space_from_flags(flags: dict):
                  **bound("vpp", 1, max(flags["max_vpp"], flags["vpp"] or 1)),
                  zero=tuple(flags["zero"] or (0, 1, 2, 3)), recompute=recompute, sequence_parallel=sp, orders=orders,
                  uneven=flags["uneven"])
+
+
+def _require_at_least_1(knob: str, value: int) -> None:
+    if value < 1:
+        raise LayoutError(f"--{knob.replace('_', '-')} must be >= 1, got {value}")
 
 
 def _thresholds(min_mfu: float | None, max_memory_fraction: float | None) -> dict:
@@ -194,8 +205,8 @@ def explain_cmd(
 
     specs = load_specs(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision)
     world = specs[0].world_size
-    if dp is None:
-        dp = max(1, world // (tp * pp))
+    if dp is None:  # a tp or pp below 1 is left for make_layout to reject
+        dp = max(1, world // max(tp * pp, 1))
     layout = make_layout(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, vpp=vpp, zero=zero, recompute=recompute,
                          sequence_parallel=sequence_parallel, order=order)
     check_layout(layout, specs[1], specs[2], world)

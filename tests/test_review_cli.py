@@ -1,0 +1,61 @@
+"""Bad input found in review: one `error:` line, exit 2, never a traceback or an internal error."""
+from __future__ import annotations
+
+import pytest
+
+from plan3d.cli import main
+
+
+def run(capsys, *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return exit_info.value.code or 0, out, err
+
+
+def assert_one_error_line(code: int, err: str, *words: str) -> None:
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "internal error" not in err and all(w in err for w in words), err
+
+
+@pytest.mark.parametrize("args, word", [
+    (["estimate", "-c", "dgx-h100"], "--model"),  # missing option
+    (["estimate", "-c", "dgx-h100", "-m", "tiny-gpt", "--tp", "abc"], "--tp"),  # not an integer
+    (["rankmap", "--bogus"], "--bogus"),  # unknown option
+    (["frobnicate"], "frobnicate"),  # unknown command
+])
+def test_usage_errors_are_one_line(capsys, args, word):
+    code, _, err = run(capsys, *args)
+    assert_one_error_line(code, err, word, "--help")
+
+
+@pytest.mark.parametrize("target", ["missing/plan.json", "."])
+def test_recommend_out_unwritable_is_one_line_and_leaves_no_tmp(capsys, tmp_path, target):
+    out = tmp_path / target
+    code, _, err = run(capsys, "recommend", "-c", "local-cpu", "-m", "tiny-gpt", "--out", str(out))
+    assert_one_error_line(code, err, str(out.resolve() if target == "." else out).rstrip("/."))
+    assert ".tmp" not in err and not list(tmp_path.rglob("*.tmp"))
+
+
+@pytest.mark.parametrize("flag, value", [("--top", "0"), ("--top", "-2"), ("--max-pp", "0"), ("--min-tp", "0"),
+                                         ("--max-vpp", "0"), ("--min-nodes", "0")])
+def test_recommend_rejects_counts_below_one(capsys, flag, value):
+    code, _, err = run(capsys, "recommend", "-c", "local-cpu", "-m", "tiny-gpt", flag, value)
+    assert_one_error_line(code, err, flag)
+
+
+@pytest.mark.parametrize("flag", ["--tp", "--pp"])
+def test_explain_zero_degree_is_bad_input(capsys, flag):
+    code, _, err = run(capsys, "explain", "-c", "local-cpu", "-m", "tiny-gpt", flag, "0")
+    assert_one_error_line(code, err, flag.strip("-"))
+
+
+@pytest.mark.parametrize("args, word", [(["--steps", "0"], "--steps"), (["--steps", "-3"], "--steps"),
+                                        (["--node-rank", "-1"], "--node-rank"), (["--backend", "foo"], "--backend"),
+                                        (["--master-port", "70000"], "--master-port"), (["--resume"], "--run-dir")])
+def test_launch_dry_run_rejects_nonsense_flags(capsys, args, word):
+    code, out, err = run(capsys, "launch", "--dry-run", *args)
+    assert_one_error_line(code, err, word)
+    assert out == ""

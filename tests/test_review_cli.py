@@ -59,3 +59,39 @@ def test_launch_dry_run_rejects_nonsense_flags(capsys, args, word):
     code, out, err = run(capsys, "launch", "--dry-run", *args)
     assert_one_error_line(code, err, word)
     assert out == ""
+
+
+def test_specs_show_a_model_file_is_read_as_a_model(capsys, tmp_path):
+    model = tmp_path / "mine.yaml"
+    model.write_text("name: mine\nlayers: 2\nhidden: 64\nheads: 4\nvocab: 128\nseq_len: 32\n")
+    code, out, err = run(capsys, "specs", "show", str(model), "--json")
+    assert code == 0, err
+    assert '"layers": 2' in out
+
+
+def test_specs_show_a_broken_model_file_reports_model_fields(capsys, tmp_path):
+    model = tmp_path / "mine.yaml"
+    model.write_text("name: mine\nlayers: 2\nhiden: 64\nheads: 4\nvocab: 128\nseq_len: 32\n")
+    code, _, err = run(capsys, "specs", "show", str(model))
+    assert code == 2 and "did you mean 'hidden'" in err and "network" not in err, err
+
+
+def test_job_with_a_bad_inline_cluster_names_fields_not_validators(capsys, tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("cluster: {name: x, nodes: 1, gpus_per_node: 8, gpu: a100-80gb}\nmodel: tiny-gpt\n"
+                   "training: {global_batch: 8}\n")
+    code, _, err = run(capsys, "check", str(job))
+    assert code == 2 and "cluster.network" in err and "function-" not in err, err
+
+
+@pytest.mark.parametrize("override", [{"hidden_size": "big"}, {"num_attention_heads": 0},
+                                      {"hidden_act": ["silu"]}])
+def test_import_hf_wrong_types_are_bad_input(capsys, tmp_path, override):
+    import json
+
+    config = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+              "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 128, **override}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    code, _, err = run(capsys, "import-hf", str(path))
+    assert code == 2 and "internal error" not in err, err

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from plan3d.cli.app import specs_app
-from plan3d.errors import SpecNotFound
+from plan3d.errors import SpecError, SpecNotFound
 from plan3d.specs import catalog
 
 
@@ -45,11 +45,16 @@ def _load_any(name: str, kind: str | None):
         if kind not in loaders:
             raise SpecNotFound(f"--kind {kind!r}: use one of cluster, model, gpu")
         return loaders[kind](name)
+    invalid = []  # a spec file is tried as each kind: report the kind it is closest to
     for loader in loaders.values():
         try:
             return loader(name)
         except SpecNotFound:
             continue
+        except SpecError as err:
+            invalid.append(err)
+    if invalid:
+        raise min(invalid, key=lambda err: len(err.problems))
     every = [n for k in loaders for n in catalog.bundled_names(k)]
     import difflib
 

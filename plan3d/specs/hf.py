@@ -79,7 +79,7 @@ def _activation(config: dict, defaults: dict, source: str) -> str:
     raw = _first(config, "activation")
     if raw is None:
         return defaults.get("activation", "gelu")
-    if raw not in ACTIVATIONS:
+    if not isinstance(raw, str) or raw not in ACTIVATIONS:
         raise SpecError(source, [f"activation {raw!r} is not one plan3d models; known: {', '.join(ACTIVATIONS)}"])
     return ACTIVATIONS[raw]
 
@@ -110,7 +110,9 @@ def spec_fields(config: dict, source: str, name: str, seq_len: int | None = None
     fields = {k: defaults[k] for k in ("norm", "bias", "position", "tied_embeddings") if k in defaults}
     fields |= {k: v for k, v in found.items() if v is not None and k != "activation"}
     fields["activation"] = _activation(config, defaults, source)
-    if fields.get("head_dim") == fields["hidden"] // fields["heads"]:
+    hidden, heads = fields["hidden"], fields["heads"]
+    sizes_ok = all(isinstance(v, int) and v > 0 for v in (hidden, heads))  # else validation names the field
+    if sizes_ok and fields.get("head_dim") == hidden // heads:
         del fields["head_dim"]  # the default: keep the spec minimal
     if _moe(config):
         fields["moe"] = _moe(config)

@@ -59,7 +59,7 @@ def validation_problems(err: ValidationError, prefix: str = "") -> list[str]:
     """One readable line per bad field: 'network.0.latency_us: Input should be ...'."""
     lines = []
     for item in err.errors():
-        path = ".".join(str(p) for p in (prefix, *item["loc"]) if p != "")
+        path = ".".join(str(p) for p in (prefix, *item["loc"]) if p != "" and not _internal_loc(p))
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "int_parsing_size":
             message = f"{item['input']!r} is far too large for this field"
@@ -67,6 +67,11 @@ def validation_problems(err: ValidationError, prefix: str = "") -> list[str]:
             message = "unknown field (misspelled?)" + _closest_hint(item, err)
         lines.append(f"{path}: {message}" if path else message)  # model-level checks name their fields
     return lines
+
+
+def _internal_loc(part) -> bool:
+    """pydantic's names for validator wrappers ('function-after[_check(), ClusterSpec]'), not fields."""
+    return isinstance(part, str) and part.startswith("function-") and part.endswith("]")
 
 
 def _closest_hint(item: dict, err: ValidationError) -> str:

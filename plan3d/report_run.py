@@ -44,9 +44,9 @@ def read_run(run_dir: Path | str) -> RunData:
         raise SpecNotFound(f"{run_dir}: no plan.json; give the run directory that `plan3d launch` wrote")
     plan = load_plan(str(run_dir / "plan.json"))
     metrics = _read_metrics(run_dir / "metrics.jsonl")
-    summary_path = run_dir / "summary.json"
-    if summary_path.is_file():
-        summary = json.loads(summary_path.read_text())
+    summary = _read_summary(run_dir / "summary.json")
+    if summary is not None:
+        pass
     elif metrics:
         timed = metrics[1:] or metrics  # the first step pays start-up costs
         summary = {"step_time_s": sum(m["step_time_s"] for m in timed) / len(timed), "ranks": [],
@@ -56,10 +56,33 @@ def read_run(run_dir: Path | str) -> RunData:
     return RunData(run_dir, plan, summary, metrics)
 
 
+def _read_summary(path: Path) -> dict | None:
+    """summary.json, or None when it is missing or cut short (a killed run): the metrics stand in."""
+    if not path.is_file():
+        return None
+    try:
+        summary = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return summary if isinstance(summary, dict) and "step_time_s" in summary else None
+
+
 def _read_metrics(path: Path) -> list[dict]:
+    """One dict per step; a last line cut short by a killed run is dropped, a bad line before it is an error."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    metrics = []
+    for number, line in enumerate(lines, 1):
+        try:
+            step = json.loads(line)
+        except json.JSONDecodeError:
+            step = None
+        if isinstance(step, dict) and "step_time_s" in step:
+            metrics.append(step)
+        elif number < len(lines):
+            raise SpecError(str(path), [f"line {number} is not a step record; was the file edited?"])
+    return metrics
 
 
 def predicted_estimate(run: RunData, cluster=None) -> dict:
@@ -127,7 +150,7 @@ def _notes(run: RunData) -> list[str]:
     notes = ["communication is predicted only: the runtime does not time collectives apart from the step"]
     summary, plan = run.summary, run.plan
     if summary.get("incomplete"):
-        notes.append("the run wrote no summary.json: step time is the mean of metrics.jsonl without its first step")
+        notes.append("the run wrote no summary.json (or one cut short): step time is the mean of metrics.jsonl without its first step")
     if summary.get("precision") and summary["precision"] != plan.training.precision:
         notes.append(f"the run trained in {summary['precision']}, the plan assumed {plan.training.precision}: "
                      f"predictions are recomputed for {summary['precision']}")

@@ -95,3 +95,39 @@ def test_import_hf_wrong_types_are_bad_input(capsys, tmp_path, override):
     path.write_text(json.dumps(config))
     code, _, err = run(capsys, "import-hf", str(path))
     assert code == 2 and "internal error" not in err, err
+
+
+def test_calibrate_nonsense_flags_are_refused_before_any_rank_starts(capsys, monkeypatch, tmp_path):
+    import plan3d.cli.calibrate_cmd as calibrate_cmd
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the sweep started")
+
+    monkeypatch.setattr(calibrate_cmd, "_measure", must_not_run)
+    monkeypatch.chdir(tmp_path)
+    for args in (["--nproc", "0"], ["--max-bytes", "0"], ["--repeats", "0"], ["--tp", "0"],
+                 ["--nnodes", "2", "--node-rank", "2"], ["--statistic", "mean"]):
+        code, _, err = run(capsys, "calibrate", "--backend", "gloo", *args)
+        assert_one_error_line(code, err, args[-2])
+    assert not list(tmp_path.iterdir())  # no empty runs/calibrate-* left behind
+
+
+def test_report_survives_a_run_killed_mid_write(capsys, tmp_path):
+    from plan3d.cost.estimate import estimate
+    from plan3d.layout import Layout
+    from plan3d.plan import build_plan, save_plan
+    from plan3d.specs.catalog import load_cluster, load_model
+    from plan3d.specs.training import TrainingSpec
+
+    cluster, model, training = load_cluster("local-cpu", 1, 1), load_model("tiny-gpt"), TrainingSpec(global_batch=4)
+    layout = Layout()
+    save_plan(build_plan(cluster, model, training, layout, estimate(cluster, model, training, layout).to_dict()),
+              tmp_path / "plan.json")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "step_time_s": 0.5}\n{"step": 2, "step_time_s": 0.3}\n{"st')
+    (tmp_path / "summary.json").write_text('{"step_time_s":')
+    code, out, err = run(capsys, "report", str(tmp_path), "--json")
+    assert code == 0, err
+    import json
+
+    step = next(r for r in json.loads(out)["rows"] if r["term"] == "step time")
+    assert step["measured"] == pytest.approx(0.3)

@@ -49,33 +49,49 @@ def calibrate_command(
         return _from_runs(from_run, out, json_out, fit_overheads)
     from plan3d.specs.catalog import load_cluster
 
+    _check_sweep_flags(nproc, nnodes, node_rank, max_bytes, repeats, statistic)
+    tp_sizes, micro_batch_sizes = _ints(tps, "--tp"), _ints(micro_batches, "--micro-batch")
     base = load_cluster(cluster)
     device = _device(backend)
-    per_node = nproc or base.gpus_per_node
-    if per_node < 1 or nnodes < 1:
-        raise SpecError("command line", ["--nproc and --nnodes must be positive"])
+    per_node = nproc if nproc is not None else base.gpus_per_node  # --nproc 0 is an error, not the default
     # The ranks as they are placed: per_node on each of nnodes machines (the spec keeps its own size).
     placed = base.with_size(nodes=nnodes, gpus_per_node=per_node)
     world = per_node * nnodes
     nodes = {"nnodes": nnodes, "node_rank": node_rank, "master_addr": master_addr, "master_port": master_port}
     run_dir = run_dir or Path("runs") / time.strftime("calibrate-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
-    if statistic not in ("median", "min"):
-        raise SpecError("command line", [f"--statistic {statistic!r}: use median or min"])
-    raw = _measure(placed, model, device, backend, world, run_dir, _ints(tps), _ints(micro_batches),
+    raw = _measure(placed, model, device, backend, world, run_dir, tp_sizes, micro_batch_sizes,
                    max_bytes, repeats, nodes, statistic)
     if raw is None:
         return print(f"node {node_rank} done; node 0 writes the spec")
     _fit_and_write(base, raw, DTYPE_OF[device], out or run_dir / "cluster.yaml", json_out)
 
 
-def _ints(text: str) -> list[int]:
+def _check_sweep_flags(nproc: int | None, nnodes: int, node_rank: int, max_bytes: int, repeats: int,
+                       statistic: str) -> None:
+    """Every nonsense value is bad input before a rank starts or a run directory is made."""
+    from plan3d.calibrate import message_sizes
+
+    smallest = message_sizes(1 << 62)[0]
+    problems = [f"--{name} must be {rule}, got {value}" for name, value, ok, rule in (
+        ("nproc", nproc, nproc is None or nproc >= 1, "a positive integer"),
+        ("nnodes", nnodes, nnodes >= 1, "a positive integer"),
+        ("node-rank", node_rank, 0 <= node_rank < max(nnodes, 1), f"in 0..{max(nnodes, 1) - 1}"),
+        ("max-bytes", max_bytes, max_bytes >= smallest, f"at least {smallest} (the smallest message measured)"),
+        ("repeats", repeats, repeats >= 1, "a positive integer"),
+        ("statistic", repr(statistic), statistic in ("median", "min"), "median or min"),
+    ) if not ok]
+    if problems:
+        raise SpecError("command line", problems)
+
+
+def _ints(text: str, flag: str = "") -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise SpecError("command line", [f"{text!r}: give a comma-separated list of integers, e.g. 1,2,4"]) from None
+        raise SpecError("command line", [f"{flag} {text!r}: give a comma-separated list of integers, e.g. 1,2,4"]) from None
     if not values or min(values) < 1:
-        raise SpecError("command line", [f"{text!r}: give positive integers"])
+        raise SpecError("command line", [f"{flag} {text!r}: give positive integers, e.g. 1,2,4"])
     return values
 
 

@@ -40,7 +40,8 @@ def test_recommend_out_unwritable_is_one_line_and_leaves_no_tmp(capsys, tmp_path
 
 
 @pytest.mark.parametrize("flag, value", [("--top", "0"), ("--top", "-2"), ("--max-pp", "0"), ("--min-tp", "0"),
-                                         ("--max-vpp", "0"), ("--min-nodes", "0")])
+                                         ("--max-vpp", "0"), ("--min-nodes", "0"),
+                                         ("--tokens", "nan"), ("--tokens", "-5")])
 def test_recommend_rejects_counts_below_one(capsys, flag, value):
     code, _, err = run(capsys, "recommend", "-c", "local-cpu", "-m", "tiny-gpt", flag, value)
     assert_one_error_line(code, err, flag)
@@ -54,7 +55,8 @@ def test_explain_zero_degree_is_bad_input(capsys, flag):
 
 @pytest.mark.parametrize("args, word", [(["--steps", "0"], "--steps"), (["--steps", "-3"], "--steps"),
                                         (["--node-rank", "-1"], "--node-rank"), (["--backend", "foo"], "--backend"),
-                                        (["--master-port", "70000"], "--master-port"), (["--resume"], "--run-dir")])
+                                        (["--master-port", "70000"], "--master-port"), (["--resume"], "--run-dir"),
+                                        (["--resume-from", "/no/such/run"], "--resume-from")])
 def test_launch_dry_run_rejects_nonsense_flags(capsys, args, word):
     code, out, err = run(capsys, "launch", "--dry-run", *args)
     assert_one_error_line(code, err, word)

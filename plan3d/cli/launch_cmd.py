@@ -92,6 +92,11 @@ def launch_command(
     if resume:
         if not run_dir:
             raise Plan3dError("--resume continues a run: pass its --run-dir (or use --resume-from)")
+    if resume_from and not Path(resume_from).exists():
+        raise Plan3dError(f"--resume-from {resume_from}: no such checkpoint or run directory")
+    if resume:
+        if not run_path.is_dir():
+            raise Plan3dError(f"--resume: {run_path} does not exist; give the --run-dir of the run to continue")
         resume_from = resume_from or str(run_path)
     worker_args = _worker_args(save_every, resume_from, timeout_s, seed)
     if master_port is None and nnodes > 1:

@@ -75,6 +75,8 @@ def recommend(
     space = space_from_flags(locals())
     specs = load_specs(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision)
     thresholds = _thresholds(min_mfu, max_memory_fraction)
+    if tokens is not None and not 0 < tokens < float("inf"):  # nan fails this too
+        raise LayoutError(f"--tokens {tokens}: give the token budget as a positive number, e.g. 3e11")
     sweep = None
     if min_nodes is not None or max_nodes is not None:
         counts = search.node_counts(min_nodes or 1, max_nodes or specs[0].nodes)

@@ -323,5 +323,8 @@ def _recommend_instead(report: CheckReport, cluster, model, training, min_mfu, m
     fix = f"use nodes: {nodes} (the smallest doubling or power of two that fits)" if nodes else \
         "no cluster up to 64x this size fits: a smaller model, shorter sequences or a bigger GPU"
     what = "fits" if result.size else "is even valid (the GPU count's factors do not divide heads, layers and batch)"
+    flags = [f for f, v in (("--min-mfu", min_mfu), ("--max-memory-fraction", max_memory_fraction)) if v is not None]
+    if flags and result.size:  # the thresholds, not memory alone, may be what rules every layout out
+        what, fix = f"fits and meets {' and '.join(flags)}", f"relax {' / '.join(flags)}, or {fix}"
     report.findings.append(Finding("error", f"no layout of {model.name} on {cluster.world_size} "
                                    f"{cluster.gpu.name} GPUs {what}", fix))

@@ -133,3 +133,15 @@ def test_report_survives_a_run_killed_mid_write(capsys, tmp_path):
 
     step = next(r for r in json.loads(out)["rows"] if r["term"] == "step time")
     assert step["measured"] == pytest.approx(0.3)
+
+
+def test_recommend_with_a_tp_that_divides_nothing_names_no_empty_reasons(capsys):
+    code, _, err = run(capsys, "recommend", "-c", "local-cpu", "-m", "tiny-gpt", "--tp", "3")
+    assert code == 1 and "()" not in err and "heads" in err, err
+
+
+def test_check_without_layout_blames_the_threshold_that_rules_everything_out(capsys, tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("cluster: local-cpu\nmodel: tiny-gpt\ntraining: {global_batch: 8}\n")
+    code, out, _ = run(capsys, "check", str(job), "--min-mfu", "0.99")
+    assert code == 1 and "error: " in out and "--min-mfu" in out, out

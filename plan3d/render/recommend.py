@@ -92,7 +92,8 @@ def no_fit_message(report: Recommendation) -> str:
     r = report.result
     if not r.size:
         reasons = "; ".join(f"{n} x {why}" for why, n in r.rejected_by_reason().items())
-        return (f"no valid layout of {r.model.name} on {r.cluster.world_size} GPUs ({reasons}): tp must divide the "
+        reasons = f" ({reasons})" if reasons else ""  # fixed knobs can leave no candidate to reject
+        return (f"no valid layout of {r.model.name} on {r.cluster.world_size} GPUs{reasons}: tp must divide the "
                 f"heads and KV heads ({r.model.heads}/{r.model.kv_heads_}), pp*vpp the {r.model.layers} layers and dp the "
                 f"global batch ({r.training.global_batch}); try other --nodes, a larger --global-batch, or wider bounds")
     more = (f"the smallest cluster that fits has {report.nodes_needed} nodes (--nodes {report.nodes_needed})"

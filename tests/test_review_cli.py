@@ -145,3 +145,17 @@ def test_check_without_layout_blames_the_threshold_that_rules_everything_out(cap
     job.write_text("cluster: local-cpu\nmodel: tiny-gpt\ntraining: {global_batch: 8}\n")
     code, out, _ = run(capsys, "check", str(job), "--min-mfu", "0.99")
     assert code == 1 and "error: " in out and "--min-mfu" in out, out
+
+
+def test_ctrl_c_outside_launch_exits_130(monkeypatch, capsys):
+    """Ctrl-C in any command ends it with the conventional 130, not a traceback or exit 1."""
+    import plan3d.cli.specs_cmd as specs_cmd
+    from plan3d.cli import main as cli_main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(specs_cmd, "_load_any", interrupted)
+    with pytest.raises(SystemExit) as info:
+        cli_main(["specs", "show", "gpt3-175b"])
+    assert info.value.code == 130 and "Traceback" not in capsys.readouterr().err

@@ -102,6 +102,8 @@ class Layout(FrozenModel):
         if self.vpp > 1:
             parts.append(f"vpp{self.vpp}")
         parts += [f"zero{self.zero}", self.recompute] + (["sp"] if self.sequence_parallel else [])
+        if self.order != DEFAULT_ORDER:
+            parts.append(f"order {self.order}")
         return " ".join(parts)
 
 

@@ -77,3 +77,8 @@ def test_check_layout_raises_all_problems(gpt3):
 
 def test_stage_layers_even_split():
     assert Layout(pp=4, vpp=2).stage_layers(16) == (2,) * 8
+
+
+def test_short_names_the_order_only_when_it_is_not_the_default():
+    assert "order" not in Layout(tp=2, dp=2).short()
+    assert Layout(tp=2, dp=2, order="tp-cp-ep-pp-dp").short().endswith("order tp-cp-ep-pp-dp")

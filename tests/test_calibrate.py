@@ -204,8 +204,6 @@ def test_refit_with_overheads_matches_every_run():
     from plan3d.layout import Layout
     from plan3d.specs.training import TrainingSpec
 
-    from plan3d.specs.gpu import ComputeEfficiency
-
     # A base whose compute and host overhead are of comparable size, so both are identifiable
     # (independent of what the bundled local-cpu spec holds today).
     base = load_cluster("local-cpu")

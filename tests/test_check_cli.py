@@ -2,18 +2,14 @@
 import json
 from pathlib import Path
 
-import pytest
 
-from plan3d.cli import main
+from cli_helpers import run_cli  # noqa: E402
 
 JOBS = Path(__file__).resolve().parent.parent / "examples" / "jobs"
 
 
 def run(capsys, *args):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["check", *map(str, args)])
-    out, err = capsys.readouterr()
-    return exit_info.value.code or 0, out, err
+    return run_cli(capsys, "check", *args)
 
 
 def write(tmp_path, text: str) -> Path:

@@ -10,13 +10,10 @@ import pytest
 from plan3d.cli import DEBUG_ENV, main
 from plan3d.errors import SpecNotFound
 from plan3d.specs import catalog
+from cli_helpers import run_cli  # noqa: E402
 
 
-def run(capsys, *args: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main(list(args))
-    out, err = capsys.readouterr()
-    return exit_info.value.code or 0, out, err
+run = run_cli
 
 
 def test_help_lists_the_commands(capsys):

@@ -1,5 +1,4 @@
 """Memory formulas: hand-computed model states, ZeRO terms, activations, monotonicity."""
-import numpy as np
 import pytest
 
 from plan3d.cost.arrays import layout_arrays

@@ -4,13 +4,11 @@ import json
 import pytest
 
 from plan3d.cli import main
+from cli_helpers import run_cli  # noqa: E402
 
 
 def run(capsys, *args):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["estimate", *args])
-    out = capsys.readouterr()
-    return exit_info.value.code, out.out, out.err
+    return run_cli(capsys, "estimate", *args)
 
 
 def run_ok(capsys, *args):

@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from plan3d.cli import main
 from plan3d.cost.params import total_params
 from plan3d.specs.catalog import load_model
 from plan3d.specs.hf import import_hf
+from cli_helpers import run_cli  # noqa: E402
 
 # config.json contents of published Hugging Face models, written from the Hub files: every shape field
 # plan3d reads is as published; unrelated keys are kept to show they are ignored (a few may be trimmed).
@@ -127,11 +127,7 @@ def test_moe_config_maps_experts(tmp_path):
     assert (spec.moe.experts, spec.moe.top_k) == (8, 2)
 
 
-def run(capsys, *args: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main(list(args))
-    out, err = capsys.readouterr()
-    return exit_info.value.code or 0, out, err
+run = run_cli
 
 
 def test_cli_writes_a_spec_that_loads(tmp_path, capsys):

@@ -5,15 +5,12 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from plan3d.cli import main  # noqa: E402
 from plan3d.render import recommend as render  # noqa: E402
+from cli_helpers import run_cli  # noqa: E402
 
 
 def run(args, capsys):
-    with pytest.raises(SystemExit) as info:
-        main(args)
-    out = capsys.readouterr()
-    return (info.value.code or 0), out.out, out.err
+    return run_cli(capsys, *args)
 
 
 def test_recommend_plot_writes_a_png(tmp_path, capsys):

@@ -8,15 +8,11 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from plan3d.cli import main
 from plan3d.specs.catalog import bundled_names, load_cluster
+from cli_helpers import run_cli  # noqa: E402
 
 
-def run(capsys, *args: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main(list(args))
-    out, err = capsys.readouterr()
-    return exit_info.value.code or 0, out, err
+run = run_cli
 
 
 def test_json_has_every_rank_and_group(capsys):

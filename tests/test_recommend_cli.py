@@ -3,17 +3,13 @@ import json
 
 import pytest
 
-from plan3d.cli import main
 from plan3d.plan import load_plan
+from cli_helpers import run_cli  # noqa: E402
 
 SMALL = ["--cluster", "dgx-a100-80g", "--model", "llama3-8b", "--nodes", "2", "--global-batch", "64"]
 
 
-def run(capsys, *args):
-    with pytest.raises(SystemExit) as exit_info:
-        main(list(args))
-    out, err = capsys.readouterr()
-    return exit_info.value.code or 0, out, err
+run = run_cli
 
 
 def run_json(capsys, *args):

@@ -3,14 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from plan3d.cli import main
+from cli_helpers import run_cli  # noqa: E402
 
 
-def run(capsys, *args: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main(list(args))
-    out, err = capsys.readouterr()
-    return exit_info.value.code or 0, out, err
+run = run_cli
 
 
 def assert_one_error_line(code: int, err: str, *words: str) -> None:

@@ -6,10 +6,10 @@ import time
 import pytest
 import yaml
 
-from plan3d.cli import main
 from plan3d.layout import Layout, divisors, layout_problems
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
+from cli_helpers import run_cli  # noqa: E402
 
 CLUSTER = {
     "name": "mine", "nodes": 4, "gpus_per_node": 8, "gpu": "h100-sxm",
@@ -22,11 +22,9 @@ MODEL = {"name": "mine", "layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 
 
 
 def run(capsys, *args: str) -> tuple[int, list[str]]:
-    with pytest.raises(SystemExit) as exit_info:
-        main(list(args))
-    _, err = capsys.readouterr()
+    code, _, err = run_cli(capsys, *args)
     assert "Traceback" not in err and "internal error" not in err, err
-    return exit_info.value.code or 0, err.strip().splitlines()
+    return code, err.strip().splitlines()
 
 
 def show(capsys, tmp_path, kind: str, data=None, text: str | None = None) -> tuple[int, list[str]]:

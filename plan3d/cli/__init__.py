@@ -10,15 +10,15 @@ import sys
 
 from plan3d.cli.app import app
 from plan3d.cli import specs_cmd  # noqa: F401  (registers commands)
-from plan3d.cli import rankmap_cmd  # noqa: F401
 from plan3d.cli import importhf_cmd  # noqa: F401
-from plan3d.cli import emit_cmd  # noqa: F401
-from plan3d.cli import calibrate_cmd  # noqa: F401
-from plan3d.cli import report_cmd  # noqa: F401
+from plan3d.cli import estimate_cmd  # noqa: F401
+from plan3d.cli import rankmap_cmd  # noqa: F401
 from plan3d.cli import recommend_cmd  # noqa: F401
 from plan3d.cli import check_cmd  # noqa: F401
-from plan3d.cli import estimate_cmd  # noqa: F401
 from plan3d.cli import launch_cmd  # noqa: F401
+from plan3d.cli import report_cmd  # noqa: F401
+from plan3d.cli import calibrate_cmd  # noqa: F401
+from plan3d.cli import emit_cmd  # noqa: F401
 
 DEBUG_ENV = "PLAN3D_DEBUG"
 

@@ -3,7 +3,7 @@ constraint, 2 the file itself is invalid (issue 5)."""
 from __future__ import annotations
 
 import json
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 

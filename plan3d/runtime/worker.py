@@ -17,7 +17,6 @@ import signal
 import sys
 import time
 import traceback
-from datetime import timedelta
 from pathlib import Path
 
 

@@ -99,19 +99,23 @@ COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 def fit_tier(samples: list[dict], tier_index: int) -> TierFit:
-    """Fit bandwidth and latency of one tier to samples {'op', 'group_size', 'bytes', 'time_s'}.
-
-    The collectives (what TP and DP traffic uses) decide the fit when there are any; point-to-point
-    ping-pongs take a cheaper path in gloo (no reduction, no ring steps) and, pooled in, would
-    pull the per-hop latency far below what a collective pays. They are fitted on their own
-    (`fit_p2p`) and reported."""
+    """Fit the tier's own bandwidth and latency to samples {'op', 'group_size', 'bytes', 'time_s'}:
+    the all-reduce samples when there are any (the collective most traffic uses), else all the
+    collectives pooled. Each kind also gets its own fit (`fit_ops`), written where it differs."""
+    all_reduce = [s for s in samples if s["op"] == "all_reduce"]
     collective = [s for s in samples if s["op"] in COLLECTIVE_OPS]
-    return _fit_alpha_beta(collective or samples, tier_index)
+    return _fit_alpha_beta(all_reduce or collective or samples, tier_index)
+
+
+def fit_ops(samples: list[dict], tier_index: int) -> dict[str, TierFit]:
+    """An alpha-beta fit per collective kind (gloo's reduce-scatter, for one, costs about an
+    all-reduce, twice a ring reduce-scatter; point-to-point takes its own path)."""
+    kinds = sorted({s["op"] for s in samples})
+    return {op: _fit_alpha_beta([s for s in samples if s["op"] == op], tier_index) for op in kinds}
 
 
 def fit_p2p(samples: list[dict], tier_index: int) -> TierFit | None:
-    p2p = [s for s in samples if s["op"] == "p2p"]
-    return _fit_alpha_beta(p2p, tier_index) if p2p else None
+    return fit_ops(samples, tier_index).get("p2p")
 
 
 def _fit_alpha_beta(samples: list[dict], tier_index: int) -> TierFit:
@@ -152,6 +156,7 @@ class CalibrationFit:
     dtype: str = "bf16"
     device: str = "cuda"
     p2p: list[TierFit] = field(default_factory=list)
+    ops: dict = field(default_factory=dict)  # tier index -> {op: TierFit}
 
 
 def fit_measurements(cluster: ClusterSpec, raw: dict, dtype: str) -> CalibrationFit:
@@ -162,9 +167,10 @@ def fit_measurements(cluster: ClusterSpec, raw: dict, dtype: str) -> Calibration
         by_tier.setdefault(sample["tier"], []).append(sample)
     tiers = [fit_tier(samples, index) for index, samples in sorted(by_tier.items())]
     p2p = [fit for index, samples in sorted(by_tier.items()) if (fit := fit_p2p(samples, index))]
+    ops = {index: fit_ops(samples, index) for index, samples in sorted(by_tier.items())}
     memory = fit_memory_bandwidth(raw["elementwise"]) if raw.get("elementwise") else (None, None)
     return CalibrationFit(compute, tiers, *memory, layer_overhead_s=layer_overhead(raw.get("layer_overhead")),
-                          dtype=dtype, device=raw.get("device", "cuda"), p2p=p2p)
+                          dtype=dtype, device=raw.get("device", "cuda"), p2p=p2p, ops=ops)
 
 
 def layer_overhead(probe: dict | None) -> float | None:
@@ -189,26 +195,35 @@ def calibrated_cluster(cluster: ClusterSpec, fit: CalibrationFit, source: str) -
     if fit.device == "cpu" and "dp_overlap_fraction" in gpu["compute_efficiency"]:
         # gloo reduces on the same cores that compute: nothing of the gradient reduction hides.
         gpu["compute_efficiency"]["dp_overlap_fraction"] = 0.0
+    if fit.device == "cpu" and "host_overlap" in gpu["compute_efficiency"]:
+        gpu["compute_efficiency"]["host_overlap"] = False  # the same core dispatches and computes
     scale = compute.peak_flops / cluster.gpu.peak_flops(fit.dtype)
     if not math.isclose(scale, 1.0):
         gpu["peak_tflops"] = {k: v * scale for k, v in gpu["peak_tflops"].items()}
         gpu["source"] = f"{gpu.get('source', '')}; peak raised x{scale:.2f} by calibration".lstrip("; ")
     resolved = cluster.tiers()
-    for fit in tiers:
-        data["network"][fit.tier_index] = _fitted_tier(data["network"][fit.tier_index], resolved[fit.tier_index], fit)
+    for tier_fit in tiers:
+        index = tier_fit.tier_index
+        data["network"][index] = _fitted_tier(data["network"][index], resolved[index], tier_fit,
+                                              fit.ops.get(index, {}))
     data["source"] = source
     return ClusterSpec.model_validate(data)
 
 
-def _fitted_tier(tier: dict, resolved, fit: TierFit) -> dict:
-    """Keep the catalog bandwidth and fit the efficiency; if the catalog is beaten, take the measurement."""
+def _fitted_tier(tier: dict, resolved, fit: TierFit, ops: dict[str, TierFit]) -> dict:
+    """Keep the catalog bandwidth and fit the efficiency; if the catalog is beaten, take the
+    measurement. Every other measured collective kind gets its own (latency, efficiency)."""
     tier = dict(tier)
-    efficiency = fit.bandwidth_bytes_per_s / resolved.bandwidth_bytes_per_s
+    bandwidth = resolved.bandwidth_bytes_per_s
+    efficiency = fit.bandwidth_bytes_per_s / bandwidth
     if efficiency > 1.0:
         tier["bandwidth"] = {"gbytes_per_s_per_gpu": fit.bandwidth_bytes_per_s / 1e9}
-        tier["oversubscription"], efficiency = 1.0, 1.0
+        tier["oversubscription"], efficiency, bandwidth = 1.0, 1.0, fit.bandwidth_bytes_per_s
     tier["efficiency"] = efficiency
     tier["latency_us"] = fit.latency_s * 1e6
+    tier["collectives"] = {op: {"latency_us": f.latency_s * 1e6,
+                                "efficiency": min(1.0, f.bandwidth_bytes_per_s / bandwidth)}
+                           for op, f in ops.items() if op != "all_reduce"}
     return tier
 
 
@@ -237,10 +252,15 @@ def summary_rows(before: ClusterSpec, after: ClusterSpec, fit: CalibrationFit, d
             row(name, "latency per hop", old[tier.tier_index].latency_s, new[tier.tier_index].latency_s, "s"),
             row(name, "worst collective fit error", None, tier.max_rel_error, "ratio"),
         ]
-    for p2p in fit.p2p:  # reported, not written: the spec has one latency per tier
-        name = new[p2p.tier_index].name
-        rows += [row(name, "p2p bandwidth (not written)", None, p2p.bandwidth_bytes_per_s, "bytes_per_s"),
-                 row(name, "p2p latency (not written)", None, p2p.latency_s, "s")]
+    for index, ops in fit.ops.items():
+        name, resolved = new[index].name, new[index]
+        for op, op_fit in ops.items():
+            if op == "all_reduce":
+                continue
+            bandwidth, latency = resolved.cost(op)
+            rows += [row(name, f"{op} effective bandwidth", None, bandwidth, "bytes_per_s"),
+                     row(name, f"{op} latency per hop", None, latency, "s"),
+                     row(name, f"{op} worst fit error", None, op_fit.max_rel_error, "ratio")]
     return rows
 
 
@@ -414,4 +434,4 @@ def sweep_config(cluster: ClusterSpec, model, seq_len: int, world_size: int, dev
     elementwise = sorted({g["m"] * g["n"] for g in gemms if g["batch"] == 1})
     return {"device": device, "torch_dtype": "float32" if device == "cpu" else "bfloat16",
             "gemms": gemms, "elementwise": elementwise, "overhead_probe": overhead_probe(model), "groups": collective_groups(cluster, world_size), "ops": list(ops),
-            "sizes_bytes": sizes_bytes, "repeats": repeats}
+            "sizes_bytes": sizes_bytes, "repeats": repeats, "in_step": True}

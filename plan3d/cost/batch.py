@@ -12,7 +12,7 @@ import numpy as np
 from plan3d.cost.arrays import layout_arrays
 from plan3d.cost.comm import layout_links
 from plan3d.cost.context import make_context
-from plan3d.cost.core import Links, evaluate
+from plan3d.cost.core import Links, evaluate, link_row
 from plan3d.specs.cluster import ClusterSpec
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
@@ -45,13 +45,9 @@ def _links(cluster: ClusterSpec, cands: Candidates, orders: tuple[str, ...]) -> 
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     unique = np.stack([col[first] for col in columns], axis=1)
     tiers = tuple(cluster.tiers())
-    table = np.empty((len(unique), 6))
-    for i, (tp, pp, dp, order) in enumerate(unique.tolist()):
-        links = layout_links(tp, pp, dp, orders[order], tiers, cluster.gpus_per_node)
-        table[i] = [links[g].bytes_per_s if j == 0 else links[g].latency_s
-                    for g in ("tp", "pp", "dp") for j in (0, 1)]
-    rows = table[inverse.reshape(-1)]
-    return Links(*(rows[:, k] for k in range(6)))
+    table = np.array([link_row(layout_links(tp, pp, dp, orders[order], tiers, cluster.gpus_per_node))
+                      for tp, pp, dp, order in unique.tolist()], dtype=np.float64)
+    return Links.from_rows(table[inverse.reshape(-1)])
 
 
 def estimate_batch(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, cands: Candidates,

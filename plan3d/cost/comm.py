@@ -20,32 +20,46 @@ import numpy as np
 
 from plan3d.layout import Layout
 from plan3d.rankmap import rankmap_for
-from plan3d.specs.cluster import ResolvedTier
+from plan3d.specs.cluster import COLLECTIVE_OPS, ResolvedTier
 
 GROUPS = ("tp", "pp", "dp")
 
 
 @dataclass(frozen=True)
 class GroupLink:
-    """What one group of a layout sees of the network."""
+    """What one group of a layout sees of the network: per collective kind (COLLECTIVE_OPS),
+    the effective ring bandwidth per GPU (bytes/s) and the latency per hop (s)."""
 
     tier: str  # the innermost tier holding each whole group
-    bytes_per_s: float  # effective ring bandwidth per GPU
-    latency_s: float
+    costs: tuple[tuple[float, float], ...]  # (bytes_per_s, latency_s) in COLLECTIVE_OPS order
+
+    def cost(self, op: str) -> tuple[float, float]:
+        return self.costs[COLLECTIVE_OPS.index(op)]
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.cost("all_reduce")[0]
+
+    @property
+    def latency_s(self) -> float:
+        return self.cost("all_reduce")[1]
 
 
 def group_link(layout: Layout, name: str, tiers: tuple[ResolvedTier, ...], gpus_per_node: int) -> GroupLink:
-    """The tier a group spans (rank map) and its effective bandwidth and latency."""
+    """The tier a group spans (rank map) and its effective bandwidth and latency per collective."""
     rankmap = rankmap_for(layout, gpus_per_node)
     index = rankmap.tier_index(name, list(tiers))
     tier = tiers[index]
     if index == 0:
-        return GroupLink(tier.name, tier.effective_bytes_per_s, tier.latency_s)
+        return GroupLink(tier.name, tuple(tier.cost(op) for op in COLLECTIVE_OPS))
     inner = tiers[index - 1]
     group = rankmap.group_array(name)[0]
     per_domain = len(group) / len(np.unique(group // inner.domain_gpus))
-    bandwidth = min(inner.effective_bytes_per_s, per_domain * tier.effective_bytes_per_s)
-    return GroupLink(tier.name, bandwidth, tier.latency_s)
+    costs = []
+    for op in COLLECTIVE_OPS:
+        (inner_bw, _), (outer_bw, latency) = inner.cost(op), tier.cost(op)
+        costs.append((min(inner_bw, per_domain * outer_bw), latency))
+    return GroupLink(tier.name, tuple(costs))
 
 
 @lru_cache(maxsize=65536)
@@ -69,3 +83,11 @@ def all_gather_s(size_bytes, n, bytes_per_s, latency_s):
 def p2p_s(size_bytes, bytes_per_s, latency_s):
     """One point-to-point send of `size_bytes`."""
     return size_bytes / bytes_per_s + latency_s
+
+
+def reduce_scatter_s(size_bytes, n, bytes_per_s, latency_s):
+    """Ring reduce-scatter of a `size_bytes` input: the all-gather's volume and hops."""
+    return all_gather_s(size_bytes, n, bytes_per_s, latency_s)
+
+
+COST_OF = {"all_reduce": all_reduce_s, "all_gather": all_gather_s, "reduce_scatter": reduce_scatter_s}

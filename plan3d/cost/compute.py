@@ -66,6 +66,12 @@ def layer_forward_s(ctx: CostContext, mb, tp, sp_div):
             + memory_bound_s(ctx, scores, ctx.attention_score_bytes))
 
 
+def pass_s(ctx: CostContext, gpu_s, host_s):
+    """Time of a pass: overlapped host and device (`host_bound_s`), or their sum where one core
+    does both (`host_overlap` false: a CPU process)."""
+    return host_bound_s(gpu_s, host_s) if ctx.host_overlap else gpu_s + host_s
+
+
 def host_bound_s(gpu_s, host_s):
     """Time of a pass whose kernels take `gpu_s` on the GPU and `host_s` to issue on the host.
 

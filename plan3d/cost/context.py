@@ -50,6 +50,8 @@ class CostContext:
     layer_overhead_s: float
     micro_batch_overhead_s: float
     dp_overlap_fraction: float
+    gpus_per_node: int = 1
+    host_overlap: bool = True
 
 
 def bytes_per_param(training: TrainingSpec) -> tuple[int, int, int]:
@@ -85,7 +87,8 @@ def make_context(cluster: ClusterSpec | None, model: ModelSpec, training: Traini
         gemm_max_fraction=eff.max_fraction, gemm_half_work_flops=eff.half_work_flops,
         elementwise_bytes=eff.elementwise_bytes, attention_score_bytes=eff.attention_score_bytes,
         layer_overhead_s=eff.layer_overhead_s, micro_batch_overhead_s=eff.micro_batch_overhead_s,
-        dp_overlap_fraction=eff.dp_overlap_fraction,
+        dp_overlap_fraction=eff.dp_overlap_fraction, gpus_per_node=cluster.gpus_per_node,
+        host_overlap=eff.host_overlap,
     )
 
 

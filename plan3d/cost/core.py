@@ -14,6 +14,9 @@ from plan3d.cost import comm, compute, memory
 from plan3d.cost.arrays import RECOMPUTE_CODES, LayoutArrays
 from plan3d.cost.context import CostContext
 from plan3d.cost.pipeline import masked_argmax, masked_max, pipeline_s
+from plan3d.specs.cluster import COLLECTIVE_OPS
+
+GROUPS = ("tp", "pp", "dp")
 
 FULL, SELECTIVE = RECOMPUTE_CODES["full"], RECOMPUTE_CODES["selective"]
 MEMORY_KEYS = ("weights", "gradients", "optimizer", "activations", "buffers", "reserve")
@@ -24,14 +27,28 @@ PER_MICRO_BATCH = ("compute", "recompute", "tp_comm", "pp_comm", "overhead")
 
 @dataclass(frozen=True)
 class Links:
-    """Bandwidth (bytes/s) and latency (s) arrays of the tp, pp and dp groups."""
+    """Bandwidth (bytes/s) and latency (s) arrays of the tp, pp and dp groups, per collective
+    kind: `costs[(group, op)] = (bandwidth, latency)`."""
 
-    tp_bw: np.ndarray
-    tp_lat: np.ndarray
-    pp_bw: np.ndarray
-    pp_lat: np.ndarray
-    dp_bw: np.ndarray
-    dp_lat: np.ndarray
+    costs: dict
+
+    def of(self, group: str, op: str = "all_reduce") -> tuple[np.ndarray, np.ndarray]:
+        return self.costs[(group, op)]
+
+    @classmethod
+    def from_rows(cls, rows: np.ndarray) -> "Links":
+        """From a (n, 2 * groups * ops) table laid out by `link_row`."""
+        costs, k = {}, 0
+        for group in GROUPS:
+            for op in COLLECTIVE_OPS:
+                costs[(group, op)] = (rows[:, k], rows[:, k + 1])
+                k += 2
+        return cls(costs)
+
+
+def link_row(links: dict) -> list[float]:
+    """One row of `Links.from_rows` from the GroupLink of each group."""
+    return [x for group in GROUPS for op in COLLECTIVE_OPS for x in links[group].cost(op)]
 
 
 def stage_micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, layers) -> dict:
@@ -43,29 +60,68 @@ def stage_micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_ran
     first, last = pp_rank == 0, pp_rank == la.pp - 1
     layer_fwd = compute.layer_forward_s(ctx, la.mb, la.tp, la.sp_div)
     boundary_bytes = la.mb * ctx.seq * ctx.hidden * ctx.act_bytes
-    tp_pair = 2 * comm.all_reduce_s(boundary_bytes, la.tp, links.tp_bw, links.tp_lat)  # per pass
+    tp_pair = 2 * _tp_exchange_s(la, links, boundary_bytes)  # per pass
     full = la.recompute >= FULL
     redo = np.where(full, layer_fwd,
                     np.where(la.recompute == SELECTIVE, compute.attention_core_forward_s(ctx, la.mb, la.tp), 0.0))
     host = ctx.layer_overhead_s
-    passes = (compute.host_bound_s(layer_fwd + tp_pair, host)
-              + compute.host_bound_s(2 * layer_fwd + tp_pair, 2 * host)
-              + np.where(full, compute.host_bound_s(layer_fwd + tp_pair, host), redo))
+    passes = (compute.pass_s(ctx, layer_fwd + tp_pair, host)
+              + compute.pass_s(ctx, 2 * layer_fwd + tp_pair, 2 * host)
+              + np.where(full, compute.pass_s(ctx, layer_fwd + tp_pair, host), redo))
     gpu_layer = 3 * layer_fwd + redo + np.where(full, 3, 2) * tp_pair
     logits_fwd = np.where(last, compute.logits_forward_s(ctx, la.mb, la.tp), 0.0)
     embed = np.where(first, compute.memory_bound_s(ctx, la.mb * ctx.seq * ctx.hidden, ctx.elementwise_bytes), 0.0)
     return {"compute": 3 * (layers * layer_fwd + logits_fwd + embed), "recompute": layers * redo,
-            "tp_comm": layers * np.where(full, 3, 2) * tp_pair, "pp_comm": _p2p_s(ctx, la, links, boundary_bytes),
+            "tp_comm": layers * np.where(full, 3, 2) * tp_pair + _vocab_parallel_s(ctx, la, links, first, last),
+            "pp_comm": _p2p_s(ctx, la, links, boundary_bytes),
             "overhead": layers * (passes - gpu_layer) + ctx.micro_batch_overhead_s,
             "backward": 2 * (layers * layer_fwd + logits_fwd)}
+
+
+def _collective_s(links: Links, group: str, op: str, size_bytes, n):
+    """Ring `op` of `size_bytes` over `n` ranks of `group`, with that kind's bandwidth and latency."""
+    return comm.COST_OF[op](size_bytes, n, *links.of(group, op))
+
+
+def _tp_exchange_s(la: LayoutArrays, links: Links, size_bytes):
+    """One TP boundary exchange: an all-reduce, or with sequence parallelism the all-gather /
+    reduce-scatter pair that moves the same volume (Korthikanti et al. 2022, section 4.2.2)."""
+    pair = (_collective_s(links, "tp", "all_gather", size_bytes, la.tp)
+            + _collective_s(links, "tp", "reduce_scatter", size_bytes, la.tp))
+    return np.where(la.sp > 0, pair, _collective_s(links, "tp", "all_reduce", size_bytes, la.tp))
+
+
+def _vocab_parallel_s(ctx: CostContext, la: LayoutArrays, links: Links, first, last):
+    """TP traffic of the vocabulary-parallel ends, per micro-batch (Shoeybi et al. 2019, section 3;
+    Megatron-LM VocabParallelEmbedding and _VocabParallelCrossEntropy): the embedding's partial
+    lookups are summed over tp (all-reduce, or reduce-scatter + all-gather in the backward with
+    sequence parallelism) and the output layer's input gradient likewise; the cross entropy over
+    vocabulary shards all-reduces three per-token fp32 values (max logit, sum of exponentials,
+    target logit). Latency-bound on GPUs, but milliseconds per call on an oversubscribed CPU."""
+    boundary = _tp_exchange_s(la, links, la.mb * ctx.seq * ctx.hidden * ctx.act_bytes)
+    loss = 3 * _collective_s(links, "tp", "all_reduce", la.mb * ctx.seq * 4, la.tp)
+    return np.where(first, boundary, 0.0) + np.where(last, boundary + loss, 0.0)
+
+
+def _step_sync_s(ctx: CostContext, la: LayoutArrays, links: Links):
+    """The two scalar all-reduces of every step over all ranks: the global gradient norm for
+    clipping (Megatron-LM clip_grad_norm_fp32) and the logged loss. Latency only: a ring inside
+    the node, 2 (g - 1) hops (gloo measured: an 8-rank all-reduce of one value costs 14 hops),
+    and a tree across nodes, 2 ceil(log2 nodes) hops (NCCL's tree for small messages;
+    Thakur et al. 2005), at the slowest latency the layout's groups see."""
+    world = la.tp * la.pp * la.dp
+    inside = np.minimum(world, ctx.gpus_per_node)
+    hops = 2 * (inside - 1) + 2 * np.ceil(np.log2(np.maximum(world / inside, 1.0)))
+    latency = np.maximum(np.maximum(links.of("tp")[1], links.of("pp")[1]), links.of("dp")[1])
+    return 2 * hops * latency
 
 
 def _p2p_s(ctx: CostContext, la: LayoutArrays, links: Links, boundary_bytes):
     """Pipeline sends per micro-batch: one forward and one backward per chunk (v per rank).
     Each tp rank sends 1/tp of the boundary and the receivers all-gather it over tp (Megatron's
     scatter-gather optimisation, Narayanan et al. 2021 section 4.1)."""
-    send = comm.p2p_s(boundary_bytes / la.tp, links.pp_bw, links.pp_lat)
-    gather = np.where(la.sp > 0, 0.0, comm.all_gather_s(boundary_bytes, la.tp, links.tp_bw, links.tp_lat))
+    send = comm.p2p_s(boundary_bytes / la.tp, *links.of("pp", "p2p"))
+    gather = np.where(la.sp > 0, 0.0, _collective_s(links, "tp", "all_gather", boundary_bytes, la.tp))
     return np.where(la.pp > 1, 2 * la.vpp * (send + gather), 0.0)
 
 
@@ -80,20 +136,19 @@ def stage_step_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, para
     2020, section 7: 1.5x the all-reduce volume per pass; DeepSpeed and FSDP both reduce per
     micro-batch)."""
     grads = params * ctx.grad_bytes
-    zero12 = comm.all_gather_s(grads, la.dp, links.dp_bw, links.dp_lat) + \
-        comm.all_gather_s(params * ctx.weight_bytes, la.dp, links.dp_bw, links.dp_lat)
-    dp = np.where(la.zero >= 1, zero12, comm.all_reduce_s(grads, la.dp, links.dp_bw, links.dp_lat))
+    gather_weights = _collective_s(links, "dp", "all_gather", params * ctx.weight_bytes, la.dp)
+    scatter_grads = _collective_s(links, "dp", "reduce_scatter", grads, la.dp)
+    dp = np.where(la.zero >= 1, scatter_grads + gather_weights, _collective_s(links, "dp", "all_reduce", grads, la.dp))
     dp = np.where(la.zero >= 3, 0.0, dp)  # ZeRO-3 reduces per micro-batch, below
     shared = (pp_rank == 0) | (pp_rank == la.pp - 1)
     tied = ctx.tied & (la.pp > 1) & shared
     embed_bytes = memory.padded_vocab(ctx, la.tp) / la.tp * ctx.hidden * ctx.grad_bytes
-    dp = dp + np.where(tied, comm.all_reduce_s(embed_bytes, 2.0, links.pp_bw, links.pp_lat), 0.0)
+    dp = dp + np.where(tied, _collective_s(links, "pp", "all_reduce", embed_bytes, 2.0), 0.0)
     gathers = 2 + np.where(la.recompute >= FULL, 1, 0)
-    per_micro_batch = gathers * comm.all_gather_s(params * ctx.weight_bytes, la.dp, links.dp_bw, links.dp_lat) \
-        + comm.all_gather_s(grads, la.dp, links.dp_bw, links.dp_lat)  # reduce-scatter of this micro-batch's grads
+    per_micro_batch = gathers * gather_weights + scatter_grads  # and this micro-batch's grads reduce-scattered
     zero3 = np.where(la.zero >= 3, la.m * per_micro_batch, 0.0)
     overlap = ctx.dp_overlap_fraction
-    return {"dp_comm": np.maximum(dp - overlap * backward_s, 0.0),
+    return {"dp_comm": np.maximum(dp - overlap * backward_s, 0.0) + _step_sync_s(ctx, la, links),
             "zero_comm": np.maximum(zero3 - overlap * compute_s, 0.0),
             "optimizer": compute.optimizer_s(ctx, params, np.where(la.zero >= 1, la.dp, 1.0))}
 

@@ -9,7 +9,7 @@ import numpy as np
 from plan3d.cost.arrays import RECOMPUTE_CODES, layout_arrays
 from plan3d.cost.comm import layout_links
 from plan3d.cost.context import make_context
-from plan3d.cost.core import MEMORY_KEYS, TIME_KEYS, Links, evaluate
+from plan3d.cost.core import MEMORY_KEYS, TIME_KEYS, Links, evaluate, link_row
 from plan3d.layout import Layout, check_layout
 from plan3d.rankmap import rankmap_for
 from plan3d.specs.cluster import ClusterSpec
@@ -52,9 +52,7 @@ def estimate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, lay
     la = layout_arrays(training.global_batch, [layout.tp], [layout.pp], [layout.dp], [layout.micro_batch],
                        [layout.vpp], [layout.zero], [RECOMPUTE_CODES[layout.recompute]],
                        [float(layout.sequence_parallel)])
-    arr = lambda x: np.array([x], dtype=np.float64)  # noqa: E731
-    link_arrays = Links(arr(links["tp"].bytes_per_s), arr(links["tp"].latency_s), arr(links["pp"].bytes_per_s),
-                        arr(links["pp"].latency_s), arr(links["dp"].bytes_per_s), arr(links["dp"].latency_s))
+    link_arrays = Links.from_rows(np.array([link_row(links)], dtype=np.float64))
     chunks = layout.stage_layers(model.layers)
     layers = np.array([sum(chunks[r::layout.pp]) for r in range(layout.pp)], dtype=np.float64)[:, None]
     pp_rank = np.arange(layout.pp, dtype=np.float64)[:, None]

@@ -50,17 +50,36 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:
+    """Sum `tensors` over `group` in one all-reduce per dtype (a flat bucket, as Megatron-LM's
+    gradient buffers and DDP's buckets do): one latency instead of one per tensor."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
 def reduce_model_parallel_grads(entries: list[Entry], ctx: ParallelContext, grad_of=None) -> None:
-    """Sum sequence-parallel partial grads of tp-replicated params; sum the tied embedding copies."""
+    """Sum sequence-parallel partial grads of tp-replicated params (one bucket, as Megatron-LM's
+    `_allreduce_layernorm_grads`); sum the tied embedding copies."""
+    replicated = []
     for e in entries:
         grad = grad_of(e) if grad_of else e.param.grad
         if grad is None:
             continue
         grad = _local(grad)
         if ctx.tp.sequence_parallel and e.tp_dim is None:
-            dist.all_reduce(grad, group=ctx.tp.group)
+            replicated.append(grad)
         if ctx.embedding_group is not None and e.name == "embed.tok.weight":
             dist.all_reduce(grad, group=ctx.embedding_group)
+    if replicated:
+        all_reduce_coalesced(replicated, ctx.tp.group)
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -79,10 +98,11 @@ class ReplicatedDP:
 
     def reduce_grads(self) -> None:
         reduce_model_parallel_grads(self.entries, self.ctx)
-        for e in self.entries:
-            if self.dp > 1 and e.param.grad is not None:
-                dist.all_reduce(e.param.grad, group=self.dp_group)
-                e.param.grad.div_(self.dp)
+        grads = [e.param.grad for e in self.entries if e.param.grad is not None]
+        if self.dp > 1 and grads:
+            all_reduce_coalesced(grads, self.dp_group)
+            for g in grads:
+                g.div_(self.dp)
 
     def grad_sq_sum(self) -> torch.Tensor:
         """This rank's share of the global squared gradient norm (replicas counted once)."""

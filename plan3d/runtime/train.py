@@ -39,6 +39,28 @@ def run_precision(plan, device: torch.device, choice: str = "auto") -> tuple[str
     return (choice, torch.bfloat16) if choice == "bf16" else ("fp32", None)
 
 
+class PhaseClock:
+    """Wall time of the phases of one step on this rank (the device synchronised at each mark,
+    so a phase holds its own kernels): forward_backward (compute, TP and PP traffic, bubble),
+    grad_reduce (model-parallel and DP gradient reduction), clip (global-norm all-reduce),
+    optimizer (update, and the ZeRO 1/2 all-gather), loss (the logged loss all-reduce)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.start = self.last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.phases[name] = now - self.last
+        self.last = now
+
+    def elapsed(self) -> float:
+        return self.last - self.start
+
+
 def _read_plan(path: str):
     """The plan the launcher wrote (and checked with load_plan); no second digest check here, so
     the ranks do not depend on the spec schema being byte-identical to the launcher's."""
@@ -82,22 +104,25 @@ class Runner:
                              self.plan.layout.dp, self.ctx.local("dp"))
 
     def step(self, step: int) -> dict:
-        start = time.perf_counter()
+        clock = PhaseClock(self.device)
         self.engine.zero_grad()
         inputs, targets = (t.to(self.device) for t in self.batch(step))
         total = self.plan.layout.pp * self.plan.layout.vpp
         loss = forward_backward(self.schedule, self.stages, self.ids, self.ctx, inputs, targets,
                                 self.n_micro, total)
+        clock.mark("forward_backward")
         self.engine.reduce_grads()
+        clock.mark("grad_reduce")
         norm = clip_global_norm(self.engine, self.args.clip)
+        clock.mark("clip")
         self.engine.step()
+        clock.mark("optimizer")
         global_loss = self._global_loss(loss)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
+        clock.mark("loss")
+        elapsed = clock.elapsed()
         tokens = self.plan.training.global_batch * self.seq
         return {"step": step, "loss": global_loss, "grad_norm": norm, "step_time_s": elapsed,
-                "tokens_per_s": tokens / elapsed}
+                "tokens_per_s": tokens / elapsed, "phases_s": clock.phases}
 
     def _global_loss(self, loss) -> float:
         """Mean loss over the global batch, known on every rank (one all-reduce)."""

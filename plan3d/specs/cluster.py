@@ -13,6 +13,8 @@ to bytes/s per GPU in one direction (`ResolvedTier.bandwidth_bytes_per_s`).
 """
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from plan3d.specs.base import FrozenModel, StrictModel
@@ -53,6 +55,19 @@ class Bandwidth(StrictModel):
         return value / 2 if self.bidirectional else value
 
 
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "p2p"]
+
+
+class CollectiveCost(StrictModel):
+    """The alpha-beta pair of one kind of collective on a tier, where it differs from the
+    tier's own `latency_us` / `efficiency` (e.g. gloo's reduce-scatter costs an all-reduce;
+    a CPU's point-to-point exchange inside a step costs more than back to back)."""
+
+    latency_us: float = Field(ge=0)
+    efficiency: float = Field(gt=0, le=1)
+
+
 class NetworkTier(StrictModel):
     """One level of the network. Tiers are listed inner to outer.
 
@@ -66,6 +81,9 @@ class NetworkTier(StrictModel):
     latency_us: float = Field(ge=0)
     efficiency: float = Field(0.8, gt=0, le=1, description="Achievable fraction of bandwidth.")
     oversubscription: float = Field(1.0, ge=1, description="Divides this tier's bandwidth (e.g. 2 for 2:1).")
+    collectives: dict[CollectiveOp, CollectiveCost] = Field(
+        default_factory=dict, description="Per-collective latency and efficiency overriding the tier's "
+        "(written by plan3d calibrate); keys all_reduce, all_gather, reduce_scatter, p2p.")
 
     @field_validator("bandwidth", mode="before")
     @classmethod
@@ -84,10 +102,18 @@ class ResolvedTier(FrozenModel):
     bandwidth_bytes_per_s: float
     latency_s: float
     efficiency: float
+    collectives: tuple[tuple[str, float, float], ...] = ()  # (op, latency_s, efficiency)
 
     @property
     def effective_bytes_per_s(self) -> float:
         return self.bandwidth_bytes_per_s * self.efficiency
+
+    def cost(self, op: str) -> tuple[float, float]:
+        """(effective bytes/s per GPU, latency s per hop) of collective `op` on this tier."""
+        for name, latency_s, efficiency in self.collectives:
+            if name == op:
+                return self.bandwidth_bytes_per_s * efficiency, latency_s
+        return self.effective_bytes_per_s, self.latency_s
 
 
 def _gpu_by_name_too(schema: dict) -> None:
@@ -162,6 +188,8 @@ class ClusterSpec(StrictModel):
                     bandwidth_bytes_per_s=tier.bandwidth.bytes_per_s_per_gpu(self.gpus_per_node) / tier.oversubscription,
                     latency_s=tier.latency_us * 1e-6,
                     efficiency=tier.efficiency,
+                    collectives=tuple((op, c.latency_us * 1e-6, c.efficiency)
+                                      for op, c in sorted(tier.collectives.items())),
                 )
             )
         return resolved

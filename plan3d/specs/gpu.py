@@ -33,6 +33,9 @@ class ComputeEfficiency(StrictModel):
     GPU queue), paid in forward + backward.
     `dp_overlap_fraction`: the share of one micro-batch's backward that hides the data-parallel
     gradient reduction (0 without gradient bucketing, as in the vTrain runs).
+    `host_overlap`: whether the host issues work while the device computes (a GPU's asynchronous
+    launch queue: a pass costs about the larger of the two) or one core does both in turn (a CPU
+    process: the host time and the kernel time add).
     Values are fitted by `benchmarks/accuracy.py` (and later `plan3d calibrate`).
     """
 
@@ -43,6 +46,7 @@ class ComputeEfficiency(StrictModel):
     layer_overhead_s: float = Field(1.0e-4, ge=0)
     micro_batch_overhead_s: float = Field(0.0, ge=0)
     dp_overlap_fraction: float = Field(0.8, ge=0, le=1)
+    host_overlap: bool = True
 
 
 class GPUSpec(StrictModel):

@@ -36,9 +36,8 @@ from plan3d.specs.training import TrainingSpec
 BENCH_GPT = ModelSpec(name="bench-gpt", layers=8, hidden=256, heads=8, vocab=2048, seq_len=128,
                       default_global_batch=16, source="benchmarks/calibration_check.py")
 # Layouts per world size. The first REFERENCE of each list are the ones the refit of table B
-# sees; the rest are held out. Data parallelism uses ZeRO-1 (one flat gradient all-reduce, as the
-# cost model assumes) except in the layouts named "-zero0" (the runtime's ZeRO-0 all-reduces every
-# parameter separately: one latency per parameter tensor, which the model does not count).
+# sees; the rest are held out. (The runtime reduces gradients in one flat bucket per group since
+# this session; before, ZeRO-0 all-reduced every parameter tensor apart.)
 LAYOUTS = {
     2: {  # one rank per core on this 2-core machine: no oversubscription
         "dp2-z1": Layout(dp=2, micro_batch=2, zero=1),
@@ -61,10 +60,12 @@ LAYOUTS = {
         "tp2-pp2-full": Layout(tp=2, pp=2, micro_batch=2, recompute="full"),
         "pp2-dp2-zero0": Layout(pp=2, dp=2, micro_batch=2),
     },
-    8: {
+    8: {  # four ranks per core: oversubscribed, as `make demo` runs
+        "dp8-z1": Layout(dp=8, micro_batch=2, zero=1),
+        "demo": Layout(tp=2, pp=2, dp=2, micro_batch=4, vpp=4, zero=2, sequence_parallel=True),
         "tp2-pp2-dp2-z1": Layout(tp=2, pp=2, dp=2, micro_batch=2, zero=1),
         "pp4-dp2-z1": Layout(pp=4, dp=2, micro_batch=1, zero=1),
-        "dp8-z1": Layout(dp=8, micro_batch=2, zero=1),
+        "pp2-dp4": Layout(pp=2, dp=4, micro_batch=2),
         "tp2-dp4-z1": Layout(tp=2, dp=4, micro_batch=2, zero=1),
         "tp4-pp2-sp": Layout(tp=4, pp=2, micro_batch=2, sequence_parallel=True),
         "dp8-zero0": Layout(dp=8, micro_batch=2),

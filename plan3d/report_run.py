@@ -8,7 +8,10 @@ under another cluster spec (e.g. one written by `plan3d calibrate`).
 What can be measured: step time and tokens/s (rank 0's wall clock), per-rank model-state bytes
 (weights, gradients, optimizer states: exact tensor sizes) and per-rank peak memory (GPU: peak
 allocated; CPU: peak resident set of the process, which includes the Python and torch runtime).
-The communication terms are predicted only: the runtime does not time collectives separately.
+Rank 0 also times the phases of each step (`phases_s` in metrics.jsonl): the forward + backward
+(compute, bubble, TP and PP traffic) and what follows it (gradient reduction, clipping, optimizer,
+loss); the report pairs each with the predicted terms that fall in it. Single collectives are not
+timed apart.
 """
 from __future__ import annotations
 
@@ -23,6 +26,13 @@ from plan3d.plan import Plan, load_plan
 REPORT_SCHEMA_VERSION = 1
 STATE_KEYS = ("weights", "gradients", "optimizer")
 COMM_KEYS = ("tp_comm", "pp_comm", "dp_comm", "zero_comm")
+# Measured phases of a step (runtime/train.py PhaseClock) and the predicted terms inside each.
+PHASES = (
+    ("forward + backward (compute, bubble, TP/PP comm)", ("forward_backward",),
+     ("compute", "recompute", "bubble", "tp_comm", "pp_comm", "overhead")),
+    ("after the backward (DP/ZeRO comm, clip, optimizer, loss)", ("grad_reduce", "clip", "optimizer", "loss"),
+     ("dp_comm", "zero_comm", "optimizer")),
+)
 
 
 @dataclass
@@ -128,8 +138,22 @@ def compare(run: RunData, cluster=None) -> Report:
     time_s = est.get("time_s", {})
     comm = sum(time_s.get(k, 0.0) for k in COMM_KEYS)
     rows.append(row("communication share of step", comm / step_pred if step_pred else None, None, "ratio"))
+    rows += _phase_rows(time_s, run.metrics, int(summary.get("warmup_steps", 1)))
     rows += _memory_rows(est, summary.get("ranks") or [])
     return Report(str(run.run_dir), run.plan.layout.short(), rows, _notes(run), dict(time_s))
+
+
+def _phase_rows(time_s: dict, metrics: list[dict], warmup: int) -> list[dict]:
+    """Each measured phase (rank 0, mean over the steps after warm-up) against the predicted
+    terms that fall in it; nothing when the run predates phase timing."""
+    timed = [m["phases_s"] for m in (metrics[warmup:] or metrics) if isinstance(m.get("phases_s"), dict)]
+    if not timed or not time_s:
+        return []
+    rows = []
+    for label, measured_keys, predicted_keys in PHASES:
+        measured = sum(sum(p.get(k, 0.0) for k in measured_keys) for p in timed) / len(timed)
+        rows.append(row(label, sum(time_s.get(k, 0.0) for k in predicted_keys), measured, "s"))
+    return rows
 
 
 def _memory_rows(est: dict, ranks: list[dict]) -> list[dict]:
@@ -147,7 +171,7 @@ def _memory_rows(est: dict, ranks: list[dict]) -> list[dict]:
 
 
 def _notes(run: RunData) -> list[str]:
-    notes = ["communication is predicted only: the runtime does not time collectives apart from the step"]
+    notes = ["phases are rank 0's wall clock; single collectives are not timed apart, so the communication share is predicted only"]
     summary, plan = run.summary, run.plan
     if summary.get("incomplete"):
         notes.append("the run wrote no summary.json (or one cut short): step time is the mean of metrics.jsonl without its first step")

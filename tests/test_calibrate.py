@@ -66,6 +66,25 @@ def test_p2p_is_fitted_apart_from_the_collectives():
     assert p2p.latency_s == pytest.approx(5e-5, rel=1e-6) and p2p.bandwidth_bytes_per_s == pytest.approx(3e9, rel=1e-6)
 
 
+def test_each_collective_kind_gets_its_own_fit_and_lands_in_the_spec():
+    from plan3d.calibrate import fit_ops
+
+    samples = [s for s in alpha_beta_samples(5e8, 1e-3) if s["op"] in ("all_reduce", "all_gather")]
+    samples += [s for s in alpha_beta_samples(1e8, 2.5e-3) if s["op"] == "reduce_scatter"]
+    fits = fit_ops(samples, 0)
+    assert fits["reduce_scatter"].latency_s == pytest.approx(2.5e-3, rel=1e-6)
+    assert fits["reduce_scatter"].bandwidth_bytes_per_s == pytest.approx(1e8, rel=1e-6)
+    assert fit_tier(samples, 0).latency_s == pytest.approx(1e-3, rel=1e-6)  # the tier's own: all-reduce
+    base = load_cluster("local-cpu")  # loopback catalog bandwidth 1 GB/s
+    raw = {"device": "cpu", "gemm": synthetic_gemms(0.5, 1e5), "collectives": [dict(s, tier=0) for s in samples]}
+    fitted = calibrated_cluster(base, fit_measurements(base, raw, "fp32"), "test")
+    tier = fitted.tiers()[0]
+    assert tier.cost("reduce_scatter") == pytest.approx((1e8, 2.5e-3), rel=1e-6)
+    assert tier.cost("all_gather") == pytest.approx((5e8, 1e-3), rel=1e-6)
+    assert tier.cost("all_reduce") == pytest.approx((5e8, 1e-3), rel=1e-6)
+    assert fitted.gpu.compute_efficiency.host_overlap is False  # CPU: one core dispatches and computes
+
+
 def test_collective_terms_match_the_ring_formulas():
     assert collective_terms("all_reduce", 4, 1000) == (1500.0, 6)
     assert collective_terms("all_gather", 4, 1000) == (750.0, 3)
@@ -143,6 +162,7 @@ def test_worker_measures_on_two_gloo_ranks(tmp_path):
     assert len(raw["gemm"]) == 6 and all(g["time_s"] > 0 for g in raw["gemm"])
     assert {c["op"] for c in raw["collectives"]} == {"all_reduce", "p2p"}
     assert all(c["time_s"] > 0 and c["group_size"] == 2 for c in raw["collectives"])
+    assert all(c["in_step"] for c in raw["collectives"])  # measured between bursts of layer work
     assert (tmp_path / "progress").read_text().split()[0] == (tmp_path / "progress").read_text().split()[1]
 
 

@@ -46,6 +46,29 @@ def test_pairs_step_time_and_memory(tmp_path):
     assert 0 < rows["communication share of step"]["predicted"] < 1
 
 
+def test_measured_phases_pair_with_the_predicted_terms_inside_them(tmp_path):
+    est = make_run(tmp_path)
+    phases = {"forward_backward": 0.2, "grad_reduce": 0.03, "clip": 0.01, "optimizer": 0.005, "loss": 0.005}
+    steps = [{"step": s, "loss": 5.0, "step_time_s": 0.25, "tokens_per_s": 1.0,
+              "phases_s": {k: v * (9 if s == 1 else 1) for k, v in phases.items()}} for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    (tmp_path / "summary.json").write_text(json.dumps({**summary, "warmup_steps": 1}))
+    rows = by_term(compare(read_run(tmp_path)))
+    fb = rows["forward + backward (compute, bubble, TP/PP comm)"]
+    after = rows["after the backward (DP/ZeRO comm, clip, optimizer, loss)"]
+    assert fb["measured"] == pytest.approx(0.2) and after["measured"] == pytest.approx(0.05)  # warm-up step left out
+    t = est["time_s"]
+    assert fb["predicted"] == pytest.approx(sum(t[k] for k in ("compute", "recompute", "bubble", "tp_comm",
+                                                                  "pp_comm", "overhead")))
+    assert fb["predicted"] + after["predicted"] == pytest.approx(est["step_time_s"])  # every term in one phase
+
+
+def test_a_run_without_phase_timings_has_no_phase_rows(tmp_path):
+    make_run(tmp_path)
+    assert not any(r["term"].startswith("forward + backward") for r in compare(read_run(tmp_path)).rows)
+
+
 def test_without_summary_the_first_step_is_left_out(tmp_path):
     make_run(tmp_path, measured_scale=1.25, with_summary=False)
     report = compare(read_run(tmp_path))

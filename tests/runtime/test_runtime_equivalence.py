@@ -2,6 +2,8 @@
 measured model-state bytes equal the memory model's prediction (fp32 on CPU) within 1%."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from runtime_helpers import STEPS, assert_same_losses, make_plan, metrics, run, summary
@@ -55,6 +57,16 @@ def test_layout_matches_single_process(name, reference, tmp_path):
     ranks = summary(tmp_path)["ranks"]
     _check_model_state(plan, ranks)
     _check_mesh_groups(plan, ranks)
+    _check_phases(tmp_path)
+
+
+def _check_phases(run_dir) -> None:
+    """Every step record carries its phase timings, and they add up to the step time."""
+    for record in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
+        phases = record["phases_s"]
+        assert set(phases) == {"forward_backward", "grad_reduce", "clip", "optimizer", "loss"}
+        assert all(v >= 0 for v in phases.values())
+        assert abs(sum(phases.values()) - record["step_time_s"]) < 1e-3 * record["step_time_s"]
 
 
 @pytest.mark.slow

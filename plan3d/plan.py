@@ -37,8 +37,15 @@ class Plan(StrictModel):
     rankmap: dict[str, Any] = Field(default_factory=dict)
 
     def specs_digest(self) -> str:
-        payload = {k: getattr(self, k).model_dump(mode="json") for k in ("cluster", "model", "training", "layout")}
-        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+        return digest_of({k: getattr(self, k).model_dump(mode="json") for k in DIGESTED})
+
+
+DIGESTED = ("cluster", "model", "training", "layout")
+
+
+def digest_of(payload: dict) -> str:
+    """sha256 (16 hex digits) of the specs and layout as JSON with sorted keys."""
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def rankmap_dict(rankmap: RankMap) -> dict[str, Any]:
@@ -85,6 +92,8 @@ def load_plan(path_str: str) -> Plan:
     if version != SCHEMA_VERSION:
         raise SpecError(path_str, [f"schema_version {version!r} is not {SCHEMA_VERSION}; re-create the plan with this plan3d"])
     plan = validate(Plan, data, path_str)
-    if plan.digest and plan.digest != plan.specs_digest():
+    # Checked against the sections as the file holds them, not as this version's schema re-dumps
+    # them: a plan written before a spec gained a defaulted field still loads.
+    if plan.digest and plan.digest != digest_of({k: data.get(k) for k in DIGESTED}):
         raise SpecError(path_str, ["digest does not match the specs and layout (edited by hand?); re-create the plan"])
     return plan

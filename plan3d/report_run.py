@@ -96,11 +96,15 @@ def _read_metrics(path: Path) -> list[dict]:
 
 
 def predicted_estimate(run: RunData, cluster=None) -> dict:
-    """The prediction for what the run did: the plan's stored estimate when the run used the
-    plan's precision and no other cluster is asked for, else a fresh estimate in the run's
-    precision (a CPU launch trains in fp32 whatever the plan assumed)."""
-    plan = run.plan
-    precision = run.summary.get("precision") or plan.training.precision
+    """The prediction for what the run did (`estimate_as_run`)."""
+    return estimate_as_run(run.plan, run.summary.get("precision"), cluster)
+
+
+def estimate_as_run(plan: Plan, precision: str | None, cluster=None) -> dict:
+    """The plan's stored estimate when the run used the plan's precision and no other cluster is
+    asked for, else a fresh estimate in the run's precision (a CPU launch trains in fp32
+    whatever the plan assumed)."""
+    precision = precision or plan.training.precision
     if cluster is None and precision == plan.training.precision and plan.estimate.get("time_s"):
         return plan.estimate
     from plan3d.cost.estimate import estimate

@@ -143,3 +143,25 @@ def test_a_bf16_plan_run_in_fp32_is_predicted_in_fp32(tmp_path):
     report = compare(read_run(tmp_path))
     assert by_term(report)["weights (most-loaded rank)"]["error"] == pytest.approx(1 / 1.02 - 1)
     assert any("recomputed for fp32" in n for n in report.notes)
+
+
+def test_a_cpu_run_of_a_bf16_plan_is_predicted_in_fp32_in_the_launch_table_too():
+    from plan3d.render.launch import comparison_rows
+    from plan3d.report_run import estimate_as_run
+
+    cluster, model = load_cluster("local-cpu"), load_model("tiny-gpt")
+    training, layout = TrainingSpec(global_batch=16, precision="bf16"), Layout(tp=2, pp=2, dp=2)
+    plan = build_plan(cluster, model, training, layout, estimate(cluster, model, training, layout).to_dict())
+    fp32 = estimate(cluster, model, training.model_copy(update={"precision": "fp32"}), layout).to_dict()
+    assert estimate_as_run(plan, "bf16") is plan.estimate
+    as_run = estimate_as_run(plan, "fp32")
+    assert as_run["step_time_s"] == pytest.approx(fp32["step_time_s"]) != pytest.approx(plan.estimate["step_time_s"])
+    summary = {"step_time_s": 0.3, "phases_s": {"forward_backward": 0.2, "grad_reduce": 0.05, "clip": 0.01,
+                                                "optimizer": 0.02, "loss": 0.02},
+               "predicted": {"step_time_s": as_run["step_time_s"], "time_s": as_run["time_s"]},
+               "ranks": [{"rank": 0, "pp": 0, "model_state_bytes": {"total": 1}, "peak_memory_bytes": 2}]}
+    rows = {name.strip(): (measured, predicted) for name, measured, predicted, _ in comparison_rows(summary, {0: 1})}
+    fb = rows["forward + backward (compute, bubble, TP/PP comm)"]
+    after = rows["after the backward (DP/ZeRO comm, clip, optimizer, loss)"]
+    assert fb[0] == pytest.approx(0.2) and after[0] == pytest.approx(0.1)
+    assert fb[1] + after[1] == pytest.approx(as_run["step_time_s"])

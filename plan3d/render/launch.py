@@ -40,6 +40,13 @@ def comparison_rows(summary: dict, predicted_state: dict[int, float]) -> list[tu
     """(quantity, measured, predicted, unit) rows: step time, then per-rank memory."""
     pred = summary.get("predicted", {})
     rows = [("step time (mean after warm-up)", summary["step_time_s"], pred.get("step_time_s"), "s")]
+    phases, time_s = summary.get("phases_s") or {}, pred.get("time_s") or {}
+    if phases and time_s:
+        from plan3d.report_run import PHASES
+
+        for label, measured_keys, predicted_keys in PHASES:
+            rows.append((f"  {label}", sum(phases.get(k, 0.0) for k in measured_keys),
+                         sum(time_s.get(k, 0.0) for k in predicted_keys), "s"))
     for r in summary["ranks"]:
         rows.append((f"rank {r['rank']} (pp {r['pp']}) model states", r["model_state_bytes"].get("total"),
                      predicted_state.get(r["pp"]), "B"))

@@ -176,9 +176,17 @@ def _summary(runner: Runner, records: list[dict], peaks: list, start_step: int) 
         "final_loss": records[-1]["loss"] if records else None,
         "losses": [r["loss"] for r in records],
         "ranks": peaks,
-        "predicted": {k: plan.estimate.get(k) for k in ("step_time_s", "peak_memory_bytes", "memory_bytes")
-                      if k in plan.estimate},
+        "phases_s": {k: sum(r["phases_s"][k] for r in timed) / len(timed) for k in (timed[0]["phases_s"] if timed else {})},
+        "predicted": _predicted(plan, runner.precision),
     }
+
+
+def _predicted(plan, precision: str) -> dict:
+    """The plan's prediction for the precision this run trained in (CPU runs train in fp32)."""
+    from plan3d.report_run import estimate_as_run
+
+    est = estimate_as_run(plan, precision)
+    return {k: est[k] for k in ("step_time_s", "peak_memory_bytes", "memory_bytes", "time_s") if k in est}
 
 
 def train(args, run_dir: Path, rank: int, inject) -> None:

@@ -22,7 +22,7 @@ demo: $(STAMP)
 	# 2. A small local launch: plan tiny-gpt on 8 CPU processes in 3D (tp2 x pp2 x dp2),
 	#    then train it with the bundled runtime and compare measured with predicted.
 	mkdir -p runs/demo
-	$(BIN)/plan3d recommend --cluster local-cpu --model tiny-gpt --tp 2 --pp 2 --dp 2 --top 3 --out runs/demo/plan.json
+	$(BIN)/plan3d recommend --cluster local-cpu --model tiny-gpt --tp 2 --pp 2 --dp 2 --precision fp32 --top 3 --out runs/demo/plan.json
 	$(BIN)/plan3d launch runs/demo/plan.json --steps 10
 
 test: $(STAMP)

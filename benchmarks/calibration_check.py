@@ -62,7 +62,8 @@ LAYOUTS = {
     },
     8: {  # four ranks per core: oversubscribed, as `make demo` runs
         "dp8-z1": Layout(dp=8, micro_batch=2, zero=1),
-        "demo": Layout(tp=2, pp=2, dp=2, micro_batch=4, vpp=2),  # what `make demo` now picks
+        "demo": Layout(tp=2, pp=2, dp=2, micro_batch=4),  # what `make demo` now picks
+        "tp2-pp2-dp2-vpp2": Layout(tp=2, pp=2, dp=2, micro_batch=4, vpp=2),
         "tp2-pp2-dp2-sp-z2": Layout(tp=2, pp=2, dp=2, micro_batch=4, vpp=4, zero=2, sequence_parallel=True),
         "tp2-pp2-dp2-z1": Layout(tp=2, pp=2, dp=2, micro_batch=2, zero=1),
         "pp4-dp2-z1": Layout(pp=4, dp=2, micro_batch=1, zero=1),

@@ -157,6 +157,7 @@ class CalibrationFit:
     device: str = "cuda"
     p2p: list[TierFit] = field(default_factory=list)
     ops: dict = field(default_factory=dict)  # tier index -> {op: TierFit}
+    cpu_cores: int | None = None  # cores the ranks of this machine shared (CPU runs)
 
 
 def fit_measurements(cluster: ClusterSpec, raw: dict, dtype: str) -> CalibrationFit:
@@ -170,7 +171,8 @@ def fit_measurements(cluster: ClusterSpec, raw: dict, dtype: str) -> Calibration
     ops = {index: fit_ops(samples, index) for index, samples in sorted(by_tier.items())}
     memory = fit_memory_bandwidth(raw["elementwise"]) if raw.get("elementwise") else (None, None)
     return CalibrationFit(compute, tiers, *memory, layer_overhead_s=layer_overhead(raw.get("layer_overhead")),
-                          dtype=dtype, device=raw.get("device", "cuda"), p2p=p2p, ops=ops)
+                          dtype=dtype, device=raw.get("device", "cuda"), p2p=p2p, ops=ops,
+                          cpu_cores=raw.get("cpu_cores"))
 
 
 def layer_overhead(probe: dict | None) -> float | None:
@@ -197,6 +199,8 @@ def calibrated_cluster(cluster: ClusterSpec, fit: CalibrationFit, source: str) -
         gpu["compute_efficiency"]["dp_overlap_fraction"] = 0.0
     if fit.device == "cpu" and "host_overlap" in gpu["compute_efficiency"]:
         gpu["compute_efficiency"]["host_overlap"] = False  # the same core dispatches and computes
+    if fit.device == "cpu" and fit.cpu_cores:
+        data["cpu_cores_per_node"] = fit.cpu_cores  # the rates above hold with every rank busy
     scale = compute.peak_flops / cluster.gpu.peak_flops(fit.dtype)
     if not math.isclose(scale, 1.0):
         gpu["peak_tflops"] = {k: v * scale for k, v in gpu["peak_tflops"].items()}

@@ -83,6 +83,9 @@ def test_each_collective_kind_gets_its_own_fit_and_lands_in_the_spec():
     assert tier.cost("all_gather") == pytest.approx((5e8, 1e-3), rel=1e-6)
     assert tier.cost("all_reduce") == pytest.approx((5e8, 1e-3), rel=1e-6)
     assert fitted.gpu.compute_efficiency.host_overlap is False  # CPU: one core dispatches and computes
+    assert fitted.cpu_cores_per_node == base.cpu_cores_per_node  # not recorded: left alone
+    with_cores = calibrated_cluster(base, fit_measurements(base, {**raw, "cpu_cores": 6}, "fp32"), "test")
+    assert with_cores.cpu_cores_per_node == 6
 
 
 def test_collective_terms_match_the_ring_formulas():
@@ -163,6 +166,7 @@ def test_worker_measures_on_two_gloo_ranks(tmp_path):
     assert {c["op"] for c in raw["collectives"]} == {"all_reduce", "p2p"}
     assert all(c["time_s"] > 0 and c["group_size"] == 2 for c in raw["collectives"])
     assert all(c["in_step"] for c in raw["collectives"])  # measured between bursts of layer work
+    assert raw["cpu_cores"] >= 1
     assert (tmp_path / "progress").read_text().split()[0] == (tmp_path / "progress").read_text().split()[1]
 
 

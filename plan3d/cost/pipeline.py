@@ -22,9 +22,18 @@ def masked_argmax(values, weights):
     return np.argmax(np.where(weights > 0, values, -np.inf), axis=0)
 
 
-def pipeline_s(stage_s, weights, m, vpp):
+def pipeline_s(stage_s, weights, m, vpp, core_share=1.0):
     """Step time of the pipeline and its bubble; `stage_s` has stages (or stage kinds with
-    multiplicities `weights`) on axis 0."""
+    multiplicities `weights`) on axis 0.
+
+    `core_share` < 1: ranks share fewer CPU cores than there are ranks, and `stage_s` was timed
+    with every rank busy (each at `core_share` of a core). The scheduler is work-conserving: a
+    rank idle in the bubble (a fraction b of the step) hands its core to busy ones, which then run
+    at 1 / (1 - b) of that speed, up to a whole core. The step shrinks by max(core_share, 1 - b):
+    with enough ranks per core the bubble costs nothing, since m * slowest is the busy time."""
     slowest = masked_max(stage_s, weights)
     fill_drain = (np.sum(weights * stage_s, axis=0) - slowest) / vpp
-    return m * slowest + fill_drain, fill_drain
+    total = m * slowest + fill_drain
+    busy = np.divide(m * slowest, total, out=np.ones_like(np.asarray(total, dtype=float)), where=total > 0)
+    total = total * np.maximum(core_share, busy)
+    return total, np.maximum(total - m * slowest, 0.0)

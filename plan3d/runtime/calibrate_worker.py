@@ -230,6 +230,7 @@ def run_sweep(config: dict, out_dir: Path) -> dict | None:
         return None
     return {"device": device.type, "backend": dist.get_backend(), "world_size": dist.get_world_size(),
             "torch_dtype": config.get("torch_dtype", "float32"), "threads": torch.get_num_threads(),
+            "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "gemm": gemms, "elementwise": elementwise, "collectives": collectives, "layer_overhead": overhead}
 
 

@@ -129,6 +129,9 @@ class ClusterSpec(StrictModel):
     description: str = ""
     nodes: PositiveInt = Field(le=MAX_NODES)
     gpus_per_node: PositiveInt = Field(le=MAX_GPUS_PER_NODE)
+    cpu_cores_per_node: PositiveInt | None = Field(
+        None, description="CPU 'GPUs' only: the cores a node's ranks share. With fewer cores than ranks, "
+        "a rank idle in the pipeline bubble hands its core to busy ones (plan3d calibrate writes it).")
     gpu: GPUSpec
     network: list[NetworkTier] = Field(min_length=1)
     source: str = ""

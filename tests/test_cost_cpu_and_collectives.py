@@ -119,3 +119,6 @@ def test_ranks_sharing_cores_reuse_the_bubble():
     assert step(shared, **pp).time_s["bubble"] < step(base, **pp).time_s["bubble"]
     flat = dict(tp=1, pp=1, dp=8, micro_batch=2)
     assert step(shared, **flat).step_time_s == pytest.approx(step(base, **flat).step_time_s)  # no bubble, no change
+    two = dict(tp=1, pp=2, dp=1, micro_batch=2)  # two ranks on two cores: each owns one, nothing to reuse
+    assert step(base, **two).time_s["bubble"] > 0
+    assert step(shared, **two).time_s["bubble"] == pytest.approx(step(base, **two).time_s["bubble"])

@@ -51,7 +51,8 @@ class CostContext:
     micro_batch_overhead_s: float
     dp_overlap_fraction: float
     host_overlap: bool = True
-    core_share: float = 1.0  # cores / ranks of a node when ranks share fewer CPU cores, else 1
+    cpu_cores_per_node: int = 0  # CPU "GPUs": the cores a node's ranks share (0: not shared)
+    gpus_per_node: int = 1
 
 
 def bytes_per_param(training: TrainingSpec) -> tuple[int, int, int]:
@@ -88,14 +89,9 @@ def make_context(cluster: ClusterSpec | None, model: ModelSpec, training: Traini
         elementwise_bytes=eff.elementwise_bytes, attention_score_bytes=eff.attention_score_bytes,
         layer_overhead_s=eff.layer_overhead_s, micro_batch_overhead_s=eff.micro_batch_overhead_s,
         dp_overlap_fraction=eff.dp_overlap_fraction,
-        host_overlap=eff.host_overlap, core_share=core_share(cluster),
+        host_overlap=eff.host_overlap, cpu_cores_per_node=cluster.cpu_cores_per_node or 0,
+        gpus_per_node=cluster.gpus_per_node,
     )
-
-
-def core_share(cluster: ClusterSpec) -> float:
-    """The share of a CPU core each rank gets when all of a node's ranks are busy (<= 1)."""
-    cores = cluster.cpu_cores_per_node
-    return 1.0 if cores is None else min(1.0, cores / cluster.gpus_per_node)
 
 
 def _model_fields(model: ModelSpec, training: TrainingSpec) -> dict:

@@ -152,12 +152,21 @@ def stage_step_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, para
             "optimizer": compute.optimizer_s(ctx, params, np.where(la.zero >= 1, la.dp, 1.0))}
 
 
+def core_share(ctx: CostContext, la: LayoutArrays):
+    """The share of a CPU core each rank gets while all the ranks of its node are busy (<= 1; 1
+    on GPUs). A layout smaller than a node fills one node's first slots."""
+    if not ctx.cpu_cores_per_node:
+        return 1.0
+    ranks_on_node = np.minimum(la.tp * la.pp * la.dp, ctx.gpus_per_node)
+    return np.minimum(1.0, ctx.cpu_cores_per_node / ranks_on_node)
+
+
 def evaluate(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, layers, weights) -> dict:
     """Everything for the stacked stages: memory per stage, times, step time and rates."""
     mem = memory.stage_memory(ctx, la, pp_rank, layers)
     per_mb = stage_micro_batch_s(ctx, la, links, pp_rank, layers)
     per_mb_total = sum(per_mb[k] for k in PER_MICRO_BATCH)
-    pipe, bubble = pipeline_s(per_mb_total, weights, la.m, la.vpp, ctx.core_share)
+    pipe, bubble = pipeline_s(per_mb_total, weights, la.m, la.vpp, core_share(ctx, la))
     extra = stage_step_s(ctx, la, links, pp_rank, mem["params"], per_mb["backward"],
                          la.m * (per_mb["compute"] + per_mb["recompute"]))
     slow = masked_argmax(per_mb_total, weights)

@@ -114,10 +114,6 @@ def fit_ops(samples: list[dict], tier_index: int) -> dict[str, TierFit]:
     return {op: _fit_alpha_beta([s for s in samples if s["op"] == op], tier_index) for op in kinds}
 
 
-def fit_p2p(samples: list[dict], tier_index: int) -> TierFit | None:
-    return fit_ops(samples, tier_index).get("p2p")
-
-
 def _fit_alpha_beta(samples: list[dict], tier_index: int) -> TierFit:
     rows = np.array([collective_terms(s["op"], s["group_size"], s["bytes"]) for s in samples], dtype=float)
     time_s = np.array([s["time_s"] for s in samples], dtype=float)
@@ -155,7 +151,6 @@ class CalibrationFit:
     layer_overhead_s: float | None = None
     dtype: str = "bf16"
     device: str = "cuda"
-    p2p: list[TierFit] = field(default_factory=list)
     ops: dict = field(default_factory=dict)  # tier index -> {op: TierFit}
     cpu_cores: int | None = None  # cores the ranks of this machine shared (CPU runs)
 
@@ -167,11 +162,10 @@ def fit_measurements(cluster: ClusterSpec, raw: dict, dtype: str) -> Calibration
     for sample in raw.get("collectives", []):
         by_tier.setdefault(sample["tier"], []).append(sample)
     tiers = [fit_tier(samples, index) for index, samples in sorted(by_tier.items())]
-    p2p = [fit for index, samples in sorted(by_tier.items()) if (fit := fit_p2p(samples, index))]
     ops = {index: fit_ops(samples, index) for index, samples in sorted(by_tier.items())}
     memory = fit_memory_bandwidth(raw["elementwise"]) if raw.get("elementwise") else (None, None)
     return CalibrationFit(compute, tiers, *memory, layer_overhead_s=layer_overhead(raw.get("layer_overhead")),
-                          dtype=dtype, device=raw.get("device", "cuda"), p2p=p2p, ops=ops,
+                          dtype=dtype, device=raw.get("device", "cuda"), ops=ops,
                           cpu_cores=raw.get("cpu_cores"))
 
 

@@ -57,11 +57,11 @@ def test_tier_fit_recovers_bandwidth_and_latency(bw, alpha):
 
 
 def test_p2p_is_fitted_apart_from_the_collectives():
-    from plan3d.calibrate import fit_p2p
+    from plan3d.calibrate import fit_ops
 
     samples = [s for s in alpha_beta_samples(1e9, 8e-4) if s["op"] != "p2p"]
     samples += [dict(s, time_s=s["bytes"] / 3e9 + 5e-5) for s in alpha_beta_samples(1e9, 0) if s["op"] == "p2p"]
-    collective, p2p = fit_tier(samples, 0), fit_p2p(samples, 0)
+    collective, p2p = fit_tier(samples, 0), fit_ops(samples, 0)["p2p"]
     assert collective.latency_s == pytest.approx(8e-4, rel=1e-6)
     assert p2p.latency_s == pytest.approx(5e-5, rel=1e-6) and p2p.bandwidth_bytes_per_s == pytest.approx(3e9, rel=1e-6)
 

@@ -2,8 +2,6 @@
 step-sync collectives (plan3d/cost/core.py, comm.py, compute.py)."""
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from plan3d.cost.comm import layout_links
@@ -95,9 +93,7 @@ def test_step_syncs_are_two_tree_all_reduces_over_all_ranks():
     assert alone.time_s["dp_comm"] == pytest.approx(reduce + 2 * 2 * 3 * lat, rel=1e-6)  # + two 6-hop trees
     gpus = load_cluster("dgx-h100")
     training = TrainingSpec(global_batch=1024)
-    est = estimate(gpus, load_model("gpt3-175b"), training, Layout(tp=8, pp=8, dp=8, micro_batch=1))
     latency = max(t.latency_s for t in gpus.tiers())
-    assert 2 * 2 * 9 * latency < 0.001 * est.step_time_s  # on GPUs the syncs are noise
     no_dp = estimate(gpus, load_model("gpt3-175b"), training, Layout(tp=8, pp=16, dp=1, micro_batch=1))
     # the tied-embedding all-reduce hides behind the backward (bucketed); the syncs come after it
     assert no_dp.time_s["dp_comm"] == pytest.approx(2 * 2 * 7 * latency, rel=1e-9)

@@ -14,9 +14,8 @@ from plan3d.cost import comm, compute, memory
 from plan3d.cost.arrays import RECOMPUTE_CODES, LayoutArrays
 from plan3d.cost.context import CostContext
 from plan3d.cost.pipeline import masked_argmax, masked_max, pipeline_s
+from plan3d.cost.comm import GROUPS
 from plan3d.specs.cluster import COLLECTIVE_OPS
-
-GROUPS = ("tp", "pp", "dp")
 
 FULL, SELECTIVE = RECOMPUTE_CODES["full"], RECOMPUTE_CODES["selective"]
 MEMORY_KEYS = ("weights", "gradients", "optimizer", "activations", "buffers", "reserve")

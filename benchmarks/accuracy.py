@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/accuracy.py            # table with the bundled vtrain-a100 spec
     .venv/bin/python benchmarks/accuracy.py --json     # the same figures for machines
     .venv/bin/python benchmarks/accuracy.py --fit      # refit the efficiency values on half the rows
+    .venv/bin/python benchmarks/accuracy.py --cross-validate  # refit without each multi-node model in turn
+    .venv/bin/python benchmarks/accuracy.py --ceilings  # how far a per-group correction could go
 
 Every row of ../shared/data/vtrain/*.csv (relative to the repository root; --data DIR to change)
 is predicted with `estimate_batch` on the bundled `vtrain-a100` cluster: GPT blocks (FFN 4h,
@@ -10,6 +12,11 @@ GELU, vocabulary 50257, tied embeddings), fp16 with 16-bit gradients, Adam, full
 no ZeRO. --fit fits the global efficiency values (GEMM curve, elementwise bytes, attention-score
 bytes, link efficiencies) on the even-numbered rows of each file with a Nelder-Mead search
 (numpy only) and reports the error on the odd-numbered rows, which the fit did not see.
+--cross-validate is the harder test of "fit physics, not rows": each multi-node model (sweep) in
+turn is left out of the fit entirely (the fit sees the other three and the even single-node rows)
+and then predicted. --ceilings asks what the targets demand: it scales the predictions of each
+group of rows (same model and tp, say) by that group's own geometric-mean error, measured on
+those very rows, and reports what even that in-sample oracle reaches.
 """
 from __future__ import annotations
 
@@ -201,13 +208,64 @@ def fit(cluster: ClusterSpec, train: dict[str, list[dict]], restarts: int = 1) -
     return decode(x)
 
 
+# ---- what the data allow -------------------------------------------------------------------
+CEILING_KEYS = {
+    "multi_node": {"model, tp": ("hidden", "tp"), "model, tp, pp": ("hidden", "tp", "pp")},
+    "single_node": {"hidden, tp, micro-batch": ("hidden", "tp", "mb")},
+}
+
+
+def group_corrected(rows: list[dict], predicted: np.ndarray, key: tuple[str, ...]) -> np.ndarray:
+    """Predictions scaled, group by group (rows equal in `key`), by the geometric mean of
+    measured / predicted over that group's own rows: the best a model could do that is right up
+    to one factor per group. An in-sample oracle, not a model: it bounds what any smooth term in
+    the grouped quantities could gain."""
+    measured = np.array([r["measured_s"] for r in rows])
+    groups = defaultdict(list)
+    for i, row in enumerate(rows):
+        groups[tuple(row[k] for k in key)].append(i)
+    out = predicted.copy()
+    for idx in groups.values():
+        out[idx] *= np.exp(np.mean(np.log(measured[idx] / predicted[idx])))
+    return out
+
+
+def ceilings(data: dict[str, list[dict]], cluster: ClusterSpec) -> dict[str, dict]:
+    """Metrics of the model and of each per-group oracle, per set."""
+    out = {}
+    for name, rows in data.items():
+        predicted = predict(cluster, rows)
+        out[f"{name}: model"] = metrics(rows, predicted)
+        for label, key in CEILING_KEYS[name].items():
+            out[f"{name}: per {label}"] = metrics(rows, group_corrected(rows, predicted, key))
+    return out
+
+
+def model_of(row: dict) -> tuple:
+    return row["hidden"], row["heads"], row["layers"], row["seq"]
+
+
+def cross_validate(cluster: ClusterSpec, data: dict[str, list[dict]]) -> dict[str, dict]:
+    """Leave one multi-node model out: fit on the other multi-node models and the even
+    single-node rows, then predict the model left out (none of its rows seen by the fit)."""
+    single_train = [r for r in data["single_node"] if r["index"] % 2 == 0]
+    out = {}
+    for model in sorted({model_of(r) for r in data["multi_node"]}):
+        held = [r for r in data["multi_node"] if model_of(r) == model]
+        train = {"multi_node": [r for r in data["multi_node"] if model_of(r) != model], "single_node": single_train}
+        fitted = with_params(cluster, fit(cluster, train))
+        out[f"h={model[0]} L={model[2]} {held[0]['gpus']} GPUs"] = metrics(held, predict(fitted, held))
+    return out
+
+
 # ---- report ----------------------------------------------------------------------------------
 def print_table(title: str, results: dict) -> None:
     print(title)
-    print(f"{'set':<12} {'rows':>5} {'MAPE %':>7} {'median %':>9} {'max %':>7} {'rho min':>8} "
+    width = max(12, *(len(name) for name in results))
+    print(f"{'set':<{width}} {'rows':>5} {'MAPE %':>7} {'median %':>9} {'max %':>7} {'rho min':>8} "
           f"{'rho mean':>9} {'sweeps':>6}")
     for name, m in results.items():
-        print(f"{name:<12} {m['rows']:>5} {m['mape_pct']:>7.2f} {m['median_abs_pct']:>9.2f} {m['max_abs_pct']:>7.2f} "
+        print(f"{name:<{width}} {m['rows']:>5} {m['mape_pct']:>7.2f} {m['median_abs_pct']:>9.2f} {m['max_abs_pct']:>7.2f} "
               f"{m['spearman_min']:>8.3f} {m['spearman_mean']:>9.3f} {m['sweeps']:>6}")
 
 
@@ -227,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--fit", action="store_true", help="refit efficiency values on the even rows")
     parser.add_argument("--restarts", type=int, default=1, help="with --fit: Nelder-Mead runs from the best point")
+    parser.add_argument("--cross-validate", action="store_true",
+                        help="refit with each multi-node model left out, report that model")
+    parser.add_argument("--ceilings", action="store_true", help="metrics of per-group in-sample oracles")
     parser.add_argument("--write", type=Path, help="with --fit: write the fitted cluster spec (YAML) here")
     args = parser.parse_args(argv)
     cluster = load_cluster(args.cluster)
@@ -244,6 +305,14 @@ def main(argv: list[str] | None = None) -> int:
         print_table("held-out (odd rows, not seen by the fit)",
                     {k: metrics(rows, predict(fitted, rows)) for k, rows in test.items()})
         print_table("training rows", {k: metrics(rows, predict(fitted, rows)) for k, rows in train.items()})
+        return 0
+    if args.cross_validate or args.ceilings:
+        results = cross_validate(cluster, data) if args.cross_validate else ceilings(data, cluster)
+        if args.json:
+            print(json.dumps(results, indent=1))
+        else:
+            print_table("left-out model (fit never saw it)" if args.cross_validate
+                        else "the model, and oracles exact up to one factor per group", results)
         return 0
     results = {k: metrics(rows, predict(cluster, rows)) for k, rows in data.items()}
     if args.json:

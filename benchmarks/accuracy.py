@@ -209,7 +209,7 @@ def fit(cluster: ClusterSpec, train: dict[str, list[dict]], restarts: int = 1) -
 
 
 # ---- what the data allow -------------------------------------------------------------------
-CEILING_KEYS = {
+CEILING_KEYS = {  # the multi-node models differ in hidden size, so "hidden" names the model there
     "multi_node": {"model, tp": ("hidden", "tp"), "model, tp, pp": ("hidden", "tp", "pp")},
     "single_node": {"hidden, tp, micro-batch": ("hidden", "tp", "mb")},
 }
@@ -241,20 +241,19 @@ def ceilings(data: dict[str, list[dict]], cluster: ClusterSpec) -> dict[str, dic
     return out
 
 
-def model_of(row: dict) -> tuple:
-    return row["hidden"], row["heads"], row["layers"], row["seq"]
-
-
 def cross_validate(cluster: ClusterSpec, data: dict[str, list[dict]]) -> dict[str, dict]:
-    """Leave one multi-node model out: fit on the other multi-node models and the even
-    single-node rows, then predict the model left out (none of its rows seen by the fit)."""
+    """Leave one multi-node sweep (model) out: fit on the other sweeps and the even single-node
+    rows, then predict the sweep left out (none of its rows seen by the fit); last, all the
+    left-out predictions pooled."""
+    multi = data["multi_node"]
     single_train = [r for r in data["single_node"] if r["index"] % 2 == 0]
-    out = {}
-    for model in sorted({model_of(r) for r in data["multi_node"]}):
-        held = [r for r in data["multi_node"] if model_of(r) == model]
-        train = {"multi_node": [r for r in data["multi_node"] if model_of(r) != model], "single_node": single_train}
-        fitted = with_params(cluster, fit(cluster, train))
-        out[f"h={model[0]} L={model[2]} {held[0]['gpus']} GPUs"] = metrics(held, predict(fitted, held))
+    pooled, out = np.empty(len(multi)), {}
+    for idx in sweep_rows(multi).values():
+        held = [multi[i] for i in idx]
+        train = {"multi_node": [r for i, r in enumerate(multi) if i not in set(idx)], "single_node": single_train}
+        pooled[idx] = predict(with_params(cluster, fit(cluster, train)), held)
+        out[f"h={held[0]['hidden']} L={held[0]['layers']} {held[0]['gpus']} GPUs"] = metrics(held, pooled[idx])
+    out["all left-out rows"] = metrics(multi, pooled)
     return out
 
 
@@ -283,11 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", type=Path, default=DATA, help="folder with the vTrain CSV files")
     parser.add_argument("--cluster", default="vtrain-a100", help="cluster spec (name or file)")
     parser.add_argument("--json", action="store_true", help="print JSON")
-    parser.add_argument("--fit", action="store_true", help="refit efficiency values on the even rows")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--fit", action="store_true", help="refit efficiency values on the even rows")
     parser.add_argument("--restarts", type=int, default=1, help="with --fit: Nelder-Mead runs from the best point")
-    parser.add_argument("--cross-validate", action="store_true",
+    mode.add_argument("--cross-validate", action="store_true",
                         help="refit with each multi-node model left out, report that model")
-    parser.add_argument("--ceilings", action="store_true", help="metrics of per-group in-sample oracles")
+    mode.add_argument("--ceilings", action="store_true", help="metrics of per-group in-sample oracles")
     parser.add_argument("--write", type=Path, help="with --fit: write the fitted cluster spec (YAML) here")
     args = parser.parse_args(argv)
     cluster = load_cluster(args.cluster)

@@ -114,11 +114,17 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
+def indices_by(rows: list[dict], key: tuple[str, ...]) -> dict[tuple, list[int]]:
+    """Row indices grouped by the values of the columns in `key`."""
+    groups = defaultdict(list)
+    for i, row in enumerate(rows):
+        groups[tuple(row[k] for k in key)].append(i)
+    return dict(groups)
+
+
 def sweep_rows(rows: list[dict]) -> dict[tuple, list[int]]:
     """Row indices of each sweep: same model (hidden, heads, layers, sequence) and GPU count."""
-    sweeps = defaultdict(list)
-    for i, r in enumerate(rows):
-        sweeps[(r["hidden"], r["heads"], r["layers"], r["seq"], r["gpus"])].append(i)
+    sweeps = indices_by(rows, ("hidden", "heads", "layers", "seq", "gpus"))
     return {k: v for k, v in sweeps.items() if len(v) >= 3}
 
 
@@ -221,11 +227,8 @@ def group_corrected(rows: list[dict], predicted: np.ndarray, key: tuple[str, ...
     to one factor per group. An in-sample oracle, not a model: it bounds what any smooth term in
     the grouped quantities could gain."""
     measured = np.array([r["measured_s"] for r in rows])
-    groups = defaultdict(list)
-    for i, row in enumerate(rows):
-        groups[tuple(row[k] for k in key)].append(i)
     out = predicted.copy()
-    for idx in groups.values():
+    for idx in indices_by(rows, key).values():
         out[idx] *= np.exp(np.mean(np.log(measured[idx] / predicted[idx])))
     return out
 
@@ -249,8 +252,8 @@ def cross_validate(cluster: ClusterSpec, data: dict[str, list[dict]]) -> dict[st
     single_train = [r for r in data["single_node"] if r["index"] % 2 == 0]
     pooled, out = np.empty(len(multi)), {}
     for idx in sweep_rows(multi).values():
-        held = [multi[i] for i in idx]
-        train = {"multi_node": [r for i, r in enumerate(multi) if i not in set(idx)], "single_node": single_train}
+        held, left_out = [multi[i] for i in idx], set(idx)
+        train = {"multi_node": [r for i, r in enumerate(multi) if i not in left_out], "single_node": single_train}
         pooled[idx] = predict(with_params(cluster, fit(cluster, train)), held)
         out[f"h={held[0]['hidden']} L={held[0]['layers']} {held[0]['gpus']} GPUs"] = metrics(held, pooled[idx])
     out["all left-out rows"] = metrics(multi, pooled)

@@ -20,6 +20,7 @@ squares with both unknowns kept non-negative.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import math
 from dataclasses import dataclass, field
@@ -195,6 +196,7 @@ def calibrated_cluster(cluster: ClusterSpec, fit: CalibrationFit, source: str) -
         gpu["compute_efficiency"]["host_overlap"] = False  # the same core dispatches and computes
     if fit.device == "cpu" and fit.cpu_cores:
         data["cpu_cores_per_node"] = fit.cpu_cores  # the rates above hold with every rank busy
+    gpu["compute_efficiency"]["fitted_on"] = fitted_on("plan3d calibrate")
     scale = compute.peak_flops / cluster.gpu.peak_flops(fit.dtype)
     if not math.isclose(scale, 1.0):
         gpu["peak_tflops"] = {k: v * scale for k, v in gpu["peak_tflops"].items()}
@@ -205,6 +207,18 @@ def calibrated_cluster(cluster: ClusterSpec, fit: CalibrationFit, source: str) -
         data["network"][index] = _fitted_tier(data["network"][index], resolved[index], tier_fit,
                                               fit.ops.get(index, {}))
     data["source"] = source
+    return ClusterSpec.model_validate(data)
+
+
+def fitted_on(how: str) -> str:
+    """`compute_efficiency.fitted_on` of a spec written by calibration: how, and the day."""
+    return f"{how}, {datetime.date.today().isoformat()}"
+
+
+def stamped(cluster: ClusterSpec, how: str) -> ClusterSpec:
+    """`cluster` whose GPU efficiency says it was fitted by `how` today (see `plan3d.cost.trust`)."""
+    data = cluster.model_dump()
+    data["gpu"]["compute_efficiency"]["fitted_on"] = fitted_on(how)
     return ClusterSpec.model_validate(data)
 
 

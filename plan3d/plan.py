@@ -1,7 +1,9 @@
 """Plan: the versioned JSON contract between the planner and `plan3d launch`.
 
 A plan holds the full specs (not names), the chosen Layout, the Estimate and the RankMap, so that
-a launch is reproducible from one file. `digest` covers the specs and the layout.
+a launch is reproducible from one file. `digest` covers the specs and the layout, and the engine
+spec the plan was made for when it has one (plans written before engines existed have none and
+keep their digest).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from plan3d.layout import Layout
 from plan3d.rankmap import RankMap
 from plan3d.specs.base import StrictModel
 from plan3d.specs.cluster import ClusterSpec
+from plan3d.specs.engine import EngineSpec
 from plan3d.specs.loader import read_mapping, validate
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
@@ -33,14 +36,20 @@ class Plan(StrictModel):
     model: ModelSpec
     training: TrainingSpec
     layout: Layout
+    engine: EngineSpec | None = Field(None, description="The engine the estimate is for (full spec).")
     estimate: dict[str, Any] = Field(default_factory=dict)
     rankmap: dict[str, Any] = Field(default_factory=dict)
 
     def specs_digest(self) -> str:
-        return digest_of({k: getattr(self, k).model_dump(mode="json") for k in DIGESTED})
+        return digest_of({k: getattr(self, k).model_dump(mode="json") for k in digested(self.engine)})
 
 
 DIGESTED = ("cluster", "model", "training", "layout")
+
+
+def digested(engine) -> tuple[str, ...]:
+    """The sections the digest covers: the engine only when the plan has one."""
+    return DIGESTED + (("engine",) if engine is not None else ())
 
 
 def digest_of(payload: dict) -> str:
@@ -61,10 +70,10 @@ def rankmap_dict(rankmap: RankMap) -> dict[str, Any]:
 
 
 def build_plan(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, layout: Layout,
-               estimate: dict[str, Any] | None = None) -> Plan:
+               estimate: dict[str, Any] | None = None, engine: EngineSpec | None = None) -> Plan:
     from plan3d.rankmap import rankmap_for
 
-    plan = Plan(cluster=cluster, model=model, training=training, layout=layout, estimate=estimate or {},
+    plan = Plan(cluster=cluster, model=model, training=training, layout=layout, engine=engine, estimate=estimate or {},
                 rankmap=rankmap_dict(rankmap_for(layout, cluster.gpus_per_node)))
     plan.digest = plan.specs_digest()
     return plan
@@ -94,6 +103,6 @@ def load_plan(path_str: str) -> Plan:
     plan = validate(Plan, data, path_str)
     # Checked against the sections as the file holds them, not as this version's schema re-dumps
     # them: a plan written before a spec gained a defaulted field still loads.
-    if plan.digest and plan.digest != digest_of({k: data.get(k) for k in DIGESTED}):
+    if plan.digest and plan.digest != digest_of({k: data.get(k) for k in digested(data.get("engine"))}):
         raise SpecError(path_str, ["digest does not match the specs and layout (edited by hand?); re-create the plan"])
     return plan

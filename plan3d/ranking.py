@@ -193,11 +193,13 @@ def memory_variants(layout) -> list[tuple[str, dict]]:
 
 def suggestions(result: SearchResult, row: int) -> list[Suggestion]:
     """Evaluate the `memory_variants` of an evaluated row that are valid layouts."""
-    return layout_suggestions(result.cluster, result.model, result.training, result.layout(row), result.orders)
+    return layout_suggestions(result.cluster, result.model, result.training, result.layout(row), result.orders,
+                              result.engine)
 
 
-def layout_suggestions(cluster, model, training, base, orders: tuple[str, ...] = ()) -> list[Suggestion]:
-    """The `memory_variants` of one layout that are valid, each with its predicted memory.
+def layout_suggestions(cluster, model, training, base, orders: tuple[str, ...] = (), engine=None) -> list[Suggestion]:
+    """The `memory_variants` of one layout that are valid (and that `engine` can run), each with
+    its predicted memory.
 
     Scalar `estimate()` per variant (a handful), so uneven `pp_layers` splits are handled too."""
     from plan3d.cost.estimate import estimate
@@ -209,9 +211,13 @@ def layout_suggestions(cluster, model, training, base, orders: tuple[str, ...] =
             layout = Layout(**(base.model_dump() | update))
         except ValueError:
             continue  # e.g. doubling pp of an explicit pp_layers split
+        if engine is not None:
+            layout = engine.resolve_split(layout, model)
+            if engine.layout_problems(layout):
+                continue
         if layout_problems(layout, model, training, cluster.world_size):
             continue
-        est = estimate(cluster, model, training, layout).to_dict()
+        est = estimate(cluster, model, training, layout, engine).to_dict()
         out.append(Suggestion(label, layout, float(est["peak_memory_bytes"]), float(est["capacity_bytes"]),
                               bool(est["fits"])))
     return out
@@ -256,6 +262,7 @@ class CheckReport:
     findings: list[Finding]
     estimate: dict | None = None
     recommended: dict | None = None
+    engine: object = None  # the EngineSpec checked for
 
     @property
     def ok(self) -> bool:
@@ -268,45 +275,59 @@ def problem_finding(problem: str) -> Finding:
     return Finding("error", what, fix)
 
 
+def engine_finding(problem: str) -> Finding:
+    """An engine's `layout_problems` sentence ('what: fix' or 'what; fix') as an error with its fix."""
+    cut = max(problem.rfind("; "), problem.rfind(": "))
+    return Finding("error", problem[:cut], problem[cut + 2:]) if cut > 0 else Finding("error", problem)
+
+
 def check_job(cluster, model, training, layout, min_mfu: float | None = None,
-              max_memory_fraction: float | None = None) -> CheckReport:
-    """Is this job valid and predicted to fit with headroom (and meet the thresholds)? Each error has a fix."""
+              max_memory_fraction: float | None = None, engine=None) -> CheckReport:
+    """Is this job valid for `engine` and predicted to fit with headroom (and meet the thresholds)?
+    Each error has a fix."""
     from plan3d.layout import layout_problems
 
-    report = CheckReport([])
+    report = CheckReport([], engine=engine)
     if layout is None:
         report.findings.append(Finding("notice", "the job names no layout; checked that some layout fits",
                                        "add the recommended layout under `layout:`"))
     else:
+        if engine is not None:
+            layout = engine.resolve_split(layout, model)
+            report.findings += [engine_finding(p) for p in engine.layout_problems(layout)]
         report.findings += [problem_finding(p) for p in layout_problems(layout, model, training, cluster.world_size)]
         if report.ok:
-            _check_fit(report, cluster, model, training, layout, min_mfu, max_memory_fraction)
+            _check_fit(report, cluster, model, training, layout, min_mfu, max_memory_fraction, engine)
     if layout is None or not report.ok:
-        _recommend_instead(report, cluster, model, training, min_mfu, max_memory_fraction)
+        _recommend_instead(report, cluster, model, training, min_mfu, max_memory_fraction, engine)
     return report
 
 
-def _check_fit(report: CheckReport, cluster, model, training, layout, min_mfu, max_memory_fraction) -> None:
+def _check_fit(report: CheckReport, cluster, model, training, layout, min_mfu, max_memory_fraction,
+               engine=None) -> None:
     from plan3d.cost.estimate import estimate
 
-    est = estimate(cluster, model, training, layout).to_dict()
+    est = estimate(cluster, model, training, layout, engine).to_dict()
     report.estimate = est
     errors = fit_findings(est, cluster.gpu.memory_bytes, min_mfu, max_memory_fraction)
     report.findings += errors
     if errors and (not est["fits"] or max_memory_fraction is not None):
         from plan3d.search import DEFAULT_ORDERS
 
-        report.findings += suggestion_findings(layout_suggestions(cluster, model, training, layout, DEFAULT_ORDERS))
+        report.findings += suggestion_findings(layout_suggestions(cluster, model, training, layout, DEFAULT_ORDERS,
+                                                                  engine))
     report.findings += [Finding("warning", w) for w in est.get("warnings", [])]
     if layout.world_size < cluster.world_size:
         report.findings.append(Finding("warning", f"the layout uses {layout.world_size} of the cluster's "
                                        f"{cluster.world_size} GPUs", "raise dp to use them all, or lower `nodes`"))
 
 
-def _recommend_instead(report: CheckReport, cluster, model, training, min_mfu, max_memory_fraction) -> None:
+def _recommend_instead(report: CheckReport, cluster, model, training, min_mfu, max_memory_fraction,
+                       engine=None) -> None:
     from plan3d.search import nodes_to_fit, search
 
-    result = search(cluster, model, training, min_mfu=min_mfu, max_memory_fraction=max_memory_fraction)
+    result = search(cluster, model, training, min_mfu=min_mfu, max_memory_fraction=max_memory_fraction,
+                    engine=engine)
     order = rank(result)
     if result.feasible_count:
         best = int(order[0])
@@ -319,7 +340,8 @@ def _recommend_instead(report: CheckReport, cluster, model, training, min_mfu, m
                                        f"({report.recommended['tokens_per_s']:,.0f} tokens/s, MFU "
                                        f"{report.recommended['mfu']:.1%})", f"layout: {{{knobs}}}"))
         return
-    nodes = nodes_to_fit(cluster, model, training, min_mfu=min_mfu, max_memory_fraction=max_memory_fraction)
+    nodes = nodes_to_fit(cluster, model, training, min_mfu=min_mfu, max_memory_fraction=max_memory_fraction,
+                         engine=engine)
     fix = f"use nodes: {nodes} (the smallest doubling or power of two that fits)" if nodes else \
         "no cluster up to 64x this size fits: a smaller model, shorter sequences or a bigger GPU"
     what = "fits" if result.size else "is even valid (the GPU count's factors do not divide heads, layers and batch)"

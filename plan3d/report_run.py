@@ -3,7 +3,9 @@
 A run directory (written by `plan3d launch`, see plan3d/runtime/train.py) holds `plan.json`,
 `metrics.jsonl` (one line per step), `summary.json` (mean step time after warm-up, per-rank
 measured memory) and `logs/`. The prediction is the plan's own estimate, or a fresh estimate
-under another cluster spec (e.g. one written by `plan3d calibrate`).
+under another cluster spec (e.g. one written by `plan3d calibrate`). A launch trains with plan3d's
+own runtime, so the prediction is always for the `plan3d-runtime` engine: a plan made for another
+engine (Megatron-Core, ...) is re-estimated, and the report says so.
 
 What can be measured: step time and tokens/s (rank 0's wall clock), per-rank model-state bytes
 (weights, gradients, optimizer states: exact tensor sizes) and per-rank peak memory (GPU: peak
@@ -101,16 +103,32 @@ def predicted_estimate(run: RunData, cluster=None) -> dict:
 
 
 def estimate_as_run(plan: Plan, precision: str | None, cluster=None) -> dict:
-    """The plan's stored estimate when the run used the plan's precision and no other cluster is
-    asked for, else a fresh estimate in the run's precision (a CPU launch trains in fp32
-    whatever the plan assumed)."""
+    """What plan3d's runtime is predicted to do with the plan: the plan's stored estimate when the
+    run used the plan's precision, no other cluster is asked for and the estimate is of the
+    runtime (or of no engine: plans from before engines, whose cluster-only values the runtime's
+    profile leaves as they are); else a fresh estimate for the runtime engine in the run's
+    precision (a CPU launch trains in fp32 whatever the plan assumed)."""
+    from plan3d.specs.catalog import RUNTIME_ENGINE, load_engine
+
     precision = precision or plan.training.precision
-    if cluster is None and precision == plan.training.precision and plan.estimate.get("time_s"):
+    of_runtime = plan.estimate.get("engine", "") in ("", RUNTIME_ENGINE)
+    if cluster is None and precision == plan.training.precision and plan.estimate.get("time_s") and of_runtime:
         return plan.estimate
     from plan3d.cost.estimate import estimate
 
     training = plan.training.model_copy(update={"precision": precision})
-    return estimate(cluster or plan.cluster, plan.model, training, plan.layout).to_dict()
+    return estimate(cluster or plan.cluster, plan.model, training, plan.layout, load_engine(RUNTIME_ENGINE)).to_dict()
+
+
+def engine_note(plan: Plan) -> str | None:
+    """A sentence when the plan was made for another engine than the runtime a launch trains with."""
+    from plan3d.specs.catalog import RUNTIME_ENGINE
+
+    made_for = plan.engine.name if plan.engine is not None else plan.estimate.get("engine", "")
+    if not made_for or made_for == RUNTIME_ENGINE:
+        return None
+    return (f"the plan was made for {made_for}; plan3d launch trains with plan3d's own runtime, so the "
+            f"predictions here are for {RUNTIME_ENGINE}")
 
 
 @dataclass
@@ -177,6 +195,8 @@ def _memory_rows(est: dict, ranks: list[dict]) -> list[dict]:
 def _notes(run: RunData) -> list[str]:
     notes = ["phases are rank 0's wall clock; single collectives are not timed apart, so the communication share is predicted only"]
     summary, plan = run.summary, run.plan
+    if engine_note(plan):
+        notes.append(engine_note(plan))
     if summary.get("incomplete"):
         notes.append("the run wrote no summary.json (or one cut short): step time is the mean of metrics.jsonl without its first step")
     if summary.get("precision") and summary["precision"] != plan.training.precision:

@@ -14,17 +14,23 @@ Combinations that are not layouts at all (vpp > 1 without pp > 1, sequence paral
 tp > 1, the construction rules of `Layout`) are not generated and not counted.
 The valid layouts go to the vectorised cost model (`plan3d.cost.batch.estimate_batch`) in one call;
 those that do not fit in memory with headroom are the last rejection reason.
+
+A search predicts for one training engine (`plan3d.specs.engine.EngineSpec`) and proposes only
+what it can run: `engine_space` narrows the Space to the engine's `can_run` (the narrowed-away
+knobs are not counted), and a ZeRO stage the engine runs only without pipeline parallelism is
+rejected per layout under its own reason (code 15).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from plan3d.errors import LayoutError
 from plan3d.layout import DEFAULT_ORDER, Layout, divisors, parse_order
 from plan3d.specs.cluster import ClusterSpec
+from plan3d.specs.engine import EngineSpec
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
 
@@ -49,8 +55,10 @@ REASONS = {
     12: "above the --max-memory-fraction threshold",
     13: "same rank placement as an earlier order (its differing axes have size 1)",
     14: "ZeRO with dp = 1 has nothing to shard (same as ZeRO-0)",
+    15: "the engine cannot run this ZeRO stage with pipeline parallelism",
 }
 MEMORY_CODE, MFU_CODE, MEMORY_FRACTION_CODE, SAME_ORDER_CODE, ZERO_DP1_CODE = 10, 11, 12, 13, 14
+ENGINE_ZERO_PP_CODE = 15
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,8 @@ class Space:
     sequence_parallel: tuple[bool, ...] = (False, True)
     orders: tuple[str, ...] = DEFAULT_ORDERS
     uneven: bool = False  # also give pp*vpp that do not divide the layers a balanced uneven split
+    sequence_parallel_required: bool = False  # tp > 1 only with sequence parallelism (the engine's rule)
+    zero_with_pp: tuple[int, ...] = (0, 1, 2, 3)  # ZeRO stages allowed with pp > 1 (the engine's rule)
 
     def __post_init__(self) -> None:
         for order in self.orders:
@@ -119,6 +129,8 @@ def shape_grid(world_size: int, space: Space) -> dict[str, np.ndarray]:
     grid = {"tp": triples[t, 0], "pp": triples[t, 1], "dp": triples[t, 2],
             "micro_batch": m, "vpp": v, "sequence_parallel": s, "uneven": np.zeros(len(t), dtype=bool)}
     well_formed = ((grid["vpp"] == 1) | (grid["pp"] > 1)) & (~grid["sequence_parallel"] | (grid["tp"] > 1))
+    if space.sequence_parallel_required:
+        well_formed &= grid["sequence_parallel"] | (grid["tp"] == 1)
     return {k: a[well_formed] for k, a in grid.items()}
 
 
@@ -226,13 +238,61 @@ def layout_row(layout: Layout, orders: tuple[str, ...]) -> dict[str, int | bool]
 
 
 def drop_duplicates(layouts: dict[str, np.ndarray], space: Space, rejected: dict[int, int]) -> dict[str, np.ndarray]:
-    """Remove layouts that are another one under a second name, counting them in `rejected`."""
+    """Remove layouts that are another one under a second name, and those whose ZeRO stage the
+    engine does not run with pipeline parallelism, counting them in `rejected`."""
     same_order = same_placement(layouts, space.orders)
     zero_dp1 = ~same_order & (layouts["zero"] > 0) & (layouts["dp"] == 1) & (0 in space.zero)
+    zero_pp = ~(same_order | zero_dp1) & (layouts["pp"] > 1) & ~np.isin(layouts["zero"], space.zero_with_pp)
     rejected[SAME_ORDER_CODE] = int(same_order.sum())
     rejected[ZERO_DP1_CODE] = int(zero_dp1.sum())
-    keep = ~(same_order | zero_dp1)
+    rejected[ENGINE_ZERO_PP_CODE] = int(zero_pp.sum())
+    keep = ~(same_order | zero_dp1 | zero_pp)
     return {k: a[keep] for k, a in layouts.items()}
+
+
+# ---- the engine: only what it can run ----------------------------------------------------------
+def engine_space(space: Space, engine: EngineSpec) -> Space:
+    """`space` narrowed to what `engine` can run; a knob the user fixed to something the engine
+    cannot run is a LayoutError naming the engine and what it runs."""
+    can, name = engine.can_run, engine.name
+    zero = tuple(z for z in space.zero if z in set(can.zero) | set(can.zero_with_pp))
+    runs = (f"ZeRO {_stages(can.zero)}" if can.zero == can.zero_with_pp else
+            f"ZeRO {_stages(can.zero)} without pipeline parallelism and {_stages(can.zero_with_pp)} with it")
+    _require(zero, f"{name} cannot run ZeRO-{_stages(space.zero)}; it runs {runs}")
+    if space.min_pp > 1 and not set(zero) & set(can.zero_with_pp):
+        raise LayoutError(f"{name} cannot run ZeRO-{_stages(zero)} with pipeline parallelism (pp >= {space.min_pp}); "
+                          f"with pp > 1 it runs ZeRO {_stages(can.zero_with_pp)}")
+    recompute = tuple(r for r in space.recompute if r in can.recompute)
+    _require(recompute, f"{name} has no {' or '.join(space.recompute)} recompute; it runs {', '.join(can.recompute)}")
+    orders = tuple(o for o in space.orders if o in can.orders)
+    if not orders and space.orders == DEFAULT_ORDERS:
+        orders = tuple(can.orders)
+    _require(orders, f"{name} places ranks only as {' or '.join(can.orders)}, not {' or '.join(space.orders)}")
+    sp = tuple(s for s in space.sequence_parallel if can.sequence_parallel or not s)
+    _require(sp, f"{name} has no sequence parallelism: drop --sequence-parallel")
+    if can.sequence_parallel_required and sp == (False,) and space.min_tp > 1:
+        raise LayoutError(f"{name} always shards norms over the sequence with tp > 1: drop --no-sequence-parallel")
+    bounds = {}
+    for knob, allowed, what in (("tp", can.tensor_parallel, "tensor parallelism: tp 1 only"),
+                                ("pp", can.pipeline_parallel, "pipeline parallelism: pp 1 only"),
+                                ("vpp", can.interleaving, "interleaved pipeline schedule: vpp 1 only")):
+        if not allowed:
+            _require(space.bounds(knob)[0] == 1, f"{name} has no {what}")
+            bounds[f"max_{knob}"] = 1
+    if space.uneven and can.uneven_pipeline == "none":
+        raise LayoutError(f"--uneven: {name} splits layers evenly over pipeline stages only; drop --uneven")
+    return replace(space, zero=zero, recompute=recompute, orders=orders, sequence_parallel=sp,
+                   sequence_parallel_required=space.sequence_parallel_required or can.sequence_parallel_required,
+                   zero_with_pp=tuple(z for z in space.zero_with_pp if z in can.zero_with_pp), **bounds)
+
+
+def _require(ok, message: str) -> None:
+    if not ok:
+        raise LayoutError(message)
+
+
+def _stages(stages) -> str:
+    return "/".join(map(str, stages)) if stages else "none"
 
 
 # ---- the search ------------------------------------------------------------------------------
@@ -250,6 +310,7 @@ class SearchResult:
     rejected: dict[int, int]
     seconds: float
     codes: np.ndarray = field(default=None)  # per evaluated layout: 0 feasible, else 10.. (memory, thresholds)
+    engine: EngineSpec | None = None  # the engine predicted for (None: the cluster's values alone)
 
     @property
     def size(self) -> int:
@@ -290,16 +351,19 @@ class SearchResult:
 
 
 def evaluate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec,
-             layouts: dict[str, np.ndarray], orders: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """Predicted metrics of valid layouts: even splits in one vectorised call of the cost model,
-    uneven splits (which `estimate_batch` does not model) one scalar `estimate()` each."""
+             layouts: dict[str, np.ndarray], orders: tuple[str, ...],
+             engine: EngineSpec | None = None) -> dict[str, np.ndarray]:
+    """Predicted metrics of valid layouts as `engine` runs them: even splits in one vectorised call
+    of the cost model, uneven splits (which `estimate_batch` does not model) one scalar `estimate()` each."""
     uneven = layouts.get("uneven", np.zeros(len(layouts["tp"]), dtype=bool))
     if not uneven.any():
-        return evaluate_even(cluster, model, training, layouts, orders)
+        return evaluate_even(cluster, model, training, layouts, orders, engine)
     parts = {}
     if (~uneven).any():
-        parts[False] = evaluate_even(cluster, model, training, {k: a[~uneven] for k, a in layouts.items()}, orders)
-    parts[True] = evaluate_scalar(cluster, model, training, {k: a[uneven] for k, a in layouts.items()}, orders)
+        parts[False] = evaluate_even(cluster, model, training, {k: a[~uneven] for k, a in layouts.items()}, orders,
+                                     engine)
+    parts[True] = evaluate_scalar(cluster, model, training, {k: a[uneven] for k, a in layouts.items()}, orders,
+                                  engine)
     keys = list(parts[True])
     out = {k: np.empty(len(uneven), dtype=parts[True][k].dtype) for k in keys}
     for flag, metrics in parts.items():
@@ -309,13 +373,14 @@ def evaluate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec,
 
 
 def evaluate_scalar(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec,
-                    layouts: dict[str, np.ndarray], orders: tuple[str, ...]) -> dict[str, np.ndarray]:
+                    layouts: dict[str, np.ndarray], orders: tuple[str, ...],
+                    engine: EngineSpec | None = None) -> dict[str, np.ndarray]:
     """The same metrics as `evaluate_even`, from `estimate()` one layout at a time."""
     from plan3d.cost.estimate import estimate
 
     rows = []
     for i in range(len(layouts["tp"])):
-        d = estimate(cluster, model, training, layout_at(layouts, orders, i, model.layers)).to_dict()
+        d = estimate(cluster, model, training, layout_at(layouts, orders, i, model.layers), engine).to_dict()
         row = {k: d[k] for k in SCALAR_METRICS}
         row.update({f"{k}_s": v for k, v in d["time_s"].items()})
         rows.append(row)
@@ -327,7 +392,8 @@ SCALAR_METRICS = ("step_time_s", "tokens_per_s", "peak_memory_bytes", "capacity_
 
 
 def evaluate_even(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec,
-                  layouts: dict[str, np.ndarray], orders: tuple[str, ...]) -> dict[str, np.ndarray]:
+                  layouts: dict[str, np.ndarray], orders: tuple[str, ...],
+                  engine: EngineSpec | None = None) -> dict[str, np.ndarray]:
     """Predicted metrics of valid even-split layouts, one vectorised call of the cost model."""
     from plan3d.cost.batch import Candidates, estimate_batch
 
@@ -335,13 +401,17 @@ def evaluate_even(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec
                        micro_batch=layouts["micro_batch"], vpp=layouts["vpp"], zero=layouts["zero"],
                        recompute=layouts["recompute"], sequence_parallel=layouts["sequence_parallel"],
                        order=layouts["order"])
-    return estimate_batch(cluster, model, training, cands, tuple(orders))
+    return estimate_batch(cluster, model, training, cands, tuple(orders), engine)
 
 
 def search(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space: Space = Space(),
-           min_mfu: float | None = None, max_memory_fraction: float | None = None) -> SearchResult:
-    """Enumerate, prune, evaluate: the whole space for this cluster, with every rejection counted."""
+           min_mfu: float | None = None, max_memory_fraction: float | None = None,
+           engine: EngineSpec | None = None) -> SearchResult:
+    """Enumerate, prune, evaluate: the whole space for this cluster that `engine` can run (None:
+    every layout, predicted with the cluster's values alone), with every rejection counted."""
     start = time.perf_counter()
+    if engine is not None:
+        space = engine_space(space, engine)
     shapes = shape_grid(cluster.world_size, space)
     codes = shape_reasons(shapes, model, training)
     if space.uneven:
@@ -351,13 +421,13 @@ def search(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space
     valid = {k: a[codes == 0] for k, a in shapes.items()}
     layouts = expand_layouts(valid, space)
     layouts = drop_duplicates(layouts, space, rejected)
-    metrics = evaluate(cluster, model, training, layouts, space.orders) if len(layouts["tp"]) else {}
+    metrics = evaluate(cluster, model, training, layouts, space.orders, engine) if len(layouts["tp"]) else {}
     fit_codes = fit_reasons(metrics, len(layouts["tp"]), min_mfu, max_memory_fraction, cluster.gpu.memory_bytes)
     for code in (MEMORY_CODE, MFU_CODE, MEMORY_FRACTION_CODE):
         rejected[code] = int((fit_codes == code).sum())
     return SearchResult(cluster, model, training, space.orders, layouts, metrics,
                         considered=len(codes) * per, rejected=rejected,
-                        seconds=time.perf_counter() - start, codes=fit_codes)
+                        seconds=time.perf_counter() - start, codes=fit_codes, engine=engine)
 
 
 def fit_reasons(metrics: dict[str, np.ndarray], n: int, min_mfu: float | None,
@@ -393,16 +463,17 @@ def node_counts(min_nodes: int, max_nodes: int, limit: int = 16) -> list[int]:
 
 
 def sweep_nodes(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, counts: list[int],
-                space: Space = Space(), **thresholds) -> list[SearchResult]:
+                space: Space = Space(), engine: EngineSpec | None = None, **thresholds) -> list[SearchResult]:
     """One search per node count (same node type and fabric)."""
-    return [search(cluster.with_size(nodes=n), model, training, space, **thresholds) for n in counts]
+    return [search(cluster.with_size(nodes=n), model, training, space, engine=engine, **thresholds)
+            for n in counts]
 
 
 MAX_GPUS_TO_TRY = 131072  # beyond this a search takes seconds (rank maps of a million ranks)
 
 
 def nodes_to_fit(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space: Space = Space(),
-                 max_factor: int = 64, **thresholds) -> int | None:
+                 max_factor: int = 64, engine: EngineSpec | None = None, **thresholds) -> int | None:
     """Fewest nodes above the cluster's count with a feasible layout, trying doublings of the count
     and powers of two (a count with an odd factor may have no valid layout at all), up to max_factor x
     (and at most MAX_GPUS_TO_TRY GPUs)."""
@@ -410,6 +481,6 @@ def nodes_to_fit(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec,
     counts = {cluster.nodes * 2**k for k in range(1, max_factor.bit_length())}
     counts |= {2**k for k in range(top.bit_length()) if cluster.nodes < 2**k <= top}
     for nodes in sorted(counts):
-        if search(cluster.with_size(nodes=nodes), model, training, space, **thresholds).feasible_count:
+        if search(cluster.with_size(nodes=nodes), model, training, space, engine=engine, **thresholds).feasible_count:
             return nodes
     return None

@@ -168,7 +168,7 @@ def _show(rows: list[dict], out: Path, measurements: Path | None, json_out: bool
 
 def _from_runs(run_dirs: list[Path], out: Optional[Path], json_out: bool, fit_overheads: bool) -> None:
     """Refit the compute throughput of each run's plan cluster from its measured step time."""
-    from plan3d.calibrate import refit_from_runs, write_calibrated_spec
+    from plan3d.calibrate import refit_from_runs, stamped, write_calibrated_spec
     from plan3d.cost.estimate import estimate
     from plan3d.report_run import read_run
 
@@ -183,6 +183,7 @@ def _from_runs(run_dirs: list[Path], out: Optional[Path], json_out: bool, fit_ov
         return [estimate(candidate, r.plan.model, r.plan.training, r.plan.layout).step_time_s for r in runs]
 
     refit, fitted = refit_from_runs(cluster, predict, [r.measured_step_s for r in runs], fit_overheads)
+    refit = stamped(refit, f"plan3d calibrate --from-run ({len(runs)} run{'s' if len(runs) > 1 else ''})")
     out = out or run_dirs[0] / "cluster.yaml"
     raw = {"from_runs": [{"run_dir": str(r.run_dir), "layout": r.plan.layout.short(),
                           "measured_step_s": r.measured_step_s} for r in runs], "fit": fitted}

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from plan3d.cli.app import app
+from plan3d.cli.common import EngineOpt
 from plan3d.cli.recommend_cmd import MaxMemFracOpt, MinMfuOpt, _thresholds
 from plan3d.errors import EXIT_FAILED, Plan3dError, SpecError
 
@@ -21,21 +22,26 @@ def check(
     fmt: Annotated[str, typer.Option("--format", help="text, or github (workflow annotations).")] = "text",
     min_mfu: MinMfuOpt = None,
     max_memory_fraction: MaxMemFracOpt = None,
+    engine: EngineOpt = None,
 ) -> None:
-    """Validate a job file for CI: valid, fits in memory with headroom, meets the thresholds."""
+    """Validate a job file for CI: valid, runs on its engine, fits in memory with headroom, meets the thresholds.
+
+    --engine overrides the job file's `engine:` (default megatron-core; plan3d-runtime on CPU clusters)."""
     from plan3d.ranking import check_job
     from plan3d.render import check as render
+    from plan3d.specs.catalog import load_engine
     from plan3d.specs.job import load_job
 
     if fmt not in FORMATS:
         raise SpecError("command line", [f"--format {fmt!r}: use text or github"])
     thresholds = _thresholds(min_mfu, max_memory_fraction)
+    override = load_engine(engine) if engine else None  # a bad --engine is not the job file's fault
     try:
-        job = load_job(job_file)
+        job = load_job(job_file, override)
     except Plan3dError as err:
         render.print_invalid(job_file, err.lines(), fmt, json_out)
         raise
-    report = check_job(job.cluster, job.model, job.training, job.layout, **thresholds)
+    report = check_job(job.cluster, job.model, job.training, job.layout, **thresholds, engine=job.engine)
     if json_out:
         print(json.dumps(render.check_dict(job_file, job, report), indent=1))
     else:

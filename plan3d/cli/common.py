@@ -24,6 +24,9 @@ SeqLenOpt = Annotated[Optional[int], typer.Option("--seq-len", help="Override th
 PrecisionOpt = Annotated[str, typer.Option("--precision", help="bf16, fp16, fp8 or fp32.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
 OrderOpt = Annotated[str, typer.Option("--order", help="Rank order, first axis fastest.")]
+EngineOpt = Annotated[Optional[str], typer.Option(
+    "--engine", help="Training engine to predict for: a bundled name (`plan3d specs list`) or a spec file; "
+    "default megatron-core (plan3d-runtime on CPU clusters).")]
 
 
 def load_specs(cluster: str, model: str, nodes: int | None, gpus_per_node: int | None,
@@ -42,6 +45,13 @@ def load_specs(cluster: str, model: str, nodes: int | None, gpus_per_node: int |
     return cluster_spec, model_spec, training
 
 
+def load_engine_opt(engine: str | None, cluster: ClusterSpec):
+    """The --engine spec, or the default engine for `cluster` (catalog.engine_for)."""
+    from plan3d.specs.catalog import engine_for
+
+    return engine_for(engine, cluster)
+
+
 def make_training(**fields) -> TrainingSpec:
     try:
         return TrainingSpec(**{k: v for k, v in fields.items() if v is not None})
@@ -57,7 +67,7 @@ def make_layout(**fields) -> Layout:
         raise LayoutError("; ".join(validation_problems(err))) from err
 
 
-__all__ = ["DEFAULT_ORDER", "load_specs", "make_layout", "make_training"]
+__all__ = ["DEFAULT_ORDER", "load_engine_opt", "load_specs", "make_layout", "make_training"]
 
 TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel degree.")]
 PpOpt = Annotated[int, typer.Option("--pp", help="Pipeline-parallel degree.")]

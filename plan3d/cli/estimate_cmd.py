@@ -7,9 +7,10 @@ from typing import Annotated, Optional
 import typer
 
 from plan3d.cli.app import app
-from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, GlobalBatchOpt, GpnOpt, JsonOpt, MicroBatchOpt,
+from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, EngineOpt, GlobalBatchOpt, GpnOpt, JsonOpt, MicroBatchOpt,
                                ModelOpt, NodesOpt, OrderOpt, PlotOpt, PpOpt, PrecisionOpt, RecomputeOpt,
-                               SeqLenOpt, SeqParallelOpt, TpOpt, VppOpt, ZeroOpt, load_specs, make_layout)
+                               SeqLenOpt, SeqParallelOpt, TpOpt, VppOpt, ZeroOpt, load_engine_opt, load_specs,
+                               make_layout)
 from plan3d.errors import LayoutError
 
 SCHEMA_VERSION = 1  # of the --json output
@@ -34,20 +35,22 @@ def estimate_command(
     nodes: NodesOpt = None,
     gpus_per_node: GpnOpt = None,
     precision: PrecisionOpt = "bf16",
+    engine: EngineOpt = None,
     json_out: JsonOpt = False,
     plot: PlotOpt = None,
 ) -> None:
-    """Predict the memory of every rank and the time of one training step for one layout."""
+    """Predict the memory of every rank and the time of one training step for one layout, as an engine runs it."""
     from plan3d.cost.estimate import estimate
 
     cluster_spec, model_spec, training = load_specs(cluster, model, nodes, gpus_per_node, global_batch,
                                                     seq_len, precision)
+    engine_spec = load_engine_opt(engine, cluster_spec)
     flags = dict(tp=tp, pp=pp, micro_batch=micro_batch, vpp=vpp, zero=zero, recompute=recompute,
                  sequence_parallel=sequence_parallel, order=order)
     if dp is None:
         dp = _fill_dp(cluster_spec.world_size, make_layout(dp=1, **flags), model_spec, training)
     layout = make_layout(dp=dp, **flags)
-    result = estimate(cluster_spec, model_spec, training, layout)
+    result = estimate(cluster_spec, model_spec, training, layout, engine_spec)
     if plot is not None:
         from plan3d.render.plots import plot_step_breakdown
 
@@ -57,7 +60,7 @@ def estimate_command(
     else:
         from plan3d.render.estimate import print_estimate
 
-        print_estimate(result, cluster_spec, model_spec, training)
+        print_estimate(result, cluster_spec, model_spec, training, engine_spec)
 
 
 def _fill_dp(world: int, layout, model, training) -> int:

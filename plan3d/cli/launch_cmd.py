@@ -20,16 +20,19 @@ PlanArg = Annotated[Optional[str], typer.Argument(help="Plan JSON (plan3d recomm
 
 
 def _plan_from_flags(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision, layout_flags):
+    """A plan of the flags' layout, predicted for plan3d's own runtime (what launch trains with)."""
     from plan3d.cost.estimate import estimate
     from plan3d.layout import check_layout
     from plan3d.plan import build_plan
+    from plan3d.specs.catalog import RUNTIME_ENGINE, load_engine
 
     cluster_spec, model_spec, training = load_specs(cluster, model, nodes, gpus_per_node, global_batch,
                                                     seq_len, precision or _default_precision(cluster))
     layout = make_layout(**layout_flags)
     check_layout(layout, model_spec, training, cluster_spec.world_size)
+    engine = load_engine(RUNTIME_ENGINE)
     return build_plan(cluster_spec, model_spec, training, layout,
-                      estimate(cluster_spec, model_spec, training, layout).to_dict())
+                      estimate(cluster_spec, model_spec, training, layout, engine).to_dict(), engine)
 
 
 def _default_precision(cluster: str) -> str:
@@ -128,12 +131,15 @@ def _check_run_flags(steps: int, nnodes: int, node_rank: int, save_every: int, t
 def _print_dry_run(plan, run_path, steps, backend, nnodes, master_addr, master_port, worker_args) -> None:
     from plan3d.emit.torchrun import torchrun_commands
     from plan3d.launch import LOOPBACK, nodes_needed, node_layout, worker_argv
+    from plan3d.report_run import engine_note
 
     if nnodes == 1 and master_addr in LOOPBACK:
         nnodes = nodes_needed(plan)  # simulated nodes on this machine, as launch() does
     gpn = node_layout(plan, nnodes, 0)
     cmds = torchrun_commands(str(run_path / "plan.json"), plan.layout.world_size, nnodes, gpn, master_addr,
                              master_port or 29500, worker_argv(run_path, steps, backend, worker_args))
+    if engine_note(plan):
+        print(f"# {engine_note(plan)}")
     for node, cmd in enumerate(cmds):
         print(f"# node {node}: PLAN3D_NODE_RANK={node}")
         print(shlex.join(cmd))
@@ -142,6 +148,7 @@ def _print_dry_run(plan, run_path, steps, backend, nnodes, master_addr, master_p
 def _launch_and_report(plan, run_path, steps, backend, nnodes, node_rank, master_addr, master_port, worker_args):
     from plan3d.launch import launch, predicted_model_state, read_summary
     from plan3d.render.launch import print_summary, progress_bar
+    from plan3d.report_run import engine_note
 
     try:
         with progress_bar(steps) as on_progress:
@@ -160,4 +167,6 @@ def _launch_and_report(plan, run_path, steps, backend, nnodes, node_rank, master
         print(f"node {node_rank} done; node 0 holds the summary in {run_path}")
         return
     summary = read_summary(run_path)
-    print_summary(summary, predicted_model_state(plan, summary["precision"]), str(run_path))
+    note = engine_note(plan)
+    print_summary(summary, predicted_model_state(plan, summary["precision"]), str(run_path),
+                  notes=[note] if note else [])

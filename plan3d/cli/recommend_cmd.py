@@ -9,8 +9,8 @@ from typing import Annotated, Optional
 import typer
 
 from plan3d.cli.app import app
-from plan3d.cli.common import (ClusterOpt, GlobalBatchOpt, GpnOpt, JsonOpt, ModelOpt, NodesOpt, PlotOpt, PrecisionOpt,
-                               SeqLenOpt, load_specs, make_layout)
+from plan3d.cli.common import (ClusterOpt, EngineOpt, GlobalBatchOpt, GpnOpt, JsonOpt, ModelOpt, NodesOpt, PlotOpt,
+                               PrecisionOpt, SeqLenOpt, load_engine_opt, load_specs, make_layout)
 from plan3d.errors import InfeasibleError, LayoutError
 
 IntOpt = Optional[int]
@@ -34,6 +34,7 @@ def recommend(
     global_batch: GlobalBatchOpt = None,
     seq_len: SeqLenOpt = None,
     precision: PrecisionOpt = "bf16",
+    engine: EngineOpt = None,
     top: Annotated[int, _opt("--top", "How many layouts to show.")] = 10,
     objective: ObjectiveOpt = "throughput",
     json_out: JsonOpt = False,
@@ -68,13 +69,15 @@ def recommend(
     tokens: TokensOpt = None,
     plot: PlotOpt = None,
 ) -> None:
-    """The best layouts of a model on a cluster, ranked, with reasons and rejection counts."""
+    """The best layouts of a model on a cluster that an engine can run, ranked, with reasons and rejection counts."""
     from plan3d import ranking, search
     from plan3d.render import recommend as render
 
     space = space_from_flags(locals())
     specs = load_specs(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision)
-    thresholds = _thresholds(min_mfu, max_memory_fraction)
+    engine_spec = load_engine_opt(engine, specs[0])
+    space = search.engine_space(space, engine_spec)  # a knob the engine cannot run fails here, before the search
+    thresholds = dict(_thresholds(min_mfu, max_memory_fraction), engine=engine_spec)
     if tokens is not None and not 0 < tokens < float("inf"):  # nan fails this too
         raise LayoutError(f"--tokens {tokens}: give the token budget as a positive number, e.g. 3e11")
     sweep = None
@@ -85,7 +88,8 @@ def recommend(
     else:
         result = search.search(*specs, space, **thresholds)
     notes = []
-    if not result.size and not space.uneven:  # no even split is valid: the uneven ones may be
+    if not result.size and not space.uneven and engine_spec.can_run.uneven_pipeline != "none":
+        # no even split is valid: the uneven ones may be
         space = replace(space, uneven=True)
         result = search.search(*specs, space, **thresholds)
         notes.append("no layout with an even layer split is valid here, so uneven splits were searched (--uneven)")
@@ -175,8 +179,8 @@ def _write_plan(result, row: int, out: Path) -> None:
     from plan3d.plan import build_plan, save_plan
 
     layout = result.layout(row)
-    est = estimate(result.cluster, result.model, result.training, layout)
-    save_plan(build_plan(result.cluster, result.model, result.training, layout, est.to_dict()), out)
+    est = estimate(result.cluster, result.model, result.training, layout, result.engine)
+    save_plan(build_plan(result.cluster, result.model, result.training, layout, est.to_dict(), result.engine), out)
 
 
 @app.command("explain")
@@ -197,20 +201,25 @@ def explain_cmd(
     global_batch: GlobalBatchOpt = None,
     seq_len: SeqLenOpt = None,
     precision: PrecisionOpt = "bf16",
+    engine: EngineOpt = None,
     objective: ObjectiveOpt = "throughput",
     json_out: JsonOpt = False,
 ) -> None:
-    """Why one layout ranks where it does, term by term against the best of the whole search."""
+    """Why one layout ranks where it does, term by term against the best the engine can run."""
     from plan3d import ranking, search
     from plan3d.layout import check_layout
     from plan3d.render import recommend as render
 
     specs = load_specs(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision)
+    engine_spec = load_engine_opt(engine, specs[0])
     world = specs[0].world_size
     if dp is None:  # a tp or pp below 1 is left for make_layout to reject
         dp = max(1, world // max(tp * pp, 1))
     layout = make_layout(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, vpp=vpp, zero=zero, recompute=recompute,
                          sequence_parallel=sequence_parallel, order=order)
+    problems = engine_spec.layout_problems(layout)
+    if problems:
+        raise LayoutError("; ".join(problems))
     check_layout(layout, specs[1], specs[2], world)
     if layout.world_size != world:
         raise LayoutError(f"tp*pp*dp = {layout.world_size} but the cluster has {world} GPUs: the search ranks "
@@ -218,7 +227,7 @@ def explain_cmd(
                           f"or degrees whose product is {world}")
     orders = tuple(dict.fromkeys(search.DEFAULT_ORDERS + (order,)))
     space = search.Space(max_micro_batch=max(8, micro_batch), max_vpp=max(8, vpp), orders=orders)
-    result = search.search(*specs, space)
+    result = search.search(*specs, space, engine=engine_spec)
     order_ = ranking.rank(result, objective)
     row = result.find(layout)
     assert row is not None, "a valid layout inside the space is always evaluated"

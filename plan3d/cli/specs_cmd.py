@@ -13,7 +13,7 @@ from plan3d.specs import catalog
 
 @specs_app.command("list")
 def specs_list(json_out: Annotated[bool, typer.Option("--json")] = False) -> None:
-    """List the bundled GPUs, clusters and models."""
+    """List the bundled GPUs, clusters, models and engines."""
     from plan3d.render.specs import catalog_rows, print_catalog
 
     rows = catalog_rows()
@@ -26,7 +26,7 @@ def specs_list(json_out: Annotated[bool, typer.Option("--json")] = False) -> Non
 @specs_app.command("show")
 def specs_show(
     name: str,
-    kind: Annotated[Optional[str], typer.Option("--kind", help="cluster, model or gpu")] = None,
+    kind: Annotated[Optional[str], typer.Option("--kind", help="cluster, model, gpu or engine")] = None,
     json_out: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Show one bundled spec (or a spec file) with its values in SI and human units."""
@@ -40,10 +40,11 @@ def specs_show(
 
 
 def _load_any(name: str, kind: str | None):
-    loaders = {"cluster": catalog.load_cluster, "model": catalog.load_model, "gpu": catalog.load_gpu}
+    loaders = {"cluster": catalog.load_cluster, "model": catalog.load_model, "gpu": catalog.load_gpu,
+               "engine": catalog.load_engine}
     if kind is not None:
         if kind not in loaders:
-            raise SpecNotFound(f"--kind {kind!r}: use one of cluster, model, gpu")
+            raise SpecNotFound(f"--kind {kind!r}: use one of {', '.join(loaders)}")
         return loaders[kind](name)
     invalid = []  # a spec file is tried as each kind: report the kind it is closest to
     for loader in loaders.values():
@@ -65,7 +66,8 @@ def _load_any(name: str, kind: str | None):
 
 @specs_app.command("schema")
 def specs_schema(
-    kind: Annotated[Optional[str], typer.Argument(help="cluster, model, training, layout, job or plan")] = None,
+    kind: Annotated[Optional[str], typer.Argument(
+        help="cluster, gpu, model, engine, training, layout, job or plan")] = None,
 ) -> None:
     """Print the JSON Schema of each spec kind (for editors and CI)."""
     from plan3d.specs.schema import schemas

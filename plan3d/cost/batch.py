@@ -14,6 +14,7 @@ from plan3d.cost.comm import layout_links
 from plan3d.cost.context import make_context
 from plan3d.cost.core import Links, evaluate, link_row
 from plan3d.specs.cluster import ClusterSpec
+from plan3d.specs.engine import EngineSpec
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
 
@@ -51,9 +52,10 @@ def _links(cluster: ClusterSpec, cands: Candidates, orders: tuple[str, ...]) -> 
 
 
 def estimate_batch(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, cands: Candidates,
-                   orders: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """Step time, throughput, memory and breakdown for every candidate (arrays)."""
-    ctx = make_context(cluster, model, training)
+                   orders: tuple[str, ...], engine: EngineSpec | None = None) -> dict[str, np.ndarray]:
+    """Step time, throughput, memory and breakdown for every candidate (arrays), as `engine` runs
+    them (candidates are assumed to be layouts the engine can run)."""
+    ctx = make_context(cluster, model, training, engine)
     la = layout_arrays(training.global_batch, cands.tp, cands.pp, cands.dp, cands.micro_batch, cands.vpp,
                        cands.zero, cands.recompute, np.asarray(cands.sequence_parallel, dtype=np.float64))
     pp = la.pp

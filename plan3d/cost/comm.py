@@ -23,6 +23,9 @@ from plan3d.rankmap import rankmap_for
 from plan3d.specs.cluster import COLLECTIVE_OPS, ResolvedTier
 
 GROUPS = ("tp", "pp", "dp")
+# the data-parallel group once more, with one NIC share per GPU across nodes (no multi-rail rings):
+# what an engine that issues one small collective per parameter gets (RunsAs.zero3_collectives)
+LINK_GROUPS = GROUPS + ("dp_nic",)
 
 
 @dataclass(frozen=True)
@@ -45,8 +48,10 @@ class GroupLink:
         return self.cost("all_reduce")[1]
 
 
-def group_link(layout: Layout, name: str, tiers: tuple[ResolvedTier, ...], gpus_per_node: int) -> GroupLink:
-    """The tier a group spans (rank map) and its effective bandwidth and latency per collective."""
+def group_link(layout: Layout, name: str, tiers: tuple[ResolvedTier, ...], gpus_per_node: int,
+               single_rail: bool = False) -> GroupLink:
+    """The tier a group spans (rank map) and its effective bandwidth and latency per collective
+    (`single_rail`: across domains each GPU gets its own share of the outer tier only)."""
     rankmap = rankmap_for(layout, gpus_per_node)
     index = rankmap.tier_index(name, list(tiers))
     tier = tiers[index]
@@ -54,7 +59,7 @@ def group_link(layout: Layout, name: str, tiers: tuple[ResolvedTier, ...], gpus_
         return GroupLink(tier.name, tuple(tier.cost(op) for op in COLLECTIVE_OPS))
     inner = tiers[index - 1]
     group = rankmap.group_array(name)[0]
-    per_domain = len(group) / len(np.unique(group // inner.domain_gpus))
+    per_domain = 1 if single_rail else len(group) / len(np.unique(group // inner.domain_gpus))
     costs = []
     for op in COLLECTIVE_OPS:
         (inner_bw, _), (outer_bw, latency) = inner.cost(op), tier.cost(op)
@@ -67,7 +72,9 @@ def layout_links(tp: int, pp: int, dp: int, order: str, tiers: tuple[ResolvedTie
                  gpus_per_node: int, cp: int = 1) -> dict[str, GroupLink]:
     """GroupLink of tp, pp and dp for one shape (cached: the search asks many times)."""
     layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, order=order)
-    return {name: group_link(layout, name, tiers, gpus_per_node) for name in GROUPS}
+    links = {name: group_link(layout, name, tiers, gpus_per_node) for name in GROUPS}
+    links["dp_nic"] = group_link(layout, "dp", tiers, gpus_per_node, single_rail=True)
+    return links
 
 
 def all_reduce_s(size_bytes, n, bytes_per_s, latency_s):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from plan3d.cost.params import norm_params
 from plan3d.specs.cluster import ClusterSpec
+from plan3d.specs.engine import EngineSpec
 from plan3d.specs.gpu import GPUSpec
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
@@ -51,6 +52,10 @@ class CostContext:
     micro_batch_overhead_s: float
     dp_overlap_fraction: float
     host_overlap: bool = True
+    zero3_overlap_fraction: float | None = None  # None: dp_overlap_fraction
+    zero3_per_gpu_nic: bool = False
+    tp_overlap_fraction: float = 0.0  # share of TP collectives hidden behind GEMMs
+    param_gather_overlap: bool = False  # ZeRO-1/2 weight all-gather hidden behind the first forward  # ZeRO-3 collectives get one NIC share per GPU, not the node's rings
     cpu_cores_per_node: int = 0  # CPU "GPUs": the cores a node's ranks share (0: not shared)
     gpus_per_node: int = 1
 
@@ -68,9 +73,14 @@ def bytes_per_param(training: TrainingSpec) -> tuple[int, int, int]:
     return 2, 4 if training.fp32_grad_accum else 2, 4 if sgd else 12
 
 
-def make_context(cluster: ClusterSpec | None, model: ModelSpec, training: TrainingSpec) -> CostContext:
-    """The context of one (cluster, model, training); cluster None leaves the hardware at zero
-    (enough for memory formulas, which do not depend on the hardware)."""
+def make_context(cluster: ClusterSpec | None, model: ModelSpec, training: TrainingSpec,
+                 engine: EngineSpec | None = None) -> CostContext:
+    """The context of one (cluster, model, training) as `engine` runs it; cluster None leaves the
+    hardware at zero (enough for memory formulas, which do not depend on the hardware).
+
+    The GPU spec gives the hardware values (peak, HBM, GEMM efficiency curve); the engine's
+    fitted software values (non-GEMM bytes, host overheads, overlap) replace the GPU spec's where
+    the engine sets them. No engine: the GPU spec's values alone (a calibrated cluster)."""
     if cluster is None:
         return CostContext(**_model_fields(model, training), reserve_bytes=reserve_bytes(None, training),
                            capacity_bytes=0.0, peak_flops=0.0,
@@ -79,17 +89,26 @@ def make_context(cluster: ClusterSpec | None, model: ModelSpec, training: Traini
                            micro_batch_overhead_s=0.0,
                            dp_overlap_fraction=0.0)
     eff = cluster.gpu.compute_efficiency
+    if engine is not None:
+        eff = eff.model_copy(update=engine.software_values())
+    runs_as = engine.runs_as if engine is not None else None
     return CostContext(
         **_model_fields(model, training),
         reserve_bytes=reserve_bytes(cluster, training),
         capacity_bytes=cluster.gpu.memory_bytes * (1 - training.memory_headroom_fraction),
         peak_flops=cluster.gpu.peak_flops(training.precision),
         hbm_bytes_per_s=cluster.gpu.hbm_tbytes_per_s * 1e12,
-        gemm_max_fraction=eff.max_fraction, gemm_half_work_flops=eff.half_work_flops,
+        gemm_max_fraction=eff.max_fraction * (engine.efficiency.gemm_efficiency_scale if engine else 1.0),
+        gemm_half_work_flops=eff.half_work_flops,
         elementwise_bytes=eff.elementwise_bytes, attention_score_bytes=eff.attention_score_bytes,
         layer_overhead_s=eff.layer_overhead_s, micro_batch_overhead_s=eff.micro_batch_overhead_s,
         dp_overlap_fraction=eff.dp_overlap_fraction,
-        host_overlap=eff.host_overlap, cpu_cores_per_node=cluster.cpu_cores_per_node or 0,
+        host_overlap=eff.host_overlap,
+        zero3_overlap_fraction=runs_as.zero3_overlap_fraction if runs_as else None,
+        zero3_per_gpu_nic=bool(runs_as and runs_as.zero3_collectives == "per-gpu-nic"),
+        tp_overlap_fraction=runs_as.tp_overlap_fraction if runs_as else 0.0,
+        param_gather_overlap=bool(runs_as and runs_as.param_gather_overlap),
+        cpu_cores_per_node=cluster.cpu_cores_per_node or 0,
         gpus_per_node=cluster.gpus_per_node,
     )
 

@@ -14,7 +14,7 @@ from plan3d.cost import comm, compute, memory
 from plan3d.cost.arrays import RECOMPUTE_CODES, LayoutArrays
 from plan3d.cost.context import CostContext
 from plan3d.cost.pipeline import masked_argmax, masked_max, pipeline_s
-from plan3d.cost.comm import GROUPS
+from plan3d.cost.comm import LINK_GROUPS
 from plan3d.specs.cluster import COLLECTIVE_OPS
 
 FULL, SELECTIVE = RECOMPUTE_CODES["full"], RECOMPUTE_CODES["selective"]
@@ -38,7 +38,7 @@ class Links:
     def from_rows(cls, rows: np.ndarray) -> "Links":
         """From a (n, 2 * groups * ops) table laid out by `link_row`."""
         costs, k = {}, 0
-        for group in GROUPS:
+        for group in LINK_GROUPS:
             for op in COLLECTIVE_OPS:
                 costs[(group, op)] = (rows[:, k], rows[:, k + 1])
                 k += 2
@@ -47,7 +47,7 @@ class Links:
 
 def link_row(links: dict) -> list[float]:
     """One row of `Links.from_rows` from the GroupLink of each group."""
-    return [x for group in GROUPS for op in COLLECTIVE_OPS for x in links[group].cost(op)]
+    return [x for group in LINK_GROUPS for op in COLLECTIVE_OPS for x in links[group].cost(op)]
 
 
 def stage_micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, layers) -> dict:
@@ -59,7 +59,7 @@ def stage_micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_ran
     first, last = pp_rank == 0, pp_rank == la.pp - 1
     layer_fwd = compute.layer_forward_s(ctx, la.mb, la.tp, la.sp_div)
     boundary_bytes = la.mb * ctx.seq * ctx.hidden * ctx.act_bytes
-    tp_pair = 2 * _tp_exchange_s(la, links, boundary_bytes)  # per pass
+    tp_pair = 2 * _tp_exchange_s(la, links, boundary_bytes) * (1 - ctx.tp_overlap_fraction)  # exposed, per pass
     full = la.recompute >= FULL
     redo = np.where(full, layer_fwd,
                     np.where(la.recompute == SELECTIVE, compute.attention_core_forward_s(ctx, la.mb, la.tp), 0.0))
@@ -136,18 +136,32 @@ def stage_step_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, para
     grads = params * ctx.grad_bytes
     gather_weights = _collective_s(links, "dp", "all_gather", params * ctx.weight_bytes, la.dp)
     scatter_grads = _collective_s(links, "dp", "reduce_scatter", grads, la.dp)
-    dp = np.where(la.zero >= 1, scatter_grads + gather_weights, _collective_s(links, "dp", "all_reduce", grads, la.dp))
-    dp = np.where(la.zero >= 3, 0.0, dp)  # ZeRO-3 reduces per micro-batch, below
+    zero3_link = "dp_nic" if ctx.zero3_per_gpu_nic else "dp"
+    zero3_gather = _collective_s(links, zero3_link, "all_gather", params * ctx.weight_bytes, la.dp)
+    zero3_scatter = _collective_s(links, zero3_link, "reduce_scatter", grads, la.dp)
+    overlap = ctx.dp_overlap_fraction
     shared = (pp_rank == 0) | (pp_rank == la.pp - 1)
     tied = ctx.tied & (la.pp > 1) & shared
     embed_bytes = memory.padded_vocab(ctx, la.tp) / la.tp * ctx.hidden * ctx.grad_bytes
-    dp = dp + np.where(tied, _collective_s(links, "pp", "all_reduce", embed_bytes, 2.0), 0.0)
+    tied_s = np.where(tied, _collective_s(links, "pp", "all_reduce", embed_bytes, 2.0), 0.0)
+    # gradient reductions (and the tied-embedding one) hide behind the last micro-batch's
+    # backward; an engine that overlaps the ZeRO-1/2 parameter all-gather with the next step's
+    # first forward hides that behind the forward instead
+    if ctx.param_gather_overlap:
+        sharded = (np.maximum(scatter_grads + tied_s - overlap * backward_s, 0.0)
+                   + np.maximum(gather_weights - overlap * backward_s / 2, 0.0))
+    else:
+        sharded = np.maximum(scatter_grads + gather_weights + tied_s - overlap * backward_s, 0.0)
+    all_reduce = _collective_s(links, "dp", "all_reduce", grads, la.dp)
+    replicated = np.maximum(all_reduce + tied_s - overlap * backward_s, 0.0)
+    zero3_tied = np.maximum(tied_s - overlap * backward_s, 0.0)  # ZeRO-3 grads: per micro-batch, below
+    dp = np.where(la.zero >= 3, zero3_tied, np.where(la.zero >= 1, sharded, replicated))
     gathers = 2 + np.where(la.recompute >= FULL, 1, 0)
-    per_micro_batch = gathers * gather_weights + scatter_grads  # and this micro-batch's grads reduce-scattered
+    per_micro_batch = gathers * zero3_gather + zero3_scatter  # and this micro-batch's grads reduce-scattered
     zero3 = np.where(la.zero >= 3, la.m * per_micro_batch, 0.0)
-    overlap = ctx.dp_overlap_fraction
-    return {"dp_comm": np.maximum(dp - overlap * backward_s, 0.0) + _step_sync_s(la, links),
-            "zero_comm": np.maximum(zero3 - overlap * compute_s, 0.0),
+    zero3_overlap = overlap if ctx.zero3_overlap_fraction is None else ctx.zero3_overlap_fraction
+    return {"dp_comm": dp + _step_sync_s(la, links),
+            "zero_comm": np.maximum(zero3 - zero3_overlap * compute_s, 0.0),
             "optimizer": compute.optimizer_s(ctx, params, np.where(la.zero >= 1, la.dp, 1.0))}
 
 

@@ -2,17 +2,20 @@
 search, the CLI and the runtime code against)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
 from plan3d.cost.arrays import RECOMPUTE_CODES, layout_arrays
-from plan3d.cost.comm import layout_links
+from plan3d.cost.comm import GROUPS, layout_links
+from plan3d.cost.trust import provenance
 from plan3d.cost.context import make_context
 from plan3d.cost.core import MEMORY_KEYS, TIME_KEYS, Links, evaluate, link_row
+from plan3d.errors import LayoutError
 from plan3d.layout import Layout, check_layout
 from plan3d.rankmap import rankmap_for
 from plan3d.specs.cluster import ClusterSpec
+from plan3d.specs.engine import EngineSpec
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
 
@@ -36,17 +39,27 @@ class Estimate:
     worst_pp_rank: int
     warnings: list = field(default_factory=list)
     layout: dict = field(default_factory=dict)
+    engine: str = ""  # the engine predicted for ("" : the cluster's values alone)
+    provenance: list = field(default_factory=list)  # which fitted values were used, from what data
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def estimate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, layout: Layout) -> Estimate:
-    """Predict memory and step time of `layout`; raises LayoutError if it cannot run.
+def estimate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, layout: Layout,
+             engine: EngineSpec | None = None) -> Estimate:
+    """Predict memory and step time of `layout` as `engine` runs it; raises LayoutError if it
+    cannot run (or the engine cannot run it). No engine: the cluster's GPU values alone.
 
-    A layout smaller than the cluster runs on its first GPUs (whole nodes first)."""
+    A layout smaller than the cluster runs on its first GPUs (whole nodes first); an engine that
+    splits layers unevenly on its own (Megatron-DeepSpeed) gets its split."""
+    if engine is not None:
+        layout = engine.resolve_split(layout, model)
+        problems = engine.layout_problems(layout)
+        if problems:
+            raise LayoutError("; ".join(problems))
     check_layout(layout, model, training, cluster.world_size)
-    ctx = make_context(cluster, model, training)
+    ctx = make_context(cluster, model, training, engine)
     tiers = tuple(cluster.tiers())
     links = layout_links(layout.tp, layout.pp, layout.dp, layout.order, tiers, cluster.gpus_per_node, layout.cp)
     la = layout_arrays(training.global_batch, [layout.tp], [layout.pp], [layout.dp], [layout.micro_batch],
@@ -57,8 +70,10 @@ def estimate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, lay
     layers = np.array([sum(chunks[r::layout.pp]) for r in range(layout.pp)], dtype=np.float64)[:, None]
     pp_rank = np.arange(layout.pp, dtype=np.float64)[:, None]
     out = evaluate(ctx, la, link_arrays, pp_rank, layers, np.ones_like(layers))
-    return _to_estimate(out, layout, {k: v.tier for k, v in links.items()},
-                        _warnings(cluster, model, layout))
+    result = _to_estimate(out, layout, {k: links[k].tier for k in GROUPS}, _warnings(cluster, model, layout))
+    trust = provenance(cluster, engine, training)
+    return replace(result, engine=engine.name if engine else "", provenance=trust.lines,
+                   warnings=result.warnings + trust.warnings)
 
 
 def _to_estimate(out: dict, layout: Layout, tiers: dict, warnings: list[str]) -> Estimate:

@@ -42,7 +42,9 @@ def verdict_line(path: str, job, report: CheckReport) -> str:
 
 
 def print_check(path: str, job, report: CheckReport, fmt: str) -> None:
-    lines = [verdict_line(path, job, report)]
+    from plan3d.render.engine import engine_text
+
+    lines = [verdict_line(path, job, report), f"  engine: {engine_text(job.engine)}"]
     if fmt == "github":
         lines += [annotation(path, f) for f in report.findings]
     else:
@@ -70,7 +72,8 @@ def check_dict(path: str, job, report: CheckReport) -> dict:
     keep = ("step_time_s", "tokens_per_s", "model_tflops_per_gpu", "mfu", "peak_memory_bytes", "capacity_bytes",
             "fits", "bubble_fraction")
     return {"schema_version": SCHEMA_VERSION, "file": path, "valid": True, "ok": report.ok,
-            "cluster": job.cluster.name, "gpus": job.cluster.world_size, "model": job.model.name,
+            "engine": job.engine.name, "cluster": job.cluster.name, "gpus": job.cluster.world_size,
+            "model": job.model.name,
             "layout": job.layout.model_dump(mode="json") if job.layout is not None else None,
             "findings": [vars(f) for f in report.findings],
             "estimate": {k: est[k] for k in keep if k in est} if est else None,

@@ -60,11 +60,19 @@ def _layout_text(layout: dict) -> str:
     return ", ".join(parts) + f", order {layout['order']}"
 
 
-def print_estimate(est, cluster, model, training) -> None:
+def print_estimate(est, cluster, model, training, engine=None) -> None:
+    from rich.markup import escape
+
+    from plan3d.render.engine import engine_line, provenance_lines
+
     console = Console()
+    if engine is not None:
+        console.print(engine_line(engine))
     for line in summary_lines(est, cluster, model, training):
         console.print(line)
     console.print(memory_table(est))
     console.print(time_table(est))
+    for line in provenance_lines(est.provenance):
+        console.print(line)
     for warning in est.warnings:
-        console.print(f"[yellow]warning:[/yellow] {warning}")
+        console.print(f"[yellow]warning:[/yellow] {escape(warning)}")

@@ -55,7 +55,8 @@ def comparison_rows(summary: dict, predicted_state: dict[int, float]) -> list[tu
     return rows
 
 
-def print_summary(summary: dict, predicted_state: dict[int, float], run_dir: str, console: Console | None = None) -> None:
+def print_summary(summary: dict, predicted_state: dict[int, float], run_dir: str, console: Console | None = None,
+                  notes: list[str] = ()) -> None:
     console = console or Console()
     losses = ", ".join(f"{x:.4f}" for x in summary["losses"])
     console.print(f"losses (steps {summary['first_step']}..{summary['first_step'] + summary['steps'] - 1}): {losses}")
@@ -68,4 +69,10 @@ def print_summary(summary: dict, predicted_state: dict[int, float], run_dir: str
         table.add_row(name, show(measured) if measured is not None else "-",
                       show(predicted) if predicted is not None else "-", _ratio(measured, predicted))
     console.print(table)
+    from plan3d.specs.catalog import RUNTIME_ENGINE
+
+    console.print(f"predicted for the engine {summary.get('predicted', {}).get('engine') or RUNTIME_ENGINE} "
+                  "(plan3d's own runtime, which trained this run)")
+    for note in notes:
+        console.print(note)
     console.print(f"run directory: {run_dir} (metrics.jsonl, summary.json, logs/)")

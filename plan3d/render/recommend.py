@@ -52,9 +52,9 @@ def row_dict(result: SearchResult, row: int, tokens: float | None = None) -> dic
 def recommendation_dict(report: Recommendation, explain: bool = False) -> dict:
     r = report.result
     payload = {
-        "schema_version": SCHEMA_VERSION, "cluster": r.cluster.name, "nodes": r.cluster.nodes,
-        "gpus": r.cluster.world_size, "model": r.model.name, "training": r.training.model_dump(mode="json"),
-        "objective": report.objective, "search": r.stats(),
+        "schema_version": SCHEMA_VERSION, "engine": engine_name(r), "cluster": r.cluster.name,
+        "nodes": r.cluster.nodes, "gpus": r.cluster.world_size, "model": r.model.name,
+        "training": r.training.model_dump(mode="json"), "objective": report.objective, "search": r.stats(),
         "top": [dict(rank=i + 1, **row_dict(r, int(row), report.tokens)) for i, row in enumerate(report.shown)],
         "why": ranking.why_wins(r, report.order, report.objective),
         "pareto_front": [row_dict(r, int(row)) for row in ranking.pareto_front(r, report.order)],
@@ -69,6 +69,11 @@ def recommendation_dict(report: Recommendation, explain: bool = False) -> dict:
                                                           report.objective))
     payload["notes"] = report.notes
     return payload
+
+
+def engine_name(result: SearchResult) -> str:
+    """The engine the search predicted for ("" : the cluster's values alone)."""
+    return result.engine.name if result.engine is not None else ""
 
 
 def miss_dict(result: SearchResult, row: int) -> dict:
@@ -149,9 +154,17 @@ def layouts_table(result: SearchResult, rows, title: str, tokens: float | None =
     return table
 
 
+def print_engine(result: SearchResult, console: Console) -> None:
+    from plan3d.render.engine import engine_line
+
+    if result.engine is not None:
+        console.print(engine_line(result.engine))
+
+
 def print_recommendation(report: Recommendation, explain: bool = False, console: Console | None = None) -> None:
     console = console or wide_console()
     r = report.result
+    print_engine(r, console)
     if report.sweep is not None:
         console.print(sweep_table(report))
         fewest = next((s.cluster.nodes for s in report.sweep if s.feasible_count), None)
@@ -174,7 +187,8 @@ def print_recommendation(report: Recommendation, explain: bool = False, console:
     for why, n in r.rejected_by_reason().items():
         console.print(f"  rejected {n:>10,}  {why}")
     if explain and r.feasible_count:
-        print_explanation(Explanation(r, report.order, int(report.order[report.pick - 1]), report.objective), console)
+        print_explanation(Explanation(r, report.order, int(report.order[report.pick - 1]), report.objective), console,
+                          engine=False)
     for note in report.notes:
         console.print(note)
 
@@ -258,9 +272,19 @@ def explanation_sentences(ex: Explanation) -> list[str]:
 
 
 def explanation_dict(ex: Explanation) -> dict:
-    return {"schema_version": SCHEMA_VERSION, "position": ex.position, "feasible": ex.result.feasible_count,
-            "considered": ex.result.considered, "layout": row_dict(ex.result, ex.row),
-            "best": row_dict(ex.result, ex.best), "sentences": explanation_sentences(ex)}
+    trust = explanation_trust(ex)
+    return {"schema_version": SCHEMA_VERSION, "engine": engine_name(ex.result), "position": ex.position,
+            "feasible": ex.result.feasible_count, "considered": ex.result.considered,
+            "layout": row_dict(ex.result, ex.row), "best": row_dict(ex.result, ex.best),
+            "sentences": explanation_sentences(ex), "provenance": trust.lines, "warnings": trust.warnings}
+
+
+def explanation_trust(ex: Explanation):
+    """Which fitted values the explained numbers used, from what data (`plan3d.cost.trust`)."""
+    from plan3d.cost.trust import provenance
+
+    r = ex.result
+    return provenance(r.cluster, r.engine, r.training)
 
 
 def _fmt(key: str, value: float) -> str:
@@ -273,9 +297,16 @@ def _fmt(key: str, value: float) -> str:
     return _pct(value) if key == "mfu" else f"{value:,.0f}"
 
 
-def print_explanation(ex: Explanation, console: Console | None = None) -> None:
+def print_explanation(ex: Explanation, console: Console | None = None, engine: bool = True) -> None:
+    """The term table and sentences; `engine`: also the engine line (off under `recommend`, which printed it)."""
+    from rich.markup import escape
+
+    from plan3d.render.engine import provenance_lines
+
     console = console or wide_console()
     r, m = ex.result, ex.result.metrics
+    if engine:
+        print_engine(r, console)
     table = Table(title=f"explain: {r.layout(ex.row).short()} against the best, {r.layout(ex.best).short()}")
     for header in ("term", "this layout", "best", "difference"):
         table.add_column(header, justify="left" if header == "term" else "right")
@@ -286,6 +317,11 @@ def print_explanation(ex: Explanation, console: Console | None = None) -> None:
     console.print(table)
     for line in explanation_sentences(ex):
         console.print(line)
+    trust = explanation_trust(ex)
+    for line in provenance_lines(trust.lines):
+        console.print(line)
+    for warning in trust.warnings:
+        console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
 
 
 def pareto_points(result, order) -> list[dict]:

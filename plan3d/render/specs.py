@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from plan3d.cost.params import total_params
@@ -29,6 +30,11 @@ def catalog_rows() -> list[dict]:
         peak = g.peak_tflops.get("bf16") or max(g.peak_tflops.values())
         rows.append({"kind": "gpu", "name": name,
                      "summary": f"{g.memory_gib:g} GiB, {peak:g} TFLOP/s bf16 dense, {g.hbm_tbytes_per_s:g} TB/s"})
+    for name in catalog.bundled_names("engine"):
+        e = catalog.load_engine(name)
+        default = " [default]" if name == catalog.DEFAULT_ENGINE else ""
+        rows.append({"kind": "engine", "name": name,
+                     "summary": f"{e.description or e.name}{default}" + (f"; {e.version}" if e.version else "")})
     return rows
 
 
@@ -37,7 +43,7 @@ def print_catalog(rows: list[dict]) -> None:
     for column in ("kind", "name", "summary"):
         table.add_column(column)
     for row in rows:
-        table.add_row(row["kind"], row["name"], row["summary"])
+        table.add_row(row["kind"], row["name"], escape(row["summary"]))
     Console().print(table)
 
 
@@ -46,7 +52,7 @@ def print_spec(spec) -> None:
     table.add_column("field", style="bold")
     table.add_column("value")
     for key, value in spec.model_dump(exclude={"network", "gpu"}).items():
-        table.add_row(key, str(value))
+        table.add_row(key, escape(str(value)))
     if isinstance(spec, ModelSpec):
         table.add_row("parameters", f"{total_params(spec):,} ({count(total_params(spec))})")
     if isinstance(spec, ClusterSpec):

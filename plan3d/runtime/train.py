@@ -186,7 +186,7 @@ def _predicted(plan, precision: str) -> dict:
     from plan3d.report_run import estimate_as_run
 
     est = estimate_as_run(plan, precision)
-    return {k: est[k] for k in ("step_time_s", "peak_memory_bytes", "memory_bytes", "time_s") if k in est}
+    return {k: est[k] for k in ("step_time_s", "peak_memory_bytes", "memory_bytes", "time_s", "engine") if k in est}
 
 
 def train(args, run_dir: Path, rank: int, inject) -> None:

@@ -16,7 +16,10 @@ from plan3d.errors import SpecError, SpecNotFound
 from plan3d.specs.loader import read_mapping, validate
 
 BUNDLED = Path(__file__).resolve().parent.parent / "bundled"
-KINDS = {"gpu": "cluster_specs/gpus", "cluster": "cluster_specs", "model": "model_specs"}
+KINDS = {"gpu": "cluster_specs/gpus", "cluster": "cluster_specs", "model": "model_specs", "engine": "engine_specs"}
+DEFAULT_ENGINE = "megatron-core"  # what most large runs use today; CPU clusters: plan3d's runtime
+CPU_ENGINE = "plan3d-runtime"
+RUNTIME_ENGINE = CPU_ENGINE  # what `plan3d launch` trains with, so what its comparisons predict for
 SUFFIXES = (".yaml", ".yml", ".json")
 M = TypeVar("M", bound=BaseModel)
 
@@ -83,6 +86,22 @@ def load_model(name_or_path: str):
     from plan3d.specs.model import ModelSpec
 
     return load_spec("model", ModelSpec, name_or_path)
+
+
+@lru_cache(maxsize=64)
+def load_engine(name_or_path: str):
+    from plan3d.specs.engine import EngineSpec
+
+    return load_spec("engine", EngineSpec, name_or_path)
+
+
+def engine_for(name_or_path: str | None, cluster) -> "EngineSpec":
+    """The engine named, or the default: Megatron-Core on GPUs, plan3d's runtime where the
+    "GPU" is a CPU process (no other engine trains there)."""
+    if name_or_path:
+        return load_engine(name_or_path)
+    cpu = not cluster.gpu.compute_efficiency.host_overlap
+    return load_engine(CPU_ENGINE if cpu else DEFAULT_ENGINE)
 
 
 def require_positive(name: str, value: int | None) -> None:

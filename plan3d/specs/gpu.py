@@ -47,6 +47,8 @@ class ComputeEfficiency(StrictModel):
     micro_batch_overhead_s: float = Field(0.0, ge=0)
     dp_overlap_fraction: float = Field(0.8, ge=0, le=1)
     host_overlap: bool = True
+    fitted_on: str = Field("", description="The measured data these values were fitted on (empty: datasheet "
+                           "defaults, not calibrated).")
 
 
 class GPUSpec(StrictModel):

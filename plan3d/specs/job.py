@@ -5,6 +5,7 @@
     model: gpt3-175b
     training: {global_batch: 1536, precision: bf16}
     layout: {tp: 8, pp: 8, dp: 8, micro_batch: 1}
+    engine: megatron-core        # optional: bundled name, path or inline mapping; default by cluster
 """
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from pydantic import PositiveInt
 
 from plan3d.layout import Layout
 from plan3d.specs.base import StrictModel
-from plan3d.specs.catalog import load_cluster, load_model, resize
+from plan3d.specs.catalog import engine_for, load_cluster, load_model, resize
 from plan3d.specs.cluster import ClusterSpec
+from plan3d.specs.engine import EngineSpec
 from plan3d.specs.loader import read_mapping, validate
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
@@ -28,18 +30,21 @@ class JobSpec(StrictModel):
     model: str | ModelSpec
     training: TrainingSpec
     layout: Layout | None = None
+    engine: str | EngineSpec | None = None
 
 
 class Job(StrictModel):
-    """A job with every name resolved."""
+    """A job with every name resolved (the engine: the job's, or the cluster's default)."""
 
     cluster: ClusterSpec
     model: ModelSpec
     training: TrainingSpec
     layout: Layout | None = None
+    engine: EngineSpec
 
 
-def load_job(path_str: str) -> Job:
+def load_job(path_str: str, engine: EngineSpec | None = None) -> Job:
+    """The job file with names resolved; `engine` (e.g. `check --engine`) overrides the file's `engine:`."""
     path = Path(path_str)
     spec = validate(JobSpec, read_mapping(path), path_str)
     base = path.parent
@@ -49,7 +54,10 @@ def load_job(path_str: str) -> Job:
     else:
         cluster = resize(cluster, spec.nodes, spec.gpus_per_node, path_str)
     model = load_model(_relative(base, spec.model)) if isinstance(spec.model, str) else spec.model
-    return Job(cluster=cluster, model=model, training=spec.training, layout=spec.layout)
+    if engine is None:
+        engine = spec.engine if isinstance(spec.engine, EngineSpec) else \
+            engine_for(spec.engine and _relative(base, spec.engine), cluster)
+    return Job(cluster=cluster, model=model, training=spec.training, layout=spec.layout, engine=engine)
 
 
 def _relative(base: Path, name_or_path: str) -> str:

@@ -1,0 +1,370 @@
+"""How well plan3d predicts published training runs it was (or was not) fitted to.
+
+    .venv/bin/python benchmarks/published.py             # per-run and per-source table, bundled values
+    .venv/bin/python benchmarks/published.py --loso      # + leave-one-source-out (refits without each source)
+    .venv/bin/python benchmarks/published.py --fit       # fit the global values on every source, print them
+    .venv/bin/python benchmarks/published.py --json      # the same figures for machines
+
+Every run of ../shared/data/published/runs.yaml with a step time (published_runs.py says how
+each is read) is predicted with `estimate` on the bundled cluster of its GPU, with the engine
+profile of the software that ran it. The fitted values are few and global (FIT_KEYS: the GEMM
+ceiling of each GPU generation, the attention-score traffic of unfused softmax engines, the
+host overhead of each engine family); no value belongs to a run, a model or a source. The fit
+minimises the mean over sources of each source's MAPE, so that one large source does not
+outweigh the others.
+
+Leave-one-source-out: for each source, the values are fitted on all other sources and the left
+out one is predicted. A value that no remaining source informs (the only H100 source left out)
+keeps its bundled prior (the GPU spec's datasheet default).
+
+Orderings: within each group of runs a source compares directly (same model, GPU count and
+global batch: Narayanan's PTD-P vs ZeRO-3, Korthikanti's selective + SP vs full recompute, the
+BLOOM topology grids), every pair whose measured times differ by more than 10% is counted
+right when the prediction orders it the same way.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from functools import lru_cache
+from itertools import combinations, product
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from published_runs import DATA, Run, load  # noqa: E402
+
+from plan3d.cost.estimate import estimate  # noqa: E402
+from plan3d.errors import LayoutError  # noqa: E402
+from plan3d.layout import Layout  # noqa: E402
+from plan3d.specs.catalog import load_cluster, load_engine  # noqa: E402
+
+# name -> (what it sets, where); GPU generations by GPU spec names, engines by engine names
+LEGACY = ("megatron-lm-2021", "deepspeed", "megatron-deepspeed")  # Megatron's 2020-2022 GPT model code
+FIT_KEYS = {
+    "a100.max_fraction": ("gpu", ("a100-80gb", "a100-40gb"), "max_fraction"),
+    "unfused.attention_score_bytes": ("engine", LEGACY, "attention_score_bytes"),
+    "legacy.layer_overhead_s": ("engine", LEGACY, "layer_overhead_s"),
+    "megatron-deepspeed.gemm_efficiency_scale": ("engine", ("megatron-deepspeed",), "gemm_efficiency_scale"),
+    "megatron-core.elementwise_bytes": ("engine", ("megatron-core",), "elementwise_bytes"),
+    "megatron-core.gemm_efficiency_scale": ("engine", ("megatron-core",), "gemm_efficiency_scale"),
+    "a100.nvlink_latency_us": ("tier", ("dgx-a100-80g", "dgx-a100-40g"), "latency_us"),
+}
+SCALE = {"a100.max_fraction": 1.0, "a100.nvlink_latency_us": 10.0, "megatron-core.gemm_efficiency_scale": 1.0, "unfused.attention_score_bytes": 10.0,
+         "legacy.layer_overhead_s": 1e-3, "megatron-deepspeed.gemm_efficiency_scale": 1.0,
+         "megatron-core.elementwise_bytes": 1.0}
+BOUNDS = {"a100.max_fraction": (0.3, 1.0), "a100.nvlink_latency_us": (0.5, 50.0), "megatron-core.gemm_efficiency_scale": (0.3, 1.0),
+          "unfused.attention_score_bytes": (0.0, 100.0), "legacy.layer_overhead_s": (0.0, 5e-3),
+          "megatron-deepspeed.gemm_efficiency_scale": (0.3, 1.0), "megatron-core.elementwise_bytes": (0.0, 64.0)}
+# Where each value starts, and what it keeps when no training run informs it (leave-one-source-out
+# never starts from the bundled values, which were fitted on every source): the GPU spec's
+# datasheet default for a GEMM ceiling, the vTrain fit (another data set) for the legacy Megatron
+# software, no slowdown for an engine, and the HBM traffic counted from the kernels of a fused
+# Megatron-Core layer (about 4 bytes per element, docs/cost-model.md).
+PRIORS = {"a100.max_fraction": 0.75, "a100.nvlink_latency_us": 5.0, "megatron-core.gemm_efficiency_scale": 1.0, "unfused.attention_score_bytes": 24.46,
+          "legacy.layer_overhead_s": 7.87e-4, "megatron-deepspeed.gemm_efficiency_scale": 1.0,
+          "megatron-core.elementwise_bytes": 4.0}
+ENGINE_SCALES = ("megatron-deepspeed.gemm_efficiency_scale", "megatron-core.gemm_efficiency_scale")
+# which runs inform which value (a value no training run informs keeps its prior)
+INFORMED_BY = {
+    "a100.max_fraction": lambda r: r.cluster.startswith("dgx-a100"),
+    "megatron-core.gemm_efficiency_scale": lambda r: r.engine == "megatron-core",
+    "a100.nvlink_latency_us": lambda r: r.cluster.startswith("dgx-a100") and r.knobs["tp"] > 1,
+    "unfused.attention_score_bytes": lambda r: r.engine in LEGACY,
+    "legacy.layer_overhead_s": lambda r: r.engine in LEGACY,
+    "megatron-deepspeed.gemm_efficiency_scale": lambda r: r.engine == "megatron-deepspeed",
+    "megatron-core.elementwise_bytes": lambda r: r.engine == "megatron-core",
+}
+ORDER_GAP = 0.10
+
+
+# ---- prediction --------------------------------------------------------------------------------
+def bundled_params() -> dict[str, float]:
+    out = {}
+    for key, (kind, names, field) in FIT_KEYS.items():
+        if kind == "gpu":
+            out[key] = getattr(load_cluster(_cluster_with_gpu(names[0])).gpu.compute_efficiency, field)
+        elif kind == "tier":
+            out[key] = getattr(load_cluster(names[0]).network[0], field)
+        else:
+            eng = load_engine(names[0])
+            out[key] = getattr(eng.efficiency if kind == "engine" else eng.runs_as, field)
+    return out
+
+
+def _cluster_with_gpu(gpu: str) -> str:
+    return {"a100-80gb": "dgx-a100-80g", "a100-40gb": "dgx-a100-40g", "h100-sxm": "dgx-h100"}[gpu]
+
+
+@lru_cache(maxsize=512)
+def _cluster(name: str, gpus: int, params: tuple):
+    base = load_cluster(name)
+    nodes = -(-gpus // base.gpus_per_node)
+    theta = dict(params)
+    updates = {field: theta[key] for key, (kind, names, field) in FIT_KEYS.items()
+               if kind == "gpu" and base.gpu.name in names}
+    gpu = base.gpu.model_copy(update={"compute_efficiency": base.gpu.compute_efficiency.model_copy(update=updates)})
+    inner = {field: theta[key] for key, (kind, names, field) in FIT_KEYS.items() if kind == "tier" and name in names}
+    network = [base.network[0].model_copy(update=inner)] + list(base.network[1:])
+    return base.model_copy(update={"nodes": nodes, "gpu": gpu, "network": network})
+
+
+@lru_cache(maxsize=64)
+def _engine(name: str, params: tuple):
+    base = load_engine(name)
+    theta = dict(params)
+    def updates(section: str) -> dict:
+        return {field: theta[key] for key, (kind, names, field) in FIT_KEYS.items() if kind == section and name in names}
+
+    return base.model_copy(update={"efficiency": base.efficiency.model_copy(update=updates("engine")),
+                                   "runs_as": base.runs_as.model_copy(update=updates("runs_as"))})
+
+
+def candidates(run: Run, engine) -> list[Layout]:
+    """The layouts the run may have used: its stated knobs, and every value of the unstated
+    ones that the engine can run."""
+    per_replica = run.training.global_batch // run.knobs["dp"]
+    choices = {
+        "micro_batch": [b for b in (1, 2, 4, 8, 16) if per_replica % b == 0],
+        "vpp": [v for v in (1, 2, 3, 4, 6, 8) if v == 1 or engine.can_run.interleaving],
+        "recompute": list(engine.can_run.recompute),
+        "sequence_parallel": [False, True] if engine.can_run.sequence_parallel else [False],
+    }
+    unknown = [k for k in run.unknown]
+    out = []
+    for values in product(*(choices[k] for k in unknown)):
+        fields = dict(run.knobs, **dict(zip(unknown, values)))
+        try:
+            out.append(Layout(**fields))
+        except ValueError:
+            continue
+    return out
+
+
+def predict_run(run: Run, params: tuple) -> tuple[float, Layout | None]:
+    """Predicted step time (s) and the layout it was predicted for (fastest that fits among the
+    candidates; the fastest of all if none fits)."""
+    cluster, engine = _cluster(run.cluster, run.gpus, params), _engine(run.engine, params)
+    best_fit, best_any = (np.inf, None), (np.inf, None)
+    for layout in candidates(run, engine):
+        try:
+            est = estimate(cluster, run.model, run.training, layout, engine)
+        except LayoutError:
+            continue
+        if est.step_time_s < best_any[0]:
+            best_any = (est.step_time_s, layout)
+        if est.fits and est.step_time_s < best_fit[0]:
+            best_fit = (est.step_time_s, layout)
+    return best_fit if best_fit[1] is not None else best_any
+
+
+def predict(runs: list[Run], params: dict) -> np.ndarray:
+    key = tuple(sorted(params.items()))
+    return np.array([predict_run(r, key)[0] for r in runs])
+
+
+def resolve(runs: list[Run], params: dict) -> list[Layout | None]:
+    """The layout each run is predicted for under `params` (its unstated knobs resolved)."""
+    key = tuple(sorted(params.items()))
+    return [predict_run(r, key)[1] for r in runs]
+
+
+def predict_fixed(runs: list[Run], layouts: list[Layout | None], params: dict) -> np.ndarray:
+    """Step times of runs whose layouts are already resolved (fits keep them fixed: fast)."""
+    key = tuple(sorted(params.items()))
+    out = []
+    for run, layout in zip(runs, layouts):
+        if layout is None:
+            out.append(np.nan)
+            continue
+        est = estimate(_cluster(run.cluster, run.gpus, key), run.model, run.training, layout, _engine(run.engine, key))
+        out.append(est.step_time_s)
+    return np.array(out)
+
+
+# ---- metrics -----------------------------------------------------------------------------------
+def errors_pct(runs: list[Run], predicted: np.ndarray) -> np.ndarray:
+    measured = np.array([r.measured_s for r in runs])
+    return (predicted - measured) / measured * 100
+
+
+def by_source(runs: list[Run]) -> dict[str, list[int]]:
+    groups = defaultdict(list)
+    for i, r in enumerate(runs):
+        groups[r.source].append(i)
+    return dict(groups)
+
+
+def summary(err: np.ndarray) -> dict:
+    finite = err[np.isfinite(err)]
+    return {"runs": int(len(err)), "mape_pct": float(np.mean(np.abs(finite))) if len(finite) else float("nan"),
+            "bias_pct": float(np.mean(finite)) if len(finite) else float("nan"),
+            "max_abs_pct": float(np.max(np.abs(finite))) if len(finite) else float("nan"),
+            "unpredicted": int(len(err) - len(finite))}
+
+
+def source_mape_mean(runs: list[Run], predicted: np.ndarray) -> float:
+    err = np.abs(errors_pct(runs, predicted))
+    err = np.where(np.isfinite(err), err, 100.0)
+    return float(np.mean([err[idx].mean() for idx in by_source(runs).values()]))
+
+
+def ordering_pairs(runs: list[Run], predicted: np.ndarray) -> list[dict]:
+    """Pairs a source compares directly, whose measured times differ by more than ORDER_GAP."""
+    groups = defaultdict(list)
+    for i, r in enumerate(runs):
+        m = r.model
+        groups[(r.source, m.layers, m.hidden, m.heads, r.gpus, r.training.global_batch)].append(i)
+    pairs = []
+    for idx in groups.values():
+        for i, j in combinations(idx, 2):
+            a, b = runs[i].measured_s, runs[j].measured_s
+            if abs(a - b) / min(a, b) <= ORDER_GAP:
+                continue
+            right = bool((predicted[i] - predicted[j]) * (a - b) > 0)
+            pairs.append({"faster": runs[i].id if a < b else runs[j].id, "slower": runs[j].id if a < b else runs[i].id,
+                          "measured_ratio": max(a, b) / min(a, b), "right": right})
+    return pairs
+
+
+# ---- fitting -----------------------------------------------------------------------------------
+def nelder_mead(f, x0: np.ndarray, step: float = 0.15, iters: int = 120, tol: float = 1e-3) -> np.ndarray:
+    """Minimise f from x0 (Nelder and Mead 1965, standard coefficients)."""
+    simplex = [x0] + [x0 * (1 + step * np.eye(len(x0))[i]) + step * 0.01 * np.eye(len(x0))[i] for i in range(len(x0))]
+    values = [f(x) for x in simplex]
+    for _ in range(iters):
+        order = np.argsort(values)
+        simplex, values = [simplex[i] for i in order], [values[i] for i in order]
+        if values[-1] - values[0] < tol:
+            break
+        centroid = np.mean(simplex[:-1], axis=0)
+        reflected = centroid + (centroid - simplex[-1])
+        fr = f(reflected)
+        if fr < values[0]:
+            expanded = centroid + 2 * (centroid - simplex[-1])
+            fe = f(expanded)
+            simplex[-1], values[-1] = (expanded, fe) if fe < fr else (reflected, fr)
+        elif fr < values[-2]:
+            simplex[-1], values[-1] = reflected, fr
+        else:
+            contracted = centroid + 0.5 * (simplex[-1] - centroid)
+            fc = f(contracted)
+            if fc < values[-1]:
+                simplex[-1], values[-1] = contracted, fc
+            else:
+                simplex = [simplex[0]] + [simplex[0] + 0.5 * (s - simplex[0]) for s in simplex[1:]]
+                values = [values[0]] + [f(s) for s in simplex[1:]]
+    return simplex[int(np.argmin(values))]
+
+
+
+def fit(runs: list[Run], start: dict) -> dict:
+    """The FIT_KEYS values (those the runs inform) minimising the mean per-source MAPE."""
+    keys = [k for k in FIT_KEYS if any(INFORMED_BY[k](r) for r in runs)]
+
+    def decode(x):
+        theta = dict(start)
+        for k, v in zip(keys, x):
+            lo, hi = BOUNDS[k]
+            theta[k] = float(np.clip(v * SCALE[k], lo, hi))
+        return theta
+
+    layouts = resolve(runs, start)
+    x = nelder_mead(lambda x: source_mape_mean(runs, predict_fixed(runs, layouts, decode(x))),
+                    np.array([start[k] / SCALE[k] for k in keys]))
+    return pool_engine_scales(decode(x), keys)
+
+
+def pool_engine_scales(theta: dict, informed: list[str]) -> dict:
+    """An engine whose runs were not in the fit is assumed to reach the mean GEMM efficiency of
+    the engines that were (Megatron-LM 2020-2022, the reference, counting as 1.0): partial
+    pooling rather than the optimistic 1.0. The same rule sets the bundled value of engines with
+    no published runs (torchtitan)."""
+    scales = [1.0] + [theta[k] for k in ENGINE_SCALES if k in informed]
+    return theta | {k: float(np.mean(scales)) for k in ENGINE_SCALES if k not in informed}
+
+
+def leave_one_source_out(runs: list[Run], start: dict) -> tuple[np.ndarray, dict]:
+    """Predicted step time of every run by a fit that never saw its source, and those fits."""
+    predicted, fits = np.full(len(runs), np.nan), {}
+    for source, idx in by_source(runs).items():
+        train = [r for i, r in enumerate(runs) if i not in set(idx)]
+        fits[source] = fit(train, start)
+        predicted[idx] = predict([runs[i] for i in idx], fits[source])
+    return predicted, fits
+
+
+# ---- output ------------------------------------------------------------------------------------
+def report(runs: list[Run], predicted: np.ndarray, params: dict) -> dict:
+    err = errors_pct(runs, predicted)
+    key = tuple(sorted(params.items()))
+    rows = []
+    for r, p, e in zip(runs, predicted, err):
+        layout = predict_run(r, key)[1]
+        rows.append({"id": r.id, "source": r.source, "engine": r.engine, "measured_s": r.measured_s,
+                     "predicted_s": float(p), "error_pct": float(e),
+                     "layout": layout.short() if layout else None, "resolved": list(r.unknown)})
+    pairs = ordering_pairs(runs, predicted)
+    return {"rows": rows, "sources": {s: summary(err[idx]) for s, idx in by_source(runs).items()},
+            "all": summary(err), "source_mape_mean_pct": source_mape_mean(runs, predicted),
+            "orderings": {"pairs": len(pairs), "right": sum(p["right"] for p in pairs), "list": pairs},
+            "params": params}
+
+
+def print_report(title: str, rep: dict, per_run: bool = True) -> None:
+    print(f"\n## {title}")
+    if per_run:
+        print(f"{'run':42s} {'engine':18s} {'measured':>9s} {'predicted':>9s} {'error':>7s}  layout (resolved knobs)")
+        for row in rep["rows"]:
+            resolved = f" ({', '.join(row['resolved'])})" if row["resolved"] else ""
+            print(f"{row['id']:42s} {row['engine']:18s} {row['measured_s']:9.3f} {row['predicted_s']:9.3f} "
+                  f"{row['error_pct']:+6.1f}%  {row['layout']}{resolved}")
+    print(f"\n{'source':22s} {'runs':>4s} {'MAPE':>7s} {'bias':>7s} {'max':>7s}")
+    for source, s in rep["sources"].items():
+        print(f"{source:22s} {s['runs']:4d} {s['mape_pct']:6.1f}% {s['bias_pct']:+6.1f}% {s['max_abs_pct']:6.1f}%")
+    a = rep["all"]
+    print(f"{'all runs':22s} {a['runs']:4d} {a['mape_pct']:6.1f}% {a['bias_pct']:+6.1f}% {a['max_abs_pct']:6.1f}%")
+    print(f"mean of the per-source MAPEs: {rep['source_mape_mean_pct']:.1f}%")
+    o = rep["orderings"]
+    print(f"orderings (pairs differing by > {ORDER_GAP:.0%}): {o['right']} of {o['pairs']} right")
+    for p in o["list"]:
+        if not p["right"]:
+            print(f"  wrong: {p['faster']} measured {p['measured_ratio']:.2f}x faster than {p['slower']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", type=Path, default=DATA, help="runs.yaml (default: ../shared/data/published)")
+    parser.add_argument("--fit", action="store_true", help="fit the global values on every source and print them")
+    parser.add_argument("--loso", action="store_true", help="also the leave-one-source-out table (refits, minutes)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if not args.data.is_file():
+        print(f"published.py: {args.data} not found; pass --data PATH/runs.yaml", file=sys.stderr)
+        return 2
+    runs, excluded = load(args.data)
+    params = bundled_params()
+    if args.fit:
+        params = fit(runs, PRIORS)
+    out = {"bundled" if not args.fit else "fitted": report(runs, predict(runs, params), params),
+           "excluded": excluded}
+    if args.loso:
+        predicted, fits = leave_one_source_out(runs, PRIORS)
+        out["leave_one_source_out"] = report(runs, predicted, params) | {"fits": fits}
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    title = "fitted on every source" if args.fit else "bundled values"
+    print_report(f"{title}: {', '.join(f'{k}={v:.4g}' for k, v in params.items())}", out.get("bundled") or out["fitted"])
+    print("\nexcluded:", "; ".join(f"{i} ({why})" for i, why in excluded))
+    if args.loso:
+        print_report("leave-one-source-out (each source predicted by a fit that never saw it)",
+                     out["leave_one_source_out"], per_run=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""Published training runs (../shared/data/published/runs.yaml) as plan3d inputs.
+
+Each run becomes (cluster, model, training, engine, layout knobs, measured step time). The rules,
+stated once here (see the data README):
+
+- Step time: `measured.iteration_time_s` (or `_ms`) where the source gives it, else
+  `derived.iteration_time_s` (computed by the data set from the source's own FLOP convention),
+  else the step time implied by a published MFU under the source's convention (Megatron-Core's
+  `num_floating_point_operations` for its README table, PaLM's 6N + 12 L h s per token for
+  GLM-130B). Runs whose throughput has no stated FLOP convention (OPT, GPT-NeoX, Megatron 2019)
+  give no step time: listed as excluded, with the reason.
+- Engine: the software that ran it (Megatron-LM 2020-2022, Megatron-Core, Megatron-DeepSpeed,
+  DeepSpeed ZeRO-3).
+- Hardware: the bundled cluster of that GPU (DGX A100 40/80 GB, DGX H100, DGX-2 for V100),
+  sized to the run's GPU count.
+- Knobs a source does not state (micro-batch, interleaving depth, recompute, sequence
+  parallelism) are resolved as the publisher would have tuned them: the fastest predicted
+  choice that fits in memory among those the engine can run. Which knobs were resolved is kept
+  with each run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from plan3d.specs.model import ModelSpec
+from plan3d.specs.training import TrainingSpec
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = REPO.parent / "shared" / "data" / "published" / "runs.yaml"
+PEAK = {"a100": 312e12, "h100": 989e12, "v100": 125e12}
+
+
+@dataclass
+class Run:
+    id: str
+    source: str
+    engine: str
+    cluster: str  # bundled cluster name
+    gpus: int
+    model: ModelSpec
+    training: TrainingSpec
+    knobs: dict  # Layout fields the source states
+    unknown: tuple[str, ...]  # knobs to resolve (micro_batch, vpp, recompute, sequence_parallel)
+    measured_s: float
+    how_measured: str
+
+
+def load(path: Path = DATA) -> tuple[list[Run], list[tuple[str, str]]]:
+    """(runs with a step time, [(id, why excluded)])."""
+    data = yaml.safe_load(path.read_text())
+    runs, excluded = [], []
+    for row in data["runs"]:
+        try:
+            runs.append(to_run(row))
+        except Excluded as why:
+            excluded.append((row["id"], str(why)))
+    return runs, excluded
+
+
+class Excluded(Exception):
+    """A run that cannot be turned into a step-time measurement (the reason is the message)."""
+
+
+def to_run(row: dict) -> Run:
+    source, m, par, batch, train = (row["source"]["ref"], row["model"], row["parallelism"], row["batch"],
+                                    row["training"])
+    gpu = gpu_kind(row["hardware"]["gpu"])
+    model = model_of(row, m)
+    gb = int(batch["global_batch_seqs"])
+    precision = "bf16" if "bf16" in (str(train.get("precision")) + str(train.get("framework"))).lower() else "fp16"
+    # Megatron-LM and DeepSpeed keep 16-bit gradients in fp16 and accumulate in fp32 with bf16
+    training = TrainingSpec(global_batch=gb, precision=precision, fp32_grad_accum=precision == "bf16")
+    engine = engine_of(source, row)
+    knobs, unknown = knobs_of(row, par, batch, train, engine)
+    measured, how = step_time(row, model, gb, gpu)
+    return Run(id=row["id"], source=source, engine=engine, cluster=cluster_of(gpu, row), gpus=int(row["hardware"]["num_gpus"]),
+               model=model, training=training, knobs=knobs, unknown=unknown, measured_s=measured,
+               how_measured=how)
+
+
+def gpu_kind(text: str) -> str:
+    text = text.lower()
+    for kind in ("a100", "h100", "v100"):
+        if kind in text:
+            return kind
+    raise Excluded(f"GPU {text!r} has no bundled spec")
+
+
+def cluster_of(gpu: str, row: dict) -> str:
+    if gpu == "v100":
+        return "dgx-2"
+    if gpu == "h100":
+        return "dgx-h100"
+    hw = str(row["hardware"]["gpu"]).lower()
+    # DGX A100 shipped with 40 GB in 2020; the 80 GB part came in 2021
+    return "dgx-a100-40g" if "40gb" in hw or row["source"]["ref"] == "megatron_readme_2020" else "dgx-a100-80g"
+
+
+def model_of(row: dict, m: dict) -> ModelSpec:
+    arch = str(m.get("arch", "")).lower()
+    gated = "geglu" in arch or "swiglu" in arch
+    position = "alibi" if row["source"]["ref"] == "bloom_tr11" else "rope" if "rope" in arch else "learned"
+    return ModelSpec(name=row["id"], layers=m["layers"], hidden=m["hidden"], heads=m["heads"],
+                     kv_heads=m.get("kv_heads"), ffn_hidden=m.get("ffn_hidden"),
+                     activation="swiglu" if gated else "gelu", vocab=int(m["vocab"]), seq_len=m["seq_len"],
+                     position=position, tied_embeddings=True)
+
+
+def engine_of(source: str, row: dict) -> str:
+    zero = str(row["parallelism"].get("zero", "")).lower()
+    if "zero-3" in zero:
+        return "deepspeed"
+    if source in ("narayanan2021", "korthikanti2022", "megatron_readme_2020"):
+        return "megatron-lm-2021"
+    if source == "megatron_readme_h100":
+        return "megatron-core"
+    return "megatron-deepspeed"  # BLOOM, MT-NLG, GLM-130B (DeepSpeed pipeline + Megatron TP)
+
+
+def recompute_of(text) -> str | None:
+    text = str(text).lower()
+    if text.startswith("selective"):
+        return "selective"
+    if text.startswith(("full", "yes")):
+        return "full"
+    return None
+
+
+def knobs_of(row: dict, par: dict, batch: dict, train: dict, engine: str) -> tuple[dict, tuple[str, ...]]:
+    zero = str(par.get("zero", "")).lower()
+    knobs = {"tp": int(par["tp"]), "pp": int(par["pp"]), "dp": int(par["dp"]),
+             "zero": 3 if "zero-3" in zero else 1 if ("zero-1" in zero or "distributed" in zero) else 0}
+    if engine == "megatron-core":
+        knobs["zero"] = 1  # the README table's runs use the distributed optimizer (stated for the weak-scaling rows)
+    if knobs["dp"] == 1:
+        knobs["zero"] = 0
+    unknown = []
+    mb = batch.get("micro_batch")
+    if isinstance(mb, int):
+        knobs["micro_batch"] = mb
+    else:
+        unknown.append("micro_batch")
+    vpp = par.get("vpp")
+    schedule = str(par.get("pipeline_schedule", "")).lower()
+    if isinstance(vpp, int):
+        knobs["vpp"] = vpp
+    elif knobs["pp"] > 1 and engine in ("megatron-lm-2021", "megatron-core") and "1f1b" not in schedule.replace("interleaved 1f1b", ""):
+        unknown.append("vpp")  # PTD-P's interleaving depth, not stated
+    recompute = recompute_of(train.get("activation_recompute"))
+    if recompute is None and engine == "megatron-lm-2021":
+        recompute = "full"  # Megatron-LM's 2019-2021 example scripts all set --checkpoint-activations
+    if recompute:
+        knobs["recompute"] = recompute
+    else:
+        unknown.append("recompute")
+    sp = par.get("sequence_parallel")
+    if isinstance(sp, bool):
+        knobs["sequence_parallel"] = sp and knobs["tp"] > 1
+    elif knobs["tp"] > 1 and engine == "megatron-core":
+        unknown.append("sequence_parallel")
+    return knobs, tuple(unknown)
+
+
+def model_flops_megatron(model: ModelSpec, gb: int) -> float:
+    """Megatron-Core num_floating_point_operations (r0.8): 12 B s L h^2 [(1 + g/a + s/h) q/h
+    + (f/h) gated + V/(2 L h)], the s^2 term not causally halved."""
+    h, s, L = model.hidden, model.seq_len, model.layers
+    q = model.heads * model.head_dim_ / h
+    gated = 1.5 if model.activation == "swiglu" else 1.0
+    return 12 * gb * s * L * h * h * ((1 + model.kv_heads_ / model.heads + s / h) * q
+                                      + model.ffn_hidden_ / h * gated + model.vocab / (2 * L * h))
+
+
+def model_flops_palm(model: ModelSpec, gb: int) -> float:
+    """PaLM (Chowdhery et al. 2022, appendix B): 6N + 12 L h s per token, N without embeddings."""
+    h, s, L = model.hidden, model.seq_len, model.layers
+    mats = 3 if model.activation == "swiglu" else 2
+    n = L * (4 * h * h + mats * h * model.ffn_hidden_)
+    return gb * s * (6 * n + 12 * L * h * s)
+
+
+def step_time(row: dict, model: ModelSpec, gb: int, gpu: str) -> tuple[float, str]:
+    meas, der = row["measured"], row.get("derived") or {}
+    if isinstance(meas.get("iteration_time_s"), (int, float)):
+        return float(meas["iteration_time_s"]), "measured"
+    if isinstance(meas.get("iteration_time_ms"), (int, float)):
+        return float(meas["iteration_time_ms"]) / 1e3, "measured"
+    if isinstance(der.get("iteration_time_s"), (int, float)):
+        return float(der["iteration_time_s"]), "derived by the data set from the source's FLOP convention"
+    n = int(row["hardware"]["num_gpus"])
+    if row["source"]["ref"] == "megatron_readme_h100" and meas.get("mfu_pct"):
+        return model_flops_megatron(model, gb) / (n * meas["mfu_pct"] / 100 * PEAK[gpu]), "from MFU (Megatron-Core FLOPs)"
+    if row["source"]["ref"] == "glm130b" and meas.get("mfu_pct"):
+        return model_flops_palm(model, gb) / (n * meas["mfu_pct"] / 100 * PEAK[gpu]), "from MFU (PaLM FLOPs)"
+    raise Excluded("no step time: throughput without a stated FLOP convention")
+

@@ -1,0 +1,46 @@
+"""How far to trust a number: which fitted values an estimate used, and from what data.
+
+An estimate is only as good as the values behind it. The GPU spec carries the hardware values
+(the GEMM efficiency curve) and says what they were fitted on (`compute_efficiency.fitted_on`);
+the engine profile carries its software values (`efficiency.fitted_on`) and the GPUs of the runs
+they were fitted on (`efficiency.calibrated_gpus`). A prediction is inside the validated region
+when some calibration run had this engine on this GPU; outside it (an engine never measured on
+this GPU, a datasheet-only GPU, an engine profile without measured runs, FP8) it is flagged, so
+that a user reads it as a first guess.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plan3d.specs.cluster import ClusterSpec
+from plan3d.specs.engine import EngineSpec
+from plan3d.specs.training import TrainingSpec
+
+
+@dataclass(frozen=True)
+class Trust:
+    lines: list[str]  # one per source of values
+    warnings: list[str]  # predictions outside the validated region
+
+
+def provenance(cluster: ClusterSpec, engine: EngineSpec | None, training: TrainingSpec) -> Trust:
+    """The fitted values an estimate of `engine` on `cluster` uses, and what is not validated."""
+    gpu = cluster.gpu
+    gpu_fit = gpu.compute_efficiency.fitted_on
+    lines = [f"{gpu.name}: GEMM efficiency " + (f"fitted on {gpu_fit}" if gpu_fit else "datasheet defaults, not calibrated")]
+    warnings = []
+    engine_on_gpu = False
+    if engine is not None:
+        fit = engine.efficiency.fitted_on
+        lines.append(f"{engine.name}: software values " + (f"fitted on {fit}" if fit else "not fitted (estimates)"))
+        engine_on_gpu = bool(fit) and gpu.name in engine.efficiency.calibrated_gpus
+        if not fit and engine.software_values():
+            warnings.append(f"engine {engine.name} has no fitted values: its overheads are estimates")
+        elif fit and not engine_on_gpu and engine.efficiency.calibrated_gpus:
+            warnings.append(f"no calibration run of {engine.name} on {gpu.name} (its values were fitted on "
+                            f"{', '.join(engine.efficiency.calibrated_gpus)}): outside the validated region")
+    if not gpu_fit and not engine_on_gpu:
+        warnings.append(f"{gpu.name} has no fitted efficiency values (datasheet only): treat times as a first guess")
+    if training.precision == "fp8":
+        warnings.append("fp8 is not calibrated: GEMMs run at the fp8 peak with the bf16 efficiency curve")
+    return Trust(lines, warnings)

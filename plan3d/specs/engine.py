@@ -1,0 +1,172 @@
+"""Engine spec: what a training engine can run, and how it runs it.
+
+A prediction is always of some engine running a layout. The same (tp, pp, dp, ZeRO) layout is a
+different job under Megatron-Core (flash attention, overlapped gradient reduction), Megatron-LM of
+2020-2022 (attention scores written to HBM, gradients reduced after the backward) or DeepSpeed
+ZeRO-3 (parameter gathers per micro-batch). An engine profile says
+
+- `can_run`: the layouts the engine accepts (ZeRO stages with and without pipeline parallelism,
+  sequence parallelism, interleaving, recompute granularities, rank orders, uneven pipeline
+  splits). The search only proposes what the chosen engine can run; `estimate` refuses the rest
+  with a sentence naming the engine.
+- `runs_as`: how it runs it, as physics the cost model reads (attention kernel, what is
+  overlapped with compute, how ZeRO-3 collectives use the network).
+- `efficiency`: values of the engine's software fitted on measured runs (non-GEMM bytes, host
+  overheads); a value left empty falls back to the GPU spec's `compute_efficiency`, so a cluster
+  calibrated with `plan3d calibrate` keeps its measured values under an engine that sets none.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from plan3d.layout import DEFAULT_ORDER, Layout, parse_order
+from plan3d.specs.base import StrictModel
+from plan3d.specs.model import ModelSpec
+
+Recompute = Literal["none", "selective", "full"]
+UnevenSplit = Literal["none", "explicit", "embedding-as-layer"]
+SOFTWARE_KEYS = ("elementwise_bytes", "attention_score_bytes", "layer_overhead_s", "micro_batch_overhead_s",
+                 "dp_overlap_fraction")
+
+
+class CanRun(StrictModel):
+    """The layouts the engine accepts (its own argument validation, not plan3d's preferences)."""
+
+    tensor_parallel: bool = True
+    pipeline_parallel: bool = True
+    zero: list[Literal[0, 1, 2, 3]] = Field([0, 1, 2, 3], min_length=1,
+                                           description="ZeRO stages it runs without pipeline parallelism.")
+    zero_with_pp: list[Literal[0, 1, 2, 3]] = Field([0, 1], description="ZeRO stages it runs with pp > 1.")
+    sequence_parallel: bool = True
+    sequence_parallel_required: bool = Field(False, description="Tensor parallelism always shards the "
+                                             "norms and dropout over the sequence (torchtitan).")
+    interleaving: bool = True
+    recompute: list[Recompute] = Field(["none", "selective", "full"], min_length=1)
+    orders: list[str] = Field([DEFAULT_ORDER, "tp-cp-ep-pp-dp"], min_length=1)
+    uneven_pipeline: UnevenSplit = Field("explicit", description="none: layers must divide pp*vpp; explicit: "
+                                         "per-stage layer counts are accepted; embedding-as-layer: the "
+                                         "embedding and the output layer count as pipeline layers "
+                                         "(Megatron-DeepSpeed `partition-method type:transformer|embedding`).")
+    context_parallel: bool = False
+
+    def model_post_init(self, _context) -> None:
+        for order in self.orders:
+            parse_order(order)
+
+
+class RunsAs(StrictModel):
+    """How the engine runs a layout, as the cost model needs it."""
+
+    attention: Literal["flash", "unfused"] | None = Field(
+        None, description="flash: scores never reach HBM; unfused: scores, softmax and dropout go through "
+        "HBM (attention_score_bytes per score element); empty: the GPU spec's value.")
+    zero3_collectives: Literal["ring", "per-gpu-nic"] = Field(
+        "ring", description="ring: parameter gathers and gradient reduce-scatters of ZeRO-3 use the "
+        "bandwidth of every NIC of a node (NCCL's rings, one per NIC); per-gpu-nic: each GPU gets only its "
+        "own NIC share (one small collective per parameter, DeepSpeed ZeRO-3 of 2021).")
+    zero3_overlap_fraction: float | None = Field(
+        None, ge=0, le=1, description="Share of the compute that hides ZeRO-3 parameter gathers and gradient "
+        "reduce-scatters (prefetch); empty: the data-parallel overlap fraction.")
+    grad_reduce: Literal["overlapped", "after-backward"] | None = Field(
+        None, description="overlapped: bucketed gradient reduction during the backward "
+        "(dp_overlap_fraction of one micro-batch's backward hides it); after-backward: none hidden; "
+        "empty: the GPU spec's dp_overlap_fraction.")
+    param_gather_overlap: bool = Field(False, description="ZeRO-1/2 parameter all-gather after the optimizer "
+                                       "step overlapped with the next step's first forward (Megatron-Core "
+                                       "--overlap-param-gather, FSDP2 prefetch); false: exposed after the step.")
+    tp_overlap_fraction: float = Field(0.0, ge=0, le=1, description="Share of the tensor-parallel "
+                                       "collectives hidden behind the layer's GEMMs (Megatron-Core --tp-comm-overlap "
+                                       "with Transformer Engine userbuffers); 0: blocking.")
+    fused: list[str] = Field(default_factory=list, description="Fused kernels (documentation).")
+
+
+class SoftwareEfficiency(StrictModel):
+    """Fitted values of the engine's software; None: the GPU spec's value (see ComputeEfficiency)."""
+
+    elementwise_bytes: float | None = Field(None, ge=0)
+    attention_score_bytes: float | None = Field(None, ge=0)
+    layer_overhead_s: float | None = Field(None, ge=0)
+    micro_batch_overhead_s: float | None = Field(None, ge=0)
+    dp_overlap_fraction: float | None = Field(None, ge=0, le=1)
+    gemm_efficiency_scale: float = Field(1.0, gt=0, le=1, description="The share of the GPU's GEMM ceiling "
+                                         "(compute_efficiency.max_fraction) the engine's kernels reach: older "
+                                         "PyTorch/cuBLAS, unfused bias adds and layout copies around its GEMMs.")
+    fitted_on: str = Field("", description="The data the values were fitted on (empty: not fitted).")
+    calibrated_gpus: list[str] = Field(default_factory=list, description="GPU specs (by name) of the runs the "
+                                       "values were fitted on; on other GPUs a prediction is flagged as outside "
+                                       "the validated region.")
+
+
+class EngineSpec(StrictModel):
+    name: str
+    description: str = ""
+    version: str = Field("", description="The releases the profile describes.")
+    can_run: CanRun = CanRun()
+    runs_as: RunsAs = RunsAs()
+    efficiency: SoftwareEfficiency = SoftwareEfficiency()
+    source: str = ""
+
+    def software_values(self) -> dict[str, float]:
+        """The fitted values the engine sets (the rest come from the GPU spec)."""
+        values = {k: getattr(self.efficiency, k) for k in SOFTWARE_KEYS}
+        if self.runs_as.grad_reduce == "after-backward":
+            values["dp_overlap_fraction"] = 0.0
+        if self.runs_as.attention == "flash":
+            values["attention_score_bytes"] = 0.0
+        return {k: v for k, v in values.items() if v is not None}
+
+    def default_split(self, layers: int, pp: int, vpp: int) -> tuple[int, ...] | None:
+        """Layers per virtual stage where the engine splits unevenly on its own (None: even or refused).
+
+        Megatron-DeepSpeed's `type:transformer|embedding` partition counts the embedding and the
+        output layer as one layer each and balances layers + 2 over the stages, so BLOOM's 70
+        layers on 12 stages run as 5, 6 x 10, 5 (BigScience tr11 README)."""
+        chunks = pp * vpp
+        if self.can_run.uneven_pipeline != "embedding-as-layer" or layers % chunks == 0 or chunks < 2:
+            return None
+        units = layers + 2
+        base, extra = divmod(units, chunks)
+        split = [base + (1 if i < extra else 0) for i in range(chunks)]
+        split[0] -= 1
+        split[-1] -= 1
+        return tuple(split) if min(split) >= 1 else None
+
+    def layout_problems(self, layout: Layout) -> list[str]:
+        """Every reason the engine cannot run `layout`, each a sentence that says what to change."""
+        can, name, out = self.can_run, self.name, []
+        if layout.tp > 1 and not can.tensor_parallel:
+            out.append(f"{name} has no tensor parallelism: use tp=1")
+        if layout.pp > 1 and not can.pipeline_parallel:
+            out.append(f"{name} has no pipeline parallelism: use pp=1")
+        allowed = can.zero_with_pp if layout.pp > 1 else can.zero
+        if layout.zero not in allowed:
+            where = "with pipeline parallelism" if layout.pp > 1 else "without pipeline parallelism"
+            out.append(f"{name} cannot run ZeRO-{layout.zero} {where}; use zero in {_fmt(allowed)}")
+        if layout.sequence_parallel and not can.sequence_parallel:
+            out.append(f"{name} has no sequence parallelism: drop it")
+        if can.sequence_parallel_required and layout.tp > 1 and not layout.sequence_parallel:
+            out.append(f"{name} always shards norms over the sequence with tp > 1: set sequence_parallel")
+        if layout.vpp > 1 and not can.interleaving:
+            out.append(f"{name} has no interleaved pipeline schedule: use vpp=1")
+        if layout.recompute not in can.recompute:
+            out.append(f"{name} has no {layout.recompute} recompute; use one of {', '.join(can.recompute)}")
+        if layout.order not in can.orders:
+            out.append(f"{name} places ranks only as {' or '.join(can.orders)}; set the order to one of them")
+        if layout.cp > 1 and not can.context_parallel:
+            out.append(f"{name} has no context parallelism in plan3d's model: use cp=1")
+        if layout.pp_layers is not None and len(set(layout.pp_layers)) > 1 and can.uneven_pipeline == "none":
+            out.append(f"{name} splits layers evenly over pipeline stages only: drop pp_layers")
+        return out
+
+    def resolve_split(self, layout: Layout, model: ModelSpec) -> Layout:
+        """`layout` with the engine's own uneven split filled in where it makes one."""
+        if layout.pp_layers is not None:
+            return layout
+        split = self.default_split(model.layers, layout.pp, layout.vpp)
+        return layout if split is None else layout.model_copy(update={"pp_layers": split})
+
+
+def _fmt(values) -> str:
+    return "{" + ", ".join(map(str, values)) + "}" if values else "{} (none)"

@@ -77,8 +77,9 @@ def group_rows(rows: list[dict]) -> dict[tuple, list[dict]]:
     return groups
 
 
-def predict(cluster: ClusterSpec, rows: list[dict]) -> np.ndarray:
-    """Predicted step time (s) of every row, one estimate_batch per model and GPU count."""
+def predict(cluster: ClusterSpec, rows: list[dict], engine=None) -> np.ndarray:
+    """Predicted step time (s) of every row, one estimate_batch per model and GPU count (with
+    `engine`'s values; none: the cluster's own, as fitted on this data)."""
     out = np.empty(len(rows))
     position = {id(r): i for i, r in enumerate(rows)}
     for group in group_rows(rows).values():
@@ -89,7 +90,7 @@ def predict(cluster: ClusterSpec, rows: list[dict]) -> np.ndarray:
         n = len(group)
         cands = Candidates(col("tp"), col("pp"), col("dp"), col("mb"), np.ones(n), np.zeros(n),
                            np.full(n, 2), np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64))
-        times = estimate_batch(sized, model, training, cands, (DEFAULT_ORDER,))["step_time_s"]
+        times = estimate_batch(sized, model, training, cands, (DEFAULT_ORDER,), engine)["step_time_s"]
         for row, t in zip(group, times):
             out[position[id(row)]] = t
     return out

@@ -297,6 +297,23 @@ def leave_one_source_out(runs: list[Run], start: dict) -> tuple[np.ndarray, dict
     return predicted, fits
 
 
+def vtrain_with_engine(params: dict) -> dict:
+    """The vTrain rows (Megatron-DeepSpeed 2023, A100) predicted with the megatron-deepspeed profile
+    fitted here, on vTrain's network with the catalog A100 instead of vtrain-a100's own GPU values."""
+    import accuracy
+    key = tuple(sorted(params.items()))
+    base = load_cluster("vtrain-a100")
+    gpu = _cluster("dgx-a100-80g", 8, key).gpu
+    cluster = base.model_copy(update={"gpu": gpu})
+    out = {}
+    for name, file in accuracy.SETS.items():
+        rows = accuracy.read_rows(accuracy.DATA / file)
+        predicted = accuracy.predict(cluster, rows, _engine("megatron-deepspeed", key))
+        measured = np.array([r["measured_s"] for r in rows])
+        out[name] = summary((predicted - measured) / measured * 100)
+    return out
+
+
 # ---- output ------------------------------------------------------------------------------------
 def report(runs: list[Run], predicted: np.ndarray, params: dict) -> dict:
     err = errors_pct(runs, predicted)
@@ -340,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", type=Path, default=DATA, help="runs.yaml (default: ../shared/data/published)")
     parser.add_argument("--fit", action="store_true", help="fit the global values on every source and print them")
     parser.add_argument("--loso", action="store_true", help="also the leave-one-source-out table (refits, minutes)")
+    parser.add_argument("--vtrain", action="store_true", help="also the vTrain rows with the megatron-deepspeed "
+                        "profile on the catalog A100 (an out-of-fit check of the engine profile)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if not args.data.is_file():
@@ -354,12 +373,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.loso:
         predicted, fits = leave_one_source_out(runs, PRIORS)
         out["leave_one_source_out"] = report(runs, predicted, params) | {"fits": fits}
+    if args.vtrain:
+        out["vtrain_with_engine"] = vtrain_with_engine(params)
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
     title = "fitted on every source" if args.fit else "bundled values"
     print_report(f"{title}: {', '.join(f'{k}={v:.4g}' for k, v in params.items())}", out.get("bundled") or out["fitted"])
     print("\nexcluded:", "; ".join(f"{i} ({why})" for i, why in excluded))
+    if args.vtrain:
+        print("\n## vTrain rows, megatron-deepspeed profile on the catalog A100 (not in the fit)")
+        for name, s in out["vtrain_with_engine"].items():
+            print(f"{name:12s} {s['runs']:5d} rows  MAPE {s['mape_pct']:5.1f}%  bias {s['bias_pct']:+5.1f}%")
     if args.loso:
         print_report("leave-one-source-out (each source predicted by a fit that never saw it)",
                      out["leave_one_source_out"], per_run=False)

@@ -149,3 +149,40 @@ def test_no_engine_keeps_the_clusters_own_values():
     ctx = make_context(cluster, GPT, TRAINING)
     assert ctx.attention_score_bytes == cluster.gpu.compute_efficiency.attention_score_bytes > 0
     assert ctx.zero3_overlap_fraction is None and not ctx.zero3_per_gpu_nic and ctx.tp_overlap_fraction == 0.0
+
+
+def test_a_zero_stage_no_calibration_run_had_is_flagged():
+    cluster, layout = load_cluster("dgx-h100", nodes=4), dict(tp=8, pp=1, dp=4, micro_batch=1, sequence_parallel=True)
+    zero1 = estimate(cluster, GPT, TRAINING, Layout(zero=1, **layout), load_engine("megatron-core"))
+    zero3 = estimate(cluster, GPT, TRAINING, Layout(zero=3, **layout), load_engine("megatron-core"))
+    assert not any("ZeRO-" in w for w in zero1.warnings)
+    assert any("no calibration run of megatron-core with ZeRO-3" in w for w in zero3.warnings)
+
+
+def test_param_gather_overlap_hides_the_zero1_all_gather_behind_a_forward():
+    cluster, training = load_cluster("dgx-h100", nodes=4), TrainingSpec(global_batch=256)
+    # micro-batch 2: the backward (4.8 x params / bandwidth) outlasts the fp32 reduce-scatter (4x) and half
+    # of it the bf16 all-gather (2x), but not both together (6x)
+    layout = Layout(tp=1, pp=1, dp=32, micro_batch=2, zero=1)
+
+    def dp_comm(overlap, param_gather):
+        eng = engine("megatron-core", efficiency={"dp_overlap_fraction": overlap},
+                     runs_as={"param_gather_overlap": param_gather})
+        return estimate(cluster, GPT, training, layout, eng).time_s["dp_comm"]
+
+    # nothing overlapped: the same exposed time either way (reduce-scatter + all-gather + syncs)
+    assert dp_comm(0.0, True) == pytest.approx(dp_comm(0.0, False))
+    syncs = dp_comm(0.0, True) - _zero1_comm_s(cluster, layout, training)
+    assert 0 < syncs < 1e-3
+    # the backward hides the reduce-scatter and the forward the all-gather: only the syncs stay;
+    # without the param-gather overlap both must fit behind the one backward, and do not
+    assert dp_comm(1.0, True) == pytest.approx(syncs, rel=1e-6)
+    assert dp_comm(1.0, False) > syncs * 1.5
+
+
+def _zero1_comm_s(cluster, layout, training):
+    """Reduce-scatter of the fp32 gradients + all-gather of the bf16 weights over dp (ring formulas)."""
+    from plan3d.cost.comm import all_gather_s
+    params = estimate(cluster, GPT, training, layout, load_engine("megatron-core")).memory_bytes["weights"] / 2
+    link = layout_links(1, 1, 32, layout.order, tuple(cluster.tiers()), 8)["dp"]
+    return all_gather_s(params * 4, 32, *link.cost("reduce_scatter")) + all_gather_s(params * 2, 32, *link.cost("all_gather"))

@@ -71,7 +71,7 @@ def estimate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, lay
     pp_rank = np.arange(layout.pp, dtype=np.float64)[:, None]
     out = evaluate(ctx, la, link_arrays, pp_rank, layers, np.ones_like(layers))
     result = _to_estimate(out, layout, {k: links[k].tier for k in GROUPS}, _warnings(cluster, model, layout))
-    trust = provenance(cluster, engine, training)
+    trust = provenance(cluster, engine, training, layout.zero)
     return replace(result, engine=engine.name if engine else "", provenance=trust.lines,
                    warnings=result.warnings + trust.warnings)
 

@@ -23,7 +23,7 @@ class Trust:
     warnings: list[str]  # predictions outside the validated region
 
 
-def provenance(cluster: ClusterSpec, engine: EngineSpec | None, training: TrainingSpec) -> Trust:
+def provenance(cluster: ClusterSpec, engine: EngineSpec | None, training: TrainingSpec, zero: int = 0) -> Trust:
     """The fitted values an estimate of `engine` on `cluster` uses, and what is not validated."""
     gpu = cluster.gpu
     gpu_fit = gpu.compute_efficiency.fitted_on
@@ -39,6 +39,10 @@ def provenance(cluster: ClusterSpec, engine: EngineSpec | None, training: Traini
         elif fit and not engine_on_gpu and engine.efficiency.calibrated_gpus:
             warnings.append(f"no calibration run of {engine.name} on {gpu.name} (its values were fitted on "
                             f"{', '.join(engine.efficiency.calibrated_gpus)}): outside the validated region")
+    stages = engine.efficiency.calibrated_zero if engine is not None else []
+    if stages and zero not in stages:
+        warnings.append(f"no calibration run of {engine.name} with ZeRO-{zero} (fitted on ZeRO "
+                        f"{', '.join(map(str, stages))}): outside the validated region")
     if not gpu_fit and not engine_on_gpu:
         warnings.append(f"{gpu.name} has no fitted efficiency values (datasheet only): treat times as a first guess")
     if training.precision == "fp8":

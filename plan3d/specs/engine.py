@@ -94,6 +94,9 @@ class SoftwareEfficiency(StrictModel):
                                          "(compute_efficiency.max_fraction) the engine's kernels reach: older "
                                          "PyTorch/cuBLAS, unfused bias adds and layout copies around its GEMMs.")
     fitted_on: str = Field("", description="The data the values were fitted on (empty: not fitted).")
+    calibrated_zero: list[Literal[0, 1, 2, 3]] = Field(
+        default_factory=list, description="ZeRO stages of the runs the values were fitted on; a layout with "
+        "another stage is flagged as outside the validated region (empty: not stated).")
     calibrated_gpus: list[str] = Field(default_factory=list, description="GPU specs (by name) of the runs the "
                                        "values were fitted on; on other GPUs a prediction is flagged as outside "
                                        "the validated region.")

@@ -4,7 +4,7 @@ import pytest
 
 from plan3d import ranking
 from plan3d.search import Space, nodes_to_fit, search
-from plan3d.specs.catalog import load_cluster, load_model
+from plan3d.specs.catalog import load_cluster, load_engine, load_model
 from plan3d.specs.cluster import ClusterSpec
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
@@ -128,10 +128,18 @@ def test_gpt3_seed_layout_is_feasible(gpt3_512):
     assert len(seed_rows(result)) > 0
 
 
-@pytest.mark.xfail(strict=True, reason="the cost model prices TP=8 all-reduces on the fitted NVLink "
-                   "(efficiency 0.613, 24.7 us): best seed variant 14% below the best (see docs/solver.md)")
-def test_gpt3_seed_layout_is_within_a_few_percent_of_the_best(gpt3_512):
-    result, order = gpt3_512
+@pytest.fixture(scope="module")
+def gpt3_512_megatron_2021():
+    result = search(load_cluster("dgx-a100-80g", 64), load_model("gpt3-175b"), GPT3_TRAINING,
+                    engine=load_engine("megatron-lm-2021"))
+    return result, ranking.rank(result)
+
+
+def test_gpt3_seed_layout_is_within_a_few_percent_of_the_best(gpt3_512_megatron_2021):
+    """Narayanan et al. 2021 ran GPT-3 175B as TP8 PP8 on DGX A100 with Megatron-LM of that year;
+    predicted for that engine, its best TP8 PP8 variant is within 5% of the best layout (issue 14:
+    with the vTrain-fitted 24.7 us NVLink hop it was 14% behind, about rank 1,000)."""
+    result, order = gpt3_512_megatron_2021
     seed_best = result.metrics["tokens_per_s"][seed_rows(result)].max()
     assert seed_best >= 0.95 * result.metrics["tokens_per_s"][order[0]]
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fitting import nelder_mead
 from plan3d.cost.batch import Candidates, estimate_batch
 from plan3d.layout import DEFAULT_ORDER
 from plan3d.specs.catalog import load_cluster
@@ -173,35 +174,6 @@ def encode(theta: dict) -> np.ndarray:
         v = theta[key]
         return np.log(min(v, 0.999) / (1 - min(v, 0.999))) if key in FRACTIONS else np.log(max(v, 1e-12))
     return np.array([one(k) for k in FIT_KEYS])
-
-
-def nelder_mead(f, x0: np.ndarray, step: float = 0.3, iters: int = 400, tol: float = 1e-5) -> np.ndarray:
-    """Minimise f from x0 (Nelder and Mead 1965, standard coefficients)."""
-    simplex = [x0] + [x0 + step * np.eye(len(x0))[i] for i in range(len(x0))]
-    values = [f(x) for x in simplex]
-    for _ in range(iters):
-        order = np.argsort(values)
-        simplex, values = [simplex[i] for i in order], [values[i] for i in order]
-        if values[-1] - values[0] < tol:
-            break
-        centroid = np.mean(simplex[:-1], axis=0)
-        reflected = centroid + (centroid - simplex[-1])
-        fr = f(reflected)
-        if fr < values[0]:
-            expanded = centroid + 2 * (centroid - simplex[-1])
-            fe = f(expanded)
-            simplex[-1], values[-1] = (expanded, fe) if fe < fr else (reflected, fr)
-        elif fr < values[-2]:
-            simplex[-1], values[-1] = reflected, fr
-        else:
-            contracted = centroid + 0.5 * (simplex[-1] - centroid)
-            fc = f(contracted)
-            if fc < values[-1]:
-                simplex[-1], values[-1] = contracted, fc
-            else:
-                simplex = [simplex[0]] + [simplex[0] + 0.5 * (s - simplex[0]) for s in simplex[1:]]
-                values = [values[0]] + [f(s) for s in simplex[1:]]
-    return simplex[int(np.argmin(values))]
 
 
 def fit(cluster: ClusterSpec, train: dict[str, list[dict]], restarts: int = 1) -> dict:

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fitting import nelder_mead  # noqa: E402
 from published_runs import DATA, Run, load  # noqa: E402
 
 from plan3d.cost.estimate import estimate  # noqa: E402
@@ -231,36 +232,6 @@ def ordering_pairs(runs: list[Run], predicted: np.ndarray) -> list[dict]:
 
 
 # ---- fitting -----------------------------------------------------------------------------------
-def nelder_mead(f, x0: np.ndarray, step: float = 0.15, iters: int = 120, tol: float = 1e-3) -> np.ndarray:
-    """Minimise f from x0 (Nelder and Mead 1965, standard coefficients)."""
-    simplex = [x0] + [x0 * (1 + step * np.eye(len(x0))[i]) + step * 0.01 * np.eye(len(x0))[i] for i in range(len(x0))]
-    values = [f(x) for x in simplex]
-    for _ in range(iters):
-        order = np.argsort(values)
-        simplex, values = [simplex[i] for i in order], [values[i] for i in order]
-        if values[-1] - values[0] < tol:
-            break
-        centroid = np.mean(simplex[:-1], axis=0)
-        reflected = centroid + (centroid - simplex[-1])
-        fr = f(reflected)
-        if fr < values[0]:
-            expanded = centroid + 2 * (centroid - simplex[-1])
-            fe = f(expanded)
-            simplex[-1], values[-1] = (expanded, fe) if fe < fr else (reflected, fr)
-        elif fr < values[-2]:
-            simplex[-1], values[-1] = reflected, fr
-        else:
-            contracted = centroid + 0.5 * (simplex[-1] - centroid)
-            fc = f(contracted)
-            if fc < values[-1]:
-                simplex[-1], values[-1] = contracted, fc
-            else:
-                simplex = [simplex[0]] + [simplex[0] + 0.5 * (s - simplex[0]) for s in simplex[1:]]
-                values = [values[0]] + [f(s) for s in simplex[1:]]
-    return simplex[int(np.argmin(values))]
-
-
-
 def fit(runs: list[Run], start: dict) -> dict:
     """The FIT_KEYS values (those the runs inform) minimising the mean per-source MAPE."""
     keys = [k for k in FIT_KEYS if any(INFORMED_BY[k](r) for r in runs)]
@@ -274,7 +245,7 @@ def fit(runs: list[Run], start: dict) -> dict:
 
     layouts = resolve(runs, start)
     x = nelder_mead(lambda x: source_mape_mean(runs, predict_fixed(runs, layouts, decode(x))),
-                    np.array([start[k] / SCALE[k] for k in keys]))
+                    np.array([start[k] / SCALE[k] for k in keys]), step=0.15, iters=120, tol=1e-3, relative=True)
     return pool_engine_scales(decode(x), keys)
 
 

@@ -281,7 +281,11 @@ def engine_space(space: Space, engine: EngineSpec) -> Space:
             bounds[f"max_{knob}"] = 1
     if space.uneven and can.uneven_pipeline == "none":
         raise LayoutError(f"--uneven: {name} splits layers evenly over pipeline stages only; drop --uneven")
-    return replace(space, zero=zero, recompute=recompute, orders=orders, sequence_parallel=sp,
+    # an engine that splits unevenly on its own (Megatron-DeepSpeed) is searched with uneven
+    # splits; balanced_split gives the same lighter-ends split as its partition for BLOOM's 70
+    # layers on 12 or 24 stages
+    uneven = space.uneven or can.uneven_pipeline == "embedding-as-layer"
+    return replace(space, zero=zero, recompute=recompute, orders=orders, sequence_parallel=sp, uneven=uneven,
                    sequence_parallel_required=space.sequence_parallel_required or can.sequence_parallel_required,
                    zero_with_pp=tuple(z for z in space.zero_with_pp if z in can.zero_with_pp), **bounds)
 

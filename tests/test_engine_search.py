@@ -165,3 +165,20 @@ def test_a_fixed_knob_the_engine_cannot_run_is_one_line_naming_the_engine(capsys
 def test_the_same_knobs_pass_with_an_engine_that_runs_them(capsys):
     data = recommend_json(capsys, "--engine", "megatron-core", "--vpp", "2")
     assert data["top"] and all(r["layout"]["vpp"] == 2 for r in data["top"])
+
+
+def test_megatron_deepspeed_searches_its_own_uneven_splits():
+    """BLOOM's 70 layers do not divide 12 stages; Megatron-DeepSpeed splits them itself (5, 6 x 10, 5),
+    so the search for that engine proposes pp 12 without --uneven, with that split."""
+    from plan3d import ranking
+    from plan3d.search import Space, search
+    from plan3d.specs.catalog import load_cluster, load_engine, load_model
+    from plan3d.specs.training import TrainingSpec
+
+    bloom, training = load_model("bloom-176b"), TrainingSpec(global_batch=2048)
+    cluster, space = load_cluster("dgx-a100-80g", 24), Space(max_micro_batch=2, min_pp=12, max_pp=12)
+    result = search(cluster, bloom, training, space, engine=load_engine("megatron-deepspeed"))
+    best = result.layout(ranking.rank(result)[0])
+    assert best.pp == 12 and best.pp_layers == load_engine("megatron-deepspeed").default_split(70, 12, 1)
+    core = search(cluster, bloom, training, space, engine=load_engine("megatron-core"))
+    assert core.feasible_count == 0  # Megatron-Core needs --uneven (an explicit split) for this

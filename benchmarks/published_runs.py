@@ -147,8 +147,10 @@ def knobs_of(row: dict, par: dict, batch: dict, train: dict, engine: str) -> tup
     schedule = str(par.get("pipeline_schedule", "")).lower()
     if isinstance(vpp, int):
         knobs["vpp"] = vpp
-    elif knobs["pp"] > 1 and engine in ("megatron-lm-2021", "megatron-core") and "1f1b" not in schedule.replace("interleaved 1f1b", ""):
-        unknown.append("vpp")  # PTD-P's interleaving depth, not stated
+    elif knobs["pp"] > 1 and engine in ("megatron-lm-2021", "megatron-core"):
+        plain_1f1b = "1f1b" in schedule and "interleaved" not in schedule
+        if not plain_1f1b:
+            unknown.append("vpp")  # PTD-P's interleaving depth, not stated
     recompute = recompute_of(train.get("activation_recompute"))
     if recompute is None and engine == "megatron-lm-2021":
         recompute = "full"  # Megatron-LM's 2019-2021 example scripts all set --checkpoint-activations

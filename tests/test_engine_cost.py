@@ -188,3 +188,11 @@ def _zero1_comm_s(cluster, layout, training):
     params = estimate(cluster, GPT, training, layout, load_engine("megatron-core")).memory_bytes["weights"] / 2
     link = layout_links(1, 1, 32, layout.order, tuple(cluster.tiers()), 8)["dp"]
     return all_gather_s(params * 4, 32, *link.cost("reduce_scatter")) + all_gather_s(params * 2, 32, *link.cost("all_gather"))
+
+
+def test_an_engine_file_with_a_bad_order_is_a_spec_error_naming_the_field(tmp_path):
+    from plan3d.errors import SpecError
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: bad\ncan_run:\n  orders: [tp-dp-pp]\n")
+    with pytest.raises(SpecError, match="can_run.orders.*missing axis 'cp'"):
+        load_engine(str(path))

@@ -53,9 +53,9 @@ class CostContext:
     dp_overlap_fraction: float
     host_overlap: bool = True
     zero3_overlap_fraction: float | None = None  # None: dp_overlap_fraction
-    zero3_per_gpu_nic: bool = False
+    zero3_per_gpu_nic: bool = False  # ZeRO-3 collectives get one NIC share per GPU, not the node's rings
     tp_overlap_fraction: float = 0.0  # share of TP collectives hidden behind GEMMs
-    param_gather_overlap: bool = False  # ZeRO-1/2 weight all-gather hidden behind the first forward  # ZeRO-3 collectives get one NIC share per GPU, not the node's rings
+    param_gather_overlap: bool = False  # ZeRO-1/2 weight all-gather hidden behind the first forward
     cpu_cores_per_node: int = 0  # CPU "GPUs": the cores a node's ranks share (0: not shared)
     gpus_per_node: int = 1
 

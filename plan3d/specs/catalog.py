@@ -18,8 +18,7 @@ from plan3d.specs.loader import read_mapping, validate
 BUNDLED = Path(__file__).resolve().parent.parent / "bundled"
 KINDS = {"gpu": "cluster_specs/gpus", "cluster": "cluster_specs", "model": "model_specs", "engine": "engine_specs"}
 DEFAULT_ENGINE = "megatron-core"  # what most large runs use today; CPU clusters: plan3d's runtime
-CPU_ENGINE = "plan3d-runtime"
-RUNTIME_ENGINE = CPU_ENGINE  # what `plan3d launch` trains with, so what its comparisons predict for
+RUNTIME_ENGINE = "plan3d-runtime"  # what `plan3d launch` trains with (and the only engine on CPU clusters)
 SUFFIXES = (".yaml", ".yml", ".json")
 M = TypeVar("M", bound=BaseModel)
 
@@ -101,7 +100,7 @@ def engine_for(name_or_path: str | None, cluster) -> "EngineSpec":
     if name_or_path:
         return load_engine(name_or_path)
     cpu = not cluster.gpu.compute_efficiency.host_overlap
-    return load_engine(CPU_ENGINE if cpu else DEFAULT_ENGINE)
+    return load_engine(RUNTIME_ENGINE if cpu else DEFAULT_ENGINE)
 
 
 def require_positive(name: str, value: int | None) -> None:

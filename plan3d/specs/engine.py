@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
+from plan3d.errors import LayoutError
 from plan3d.layout import DEFAULT_ORDER, Layout, parse_order
 from plan3d.specs.base import StrictModel
 from plan3d.specs.model import ModelSpec
@@ -51,9 +52,15 @@ class CanRun(StrictModel):
                                          "(Megatron-DeepSpeed `partition-method type:transformer|embedding`).")
     context_parallel: bool = False
 
-    def model_post_init(self, _context) -> None:
-        for order in self.orders:
-            parse_order(order)
+    @field_validator("orders")
+    @classmethod
+    def _orders_are_valid(cls, orders: list[str]) -> list[str]:
+        for order in orders:
+            try:
+                parse_order(order)
+            except LayoutError as err:  # reported with the spec file's other problems
+                raise ValueError(str(err)) from None
+        return orders
 
 
 class RunsAs(StrictModel):

@@ -23,18 +23,34 @@ Recompute = Literal["none", "selective", "full"]
 
 
 def parse_order(order: str) -> tuple[str, ...]:
-    """Split an order string into axes (first varies fastest); raise with a valid example."""
+    """All five axes of an order string, first varies fastest; raise with a valid example.
+
+    A short order names only some axes, as the recommend table prints it ('pp-dp'): each axis left
+    out keeps its slot of Megatron's default tp-cp-ep-dp-pp and the named axes fill the other slots
+    in the sequence given, so 'pp-dp' -> tp-cp-ep-pp-dp and 'dp-tp' -> dp-cp-ep-tp-pp. Leaving an
+    axis out only places it; its size still comes from the layout.
+    """
     axes = tuple(order.split("-"))
     unknown = [a for a in axes if a not in AXES]
     repeated = sorted({a for a in axes if axes.count(a) > 1})
-    if unknown or repeated or set(axes) != set(AXES):
-        what = (f"unknown axis {unknown[0]!r}" if unknown else f"repeated axis {repeated[0]!r}"
-                if repeated else f"missing axis {sorted(set(AXES) - set(axes))[0]!r}")
+    if unknown or repeated:
+        what = f"unknown axis {unknown[0]!r}" if unknown else f"repeated axis {repeated[0]!r}"
         raise LayoutError(
-            f"order {order!r}: {what}; use each of tp, cp, ep, dp, pp once, first varies fastest, "
-            f"e.g. {DEFAULT_ORDER!r} or 'tp-cp-ep-pp-dp'"
+            f"order {order!r}: {what}; name each of tp, cp, ep, dp, pp at most once, first varies fastest "
+            f"(axes left out keep their place in {DEFAULT_ORDER!r}), e.g. {DEFAULT_ORDER!r} or 'pp-dp'"
         )
-    return axes
+    return _fill_default_slots(axes)
+
+
+def _fill_default_slots(named: tuple[str, ...]) -> tuple[str, ...]:
+    """Axes missing from `named` stay where DEFAULT_ORDER has them; `named` fills the rest in turn."""
+    given = iter(named)
+    return tuple(next(given) if axis in named else axis for axis in AXES)
+
+
+def full_order(order: str) -> str:
+    """The order string with all five axes ('pp-dp' -> 'tp-cp-ep-pp-dp'); raise if malformed."""
+    return "-".join(parse_order(order))
 
 
 class Layout(FrozenModel):
@@ -55,9 +71,8 @@ class Layout(FrozenModel):
 
     @field_validator("order")
     @classmethod
-    def _order_is_valid(cls, value: str) -> str:
-        parse_order(value)
-        return value
+    def _order_is_full(cls, value: str) -> str:
+        return full_order(value)
 
     @model_validator(mode="after")
     def _self_consistent(self) -> "Layout":

@@ -1,8 +1,10 @@
 """Layout validation: what a layout alone can say, and what it needs from model/training/cluster."""
+import itertools
+
 import pytest
 
 from plan3d.errors import LayoutError
-from plan3d.layout import Layout, check_layout, layout_problems, parse_order
+from plan3d.layout import AXES, Layout, check_layout, layout_problems, parse_order
 from plan3d.specs.catalog import load_model
 from plan3d.specs.training import TrainingSpec
 from pydantic import ValidationError
@@ -21,10 +23,31 @@ def test_seed_layout_is_valid(gpt3):
     assert problems(Layout(tp=8, pp=8, dp=8), gpt3) == []
 
 
-@pytest.mark.parametrize("order", ["tp-dp", "tp-cp-ep-dp-pp-tp", "tp-cp-ep-dp-xx", "tp-tp-ep-dp-pp"])
+@pytest.mark.parametrize("order", ["", "tp-cp-ep-dp-pp-tp", "tp-cp-ep-dp-xx", "tp-tp-ep-dp-pp", "pp-dp-"])
 def test_bad_order_names_a_valid_example(order):
     with pytest.raises(LayoutError, match="tp-cp-ep-dp-pp"):
         parse_order(order)
+
+
+@pytest.mark.parametrize("short, full", [
+    ("pp-dp", "tp-cp-ep-pp-dp"),  # the recommend table's spelling
+    ("dp-pp", "tp-cp-ep-dp-pp"),
+    ("dp-tp", "dp-cp-ep-tp-pp"),  # the named axes swap slots; cp, ep, pp stay put
+    ("pp", "tp-cp-ep-dp-pp"),
+    ("tp-pp-dp", "tp-cp-ep-pp-dp"),
+    ("tp-cp-ep-pp-dp", "tp-cp-ep-pp-dp"),
+])
+def test_short_order_fills_the_default_slots(short, full):
+    assert "-".join(parse_order(short)) == full
+    assert Layout(tp=2, pp=2, dp=2, order=short).order == full
+
+
+@pytest.mark.parametrize("named", [p for n in range(1, 6) for p in itertools.permutations(AXES, n)])
+def test_every_short_order_keeps_its_sequence_and_the_default_slots(named):
+    axes = parse_order("-".join(named))
+    assert sorted(axes) == sorted(AXES)
+    assert [a for a in axes if a in named] == list(named)
+    assert all(axes[i] == a for i, a in enumerate(AXES) if a not in named)
 
 
 def test_layout_rejects_self_contradictions():

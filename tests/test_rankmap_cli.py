@@ -58,6 +58,16 @@ def test_table_and_svg(capsys, tmp_path):
     assert root.findall(f"{ns}line")  # TP outlines
 
 
+@pytest.mark.parametrize("short", ["pp-dp", "tp-pp-dp"])
+def test_short_order_places_ranks_like_the_full_one(capsys, short):
+    base = ("rankmap", "--cluster", "dgx-h100", "--nodes", "2", "--tp", "4", "--pp", "2", "--format", "json")
+    code, out_short, err = run(capsys, *base, "--order", short)
+    assert code == 0, err
+    _, out_full, _ = run(capsys, *base, "--order", "tp-cp-ep-pp-dp")
+    assert json.loads(out_short) == json.loads(out_full)
+    assert json.loads(out_short)["order"] == "tp-cp-ep-pp-dp"
+
+
 def test_smaller_layout_uses_the_first_gpus(capsys):
     code, out, err = run(capsys, "rankmap", "--cluster", "dgx-a100-80g", "--tp", "8", "--dp", "2", "--format", "json")
     assert code == 0, err
@@ -76,7 +86,7 @@ def test_every_bundled_cluster(capsys, name):
 @pytest.mark.parametrize("args, expect", [
     (("--order", "tp-cp-ep-dp-zz"), "unknown axis 'zz'"),
     (("--order", "tp-dp-dp-cp-pp"), "repeated axis 'dp'"),
-    (("--order", "tp-dp-pp"), "missing axis"),
+    (("--order", "tp-dp-xx"), "unknown axis 'xx'"),
     (("--tp", "3"), "does not divide the cluster's 16 GPUs"),
     (("--tp", "8", "--pp", "2", "--dp", "2"), "exceeds the cluster's 16 GPUs"),
     (("--tp", "0"), "positive"),

@@ -183,3 +183,27 @@ def test_rankmap_warnings_with_tiers_know_the_nvlink_domain():
     assert rmap.warnings() and rmap.warnings(gb200.tiers()) == []
     wide = RankMap(Layout(tp=16), dgx.gpus_per_node)
     assert "spans 2 nodes" in wide.warnings(dgx.tiers())[0]
+
+
+# ---- how the tables print a group ------------------------------------------------------------
+def read_group_text(text: str) -> list[int]:
+    """Parse what `group_text` prints back into members; only the documented spellings parse."""
+    ranged = re.fullmatch(r"\[(\d+)\.\.(\d+)(?: step (\d+))?\]", text)
+    if ranged:
+        first, last, step = int(ranged[1]), int(ranged[2]), int(ranged[3] or 1)
+        return list(range(first, last + 1, step))
+    listed = re.fullmatch(r"\[(\d+(?:,\d+)*)\]", text)
+    assert listed, f"{text!r} is neither a range nor a list"
+    return [int(x) for x in listed[1].split(",")]
+
+
+@pytest.mark.parametrize("order", ["tp-cp-ep-dp-pp", "pp-dp-tp-cp-ep", "dp-tp-cp-ep-pp"])
+def test_printed_groups_read_back_as_their_members(order):
+    from plan3d.render.rankmap import group_text
+
+    rankmap = RankMap(Layout(tp=4, pp=4, dp=2, order=order), gpus_per_node=8)
+    for name in ("tp", "pp", "dp", "mp"):
+        for members in rankmap.groups(name):
+            text = group_text(members)
+            assert read_group_text(text) == members, (name, members, text)
+            assert "step 1" not in text

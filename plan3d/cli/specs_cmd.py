@@ -56,12 +56,26 @@ def _load_any(name: str, kind: str | None):
             invalid.append(err)
     if invalid:
         raise min(invalid, key=lambda err: len(err.problems))
-    every = [n for k in loaders for n in catalog.bundled_names(k)]
+    kinds = {n: k for k in loaders for n in catalog.bundled_names(k)}
+    close = similar_names(name, list(kinds))
+    named = [f"{n!r} ({kinds[n]})" for n in close]
+    hint = f"did you mean {' or '.join([', '.join(named[:-1]), named[-1]] if len(named) > 1 else named)}? " \
+        if close else ""
+    raise SpecNotFound(f"no bundled spec named {name!r}: {hint}see `plan3d specs list`")
+
+
+def similar_names(query: str, names: list[str], limit: int = 3) -> list[str]:
+    """Names that start with the query, then names that contain it; difflib's closest only if none do.
+
+    'h100' -> h100-sxm, dgx-h100 (difflib alone says h200: one letter away, but another GPU)."""
+    query = query.lower()
+    starts = [n for n in names if n.startswith(query)]
+    contains = [n for n in names if query in n and n not in starts]
+    if starts or contains:
+        return (sorted(starts) + sorted(contains))[:limit]
     import difflib
 
-    close = difflib.get_close_matches(name, every, n=1, cutoff=0.4)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    raise SpecNotFound(f"no bundled spec named {name!r}: {hint}see `plan3d specs list`")
+    return difflib.get_close_matches(query, names, n=1, cutoff=0.4)
 
 
 @specs_app.command("schema")

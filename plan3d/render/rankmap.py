@@ -59,12 +59,11 @@ def grid_table(rankmap: RankMap, max_nodes: int = MAX_TABLE_NODES) -> Table:
 
 
 def group_text(members: list[int]) -> str:
-    """[0,1,2,3] -> '[0..3]', [0,8,16,24] -> '[0,8..24]' (evenly spaced), else the full list."""
+    """[0,1,2,3] -> '[0..3]', [0,4,8,12] -> '[0..12 step 4]' (evenly spaced), else the full list."""
     steps = {b - a for a, b in zip(members, members[1:])}
     if len(members) > 3 and len(steps) == 1:
         step = steps.pop()
-        head = f"{members[0]}" if step == 1 else f"{members[0]},{members[1]}"
-        return f"[{head}..{members[-1]}]"
+        return f"[{members[0]}..{members[-1]}" + (f" step {step}]" if step != 1 else "]")
     return "[" + ",".join(map(str, members)) + "]"
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from plan3d.cost.params import total_params
 from plan3d.specs.catalog import load_model
-from plan3d.specs.hf import import_hf
+from plan3d.specs.hf import DEFAULT_SEQ_LEN, import_hf, read_hf
 from cli_helpers import run_cli  # noqa: E402
 
 # config.json contents of published Hugging Face models, written from the Hub files: every shape field
@@ -64,6 +64,26 @@ QWEN25_7B = {  # Qwen/Qwen2.5-7B (model_type qwen2, the Qwen2 architecture)
     "torch_dtype": "bfloat16", "transformers_version": "4.43.1", "use_cache": True, "use_mrope": False,
     "use_sliding_window": False, "vocab_size": 152064,
 }
+LLAMA31_8B = {  # meta-llama/Llama-3.1-8B: a 131,072-token context reached by RoPE scaling, pretrained at 8192
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False,
+    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256,
+}
+QWEN2_7B = {  # Qwen/Qwen2-7B: q/k/v projections with biases, output and MLP without
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
+    "intermediate_size": 18944, "max_position_embeddings": 131072, "max_window_layers": 28,
+    "model_type": "qwen2", "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.37.2", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 152064,
+}
 BLOOM_560M = {  # bigscience/bloom-560m
     "apply_residual_connection_post_layernorm": False, "architectures": ["BloomForCausalLM"],
     "attention_dropout": 0.0, "attention_softmax_in_fp32": True, "bias_dropout_fusion": True,
@@ -78,6 +98,8 @@ BLOOM_560M = {  # bigscience/bloom-560m
 # (config, published parameter count, where it is published)
 PUBLISHED = {
     "llama3-8b": (LLAMA3_8B, 8.03e9, "Hub page of meta-llama/Meta-Llama-3-8B: 8.03B params"),
+    "llama-3.1-8b": (LLAMA31_8B, 8.03e9, "Hub page of meta-llama/Llama-3.1-8B: 8.03B params"),
+    "qwen2-7b": (QWEN2_7B, 7.62e9, "Hub page of Qwen/Qwen2-7B: 7.62B params"),
     "gpt2": (GPT2, 124e6, "model card of openai-community/gpt2: 124M parameters"),
     "mistral-7b": (MISTRAL_7B, 7.3e9, "Mistral AI, 'Mistral 7B' announcement: a 7.3B parameter model"),
     "gpt-neox-20b": (GPT_NEOX_20B, 20_554_567_680, "model card of EleutherAI/gpt-neox-20b: 20,554,567,680 parameters"),
@@ -105,13 +127,13 @@ def test_parameter_count_matches_published_size(tmp_path, name):
 def test_family_facts(tmp_path):
     llama = import_hf(str(write_config(tmp_path, LLAMA3_8B, "a")))
     assert (llama.activation, llama.norm, llama.bias, llama.position, llama.kv_heads) == ("swiglu", "rmsnorm", False, "rope", 8)
-    assert llama.tied_embeddings is False and llama.ffn_hidden == 14336 and llama.seq_len == 8192
+    assert llama.tied_embeddings is False and llama.ffn_hidden == 14336
     gpt2 = import_hf(str(write_config(tmp_path, GPT2, "b")))
     assert (gpt2.activation, gpt2.position, gpt2.tied_embeddings, gpt2.bias, gpt2.ffn_hidden_) == ("gelu", "learned", True, True, 3072)
     opt = import_hf(str(write_config(tmp_path, OPT_125M, "c")))
     assert (opt.activation, opt.ffn_hidden, opt.name) == ("relu", 3072, "opt-125m")
     bloom = import_hf(str(write_config(tmp_path, BLOOM_560M, "d")))
-    assert (bloom.position, bloom.seq_len, bloom.tied_embeddings) == ("alibi", 2048, True)
+    assert (bloom.position, bloom.seq_len, bloom.tied_embeddings) == ("alibi", 2048, True)  # BigScience's length
     neox = import_hf(str(write_config(tmp_path, GPT_NEOX_20B, "e")))
     assert (neox.position, neox.tied_embeddings, neox.bias) == ("rope", False, True)
 
@@ -148,7 +170,7 @@ def test_cli_prints_yaml_without_output(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("config, expect", [
-    ({"model_type": "mystery", "hidden_size": 512}, ["missing layers", "missing heads", "missing vocab", "missing seq_len"]),
+    ({"model_type": "mystery", "hidden_size": 512}, ["missing layers", "missing heads", "missing vocab"]),
     ({"model_type": "t5", "is_encoder_decoder": True, "d_model": 512}, ["encoder-decoder"]),
     (LLAMA3_8B | {"hidden_act": "tanh"}, ["activation 'tanh'"]),
     (LLAMA3_8B | {"num_key_value_heads": 5}, ["not divisible by kv_heads=5"]),
@@ -162,9 +184,10 @@ def test_cli_bad_configs_exit_2_one_line_per_problem(tmp_path, capsys, config, e
         assert line.startswith("error:") and fragment in line, err
 
 
-def test_cli_missing_file(tmp_path, capsys):
+def test_cli_missing_file_asks_for_a_config_not_a_bundled_name(tmp_path, capsys):
     code, _, err = run(capsys, "import-hf", str(tmp_path / "nope" / "config.json"))
-    assert code == 2 and "no such file" in err
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "no such file" in err and "config.json" in err and "bundled" not in err
 
 
 def test_cli_accepts_the_model_folder_and_reports_unwritable_output(tmp_path, capsys):
@@ -173,3 +196,77 @@ def test_cli_accepts_the_model_folder_and_reports_unwritable_output(tmp_path, ca
     assert code == 0 and "name: qwen2.5-7b" in out and "kv_heads: 4" in out
     code, _, err = run(capsys, "import-hf", str(folder), "-o", str(tmp_path))  # a directory
     assert code == 2 and "cannot be written" in err
+
+
+# ---- the training sequence length is a stated choice, not max_position_embeddings ---------------
+def stated_context(config: dict) -> int:
+    return config.get("max_position_embeddings") or config["n_positions"]
+
+
+@pytest.mark.parametrize("config", [LLAMA31_8B, QWEN2_7B, LLAMA3_8B, MISTRAL_7B, GPT2, OPT_125M],
+                         ids=["llama3.1", "qwen2", "llama3", "mistral", "gpt2", "opt"])
+def test_default_seq_len_is_the_stated_context_capped_at_the_default(tmp_path, config):
+    imported = read_hf(str(write_config(tmp_path, config)))
+    assert imported.spec.seq_len == min(stated_context(config), DEFAULT_SEQ_LEN)
+    [note] = imported.notes
+    assert f"seq_len {imported.spec.seq_len:,}" in note and "--seq-len" in note
+    if stated_context(config) > DEFAULT_SEQ_LEN:  # the note says what it did not take
+        assert f"{stated_context(config):,}" in note
+
+
+def test_an_explicit_seq_len_is_taken_without_a_note(tmp_path):
+    imported = read_hf(str(write_config(tmp_path, LLAMA31_8B)), seq_len=8192)
+    assert imported.spec.seq_len == 8192 and imported.notes == []
+
+
+def test_cli_says_which_seq_len_it_chose_on_stderr_and_in_the_file(tmp_path, capsys):
+    import yaml
+
+    code, out, err = run(capsys, "import-hf", str(write_config(tmp_path, LLAMA31_8B, "Llama-3.1-8B")))
+    assert code == 0
+    assert yaml.safe_load(out)["seq_len"] == DEFAULT_SEQ_LEN  # stdout stays a loadable spec
+    note = [line for line in err.splitlines() if line.startswith("note:")]
+    assert len(note) == 1 and "131,072" in note[0] and "--seq-len" in note[0]
+    assert note[0] in out  # the written file keeps the note as a comment
+    code, out, err = run(capsys, "import-hf", str(tmp_path / "Llama-3.1-8B"), "--seq-len", "8192")
+    assert code == 0 and yaml.safe_load(out)["seq_len"] == 8192 and "note:" not in err
+
+
+def test_learned_positions_refuse_a_longer_seq_len(tmp_path, capsys):
+    code, _, err = run(capsys, "import-hf", str(write_config(tmp_path, GPT2)), "--seq-len", "2048")
+    assert code == 2 and "n_positions 1024" in err and "--seq-len 1024" in err and "Traceback" not in err
+
+
+# ---- biases the single `bias` flag cannot express -------------------------------------------------
+def qkv_bias_params(config: dict) -> int:
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    per_layer = (config["num_attention_heads"] + 2 * config["num_key_value_heads"]) * head_dim
+    return config["num_hidden_layers"] * per_layer
+
+
+@pytest.mark.parametrize("config", [QWEN2_7B, QWEN25_7B], ids=["qwen2", "qwen2.5"])
+def test_qwen2_qkv_biases_are_named_and_counted_in_a_warning(tmp_path, config):
+    imported = read_hf(str(write_config(tmp_path, config)))
+    assert imported.spec.bias is False
+    [warning] = imported.warnings
+    assert "q/k/v" in warning and "`bias`" in warning and "MLP" not in warning
+    assert f"{qkv_bias_params(config):,} parameters" in warning
+
+
+def test_llama_with_attention_bias_only_warns_about_the_attention_biases(tmp_path):
+    imported = read_hf(str(write_config(tmp_path, LLAMA31_8B | {"attention_bias": True})))
+    [warning] = imported.warnings
+    assert imported.spec.bias is False and "q/k/v and attention output" in warning
+    both = read_hf(str(write_config(tmp_path, LLAMA31_8B | {"attention_bias": True, "mlp_bias": True}, "b")))
+    assert both.spec.bias is True and both.warnings == []
+
+
+@pytest.mark.parametrize("config", [LLAMA31_8B, MISTRAL_7B, GPT2, GPT_NEOX_20B], ids=["llama", "mistral", "gpt2", "neox"])
+def test_uniform_biases_give_no_warning(tmp_path, config):
+    assert read_hf(str(write_config(tmp_path, config))).warnings == []
+
+
+def test_cli_prints_the_bias_warning_on_stderr(tmp_path, capsys):
+    code, out, err = run(capsys, "import-hf", str(write_config(tmp_path, QWEN2_7B)))
+    assert code == 0 and "bias: false" in out
+    assert [line for line in err.splitlines() if line.startswith("warning:") and "q/k/v" in line]

@@ -1,6 +1,7 @@
 """`plan3d import-hf config.json -o model.yaml`: a Hugging Face config to a ModelSpec (local file only)."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -16,16 +17,22 @@ def import_hf_cmd(
     config: Annotated[str, typer.Argument(help="Path to a Hugging Face config.json (never fetched from the network).")],
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the model YAML here (default: print it).")] = None,
     name: Annotated[Optional[str], typer.Option("--name", help="Spec name (default: from the config or its folder).")] = None,
-    seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="Sequence length, when the config has none.")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(
+        "--seq-len", help="Training sequence length (default: min(max_position_embeddings, 4096); the config's "
+        "maximum context is usually longer than what a model is trained at).")] = None,
 ) -> None:
     """Convert a Hugging Face config.json (Llama, Mistral, Qwen2, GPT-2, GPT-NeoX, OPT, BLOOM...) to a model spec."""
     from plan3d.cost.params import total_params
     from plan3d.render.units import count
-    from plan3d.specs.hf import import_hf, model_yaml
+    from plan3d.specs.hf import model_yaml, read_hf
 
     require_positive("seq_len", seq_len)
-    spec = import_hf(config, name=name, seq_len=seq_len)
-    text = model_yaml(spec, Path(config).name)
+    imported = read_hf(config, name=name, seq_len=seq_len)
+    spec = imported.spec
+    remarks = [f"note: {n}" for n in imported.notes] + [f"warning: {w}" for w in imported.warnings]
+    for remark in remarks:  # stderr, so the YAML on stdout stays a clean file
+        print(remark, file=sys.stderr)
+    text = model_yaml(spec, Path(config).name, remarks)
     if output is None:
         print(text, end="")
         return

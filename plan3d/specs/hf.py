@@ -8,18 +8,27 @@ unknown `model_type` is read with the generic aliases and hints (`rms_norm_eps` 
 `rope_theta` -> rotary positions); if a required field is missing the error names it and the
 names that were looked for.
 
-Approximations (all well under 1% of the parameters): Qwen2's q/k/v biases are dropped (bias is
-one flag for every linear layer in ModelSpec), BLOOM's embedding LayerNorm and OPT's two extra
-learned positions are not counted.
+The training sequence length is a choice, not a config fact: `max_position_embeddings` is the
+longest context a model accepts (131,072 for Llama-3.1, reached by long-context extension), not
+the length it is trained at. Without `--seq-len` the import takes min(max_position_embeddings,
+4096): 4096 is Llama-2's pretraining length, between GPT-3's 2048 and Llama-3's 8192, so a plan
+starts from a common pretraining shape; a config that states a shorter context keeps it. The
+import says which it chose (`read_hf` returns the notes) and how to change it.
+
+Approximations (all well under 1% of the parameters): ModelSpec has one `bias` flag for every
+linear layer, so a model with biases on some layers only (Qwen2: q/k/v yes, attention output and
+MLP no) is imported with `bias: false` and a warning naming what is left out; BLOOM's embedding
+LayerNorm and OPT's two extra learned positions are not counted.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from plan3d.errors import SpecError
+from plan3d.errors import SpecError, SpecNotFound
 from plan3d.specs.loader import read_mapping, validate
 from plan3d.specs.model import ModelSpec
 
@@ -35,7 +44,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "activation": ("hidden_act", "activation_function", "hidden_activation"),
     "tied_embeddings": ("tie_word_embeddings",),
 }
-REQUIRED = ("layers", "hidden", "heads", "vocab", "seq_len")
+REQUIRED = ("layers", "hidden", "heads", "vocab")  # seq_len is a training choice: DEFAULT_SEQ_LEN
 _DECODER_ROPE = {"norm": "rmsnorm", "bias": False, "position": "rope", "tied_embeddings": False}
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": _DECODER_ROPE, "mistral": _DECODER_ROPE, "mixtral": _DECODER_ROPE, "qwen2": _DECODER_ROPE,
@@ -47,6 +56,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "bloom": {"norm": "layernorm", "bias": True, "position": "alibi", "tied_embeddings": True,
               "activation": "gelu", "seq_len": 2048},
 }
+DEFAULT_SEQ_LEN = 4096  # Llama-2's pretraining length; see the module docstring
+QKV_BIAS_ONLY = ("qwen2", "qwen2_moe")  # HF Qwen2Attention: bias on q/k/v_proj, none on o_proj or the MLP
 ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "relu": "relu", "gelu": "gelu", "gelu_new": "gelu",
                "gelu_fast": "gelu", "gelu_pytorch_tanh": "gelu", "gelu_python": "gelu", "quick_gelu": "gelu"}
 
@@ -94,6 +105,15 @@ def _moe(config: dict) -> dict | None:
     return moe
 
 
+@dataclass(frozen=True)
+class HfImport:
+    """The imported spec and what the user should know about the choices made for them."""
+
+    spec: ModelSpec
+    notes: list[str]  # choices made for the user (the training sequence length)
+    warnings: list[str]  # what the spec cannot represent
+
+
 def spec_fields(config: dict, source: str, name: str, seq_len: int | None = None) -> dict[str, Any]:
     """ModelSpec fields from a parsed config; SpecError listing every missing field."""
     if config.get("is_encoder_decoder"):
@@ -102,14 +122,15 @@ def spec_fields(config: dict, source: str, name: str, seq_len: int | None = None
     model_type = str(config.get("model_type", "unknown"))
     defaults = FAMILIES.get(model_type) or _generic_hints(config)
     found = {field: _first(config, field) for field in ALIASES}
-    found["seq_len"] = seq_len or found["seq_len"] or defaults.get("seq_len")
+    found["seq_len"] = seq_len or _default_seq_len(config, defaults)
     missing = [f for f in REQUIRED if found[f] is None]
     if missing:
         raise SpecError(source, [f"missing {f}: none of {', '.join(ALIASES[f])} is set (model_type {model_type!r})"
-                                 + ("; pass --seq-len" if f == "seq_len" else "") for f in missing])
+                                 for f in missing])
     fields = {k: defaults[k] for k in ("norm", "bias", "position", "tied_embeddings") if k in defaults}
     fields |= {k: v for k, v in found.items() if v is not None and k != "activation"}
     fields["activation"] = _activation(config, defaults, source)
+    fields["bias"] = all(_bias_parts(config, model_type, fields).values())
     hidden, heads = fields["hidden"], fields["heads"]
     sizes_ok = all(isinstance(v, int) and v > 0 for v in (hidden, heads))  # else validation names the field
     if sizes_ok and fields.get("head_dim") == hidden // heads:
@@ -119,6 +140,58 @@ def spec_fields(config: dict, source: str, name: str, seq_len: int | None = None
     return {"name": name, **fields, "source": f"Hugging Face config.json, model_type {model_type}"}
 
 
+def _context_limit(config: dict, defaults: dict) -> tuple[int | None, str]:
+    """The longest context the config states, and the field it came from."""
+    for key in ALIASES["seq_len"]:
+        if isinstance(config.get(key), int) and not isinstance(config[key], bool) and config[key] > 0:
+            return config[key], key
+    return defaults.get("seq_len"), "published training length"
+
+
+def _default_seq_len(config: dict, defaults: dict) -> int:
+    """min(the stated context, DEFAULT_SEQ_LEN); DEFAULT_SEQ_LEN when the config states none."""
+    limit, _ = _context_limit(config, defaults)
+    return min(limit, DEFAULT_SEQ_LEN) if limit else DEFAULT_SEQ_LEN
+
+
+def seq_len_note(config: dict, chosen: int) -> str:
+    """How the import chose the training sequence length when --seq-len was not given."""
+    config = _text_config(config)
+    limit, key = _context_limit(config, FAMILIES.get(str(config.get("model_type"))) or {})
+    if limit is None:
+        why = "plan3d's default training length (the config states no context length)"
+    elif limit > chosen:
+        why = f"plan3d's default training length, not the config's {key} {limit:,} (the longest context it accepts)"
+    else:
+        why = f"the config's {key} (no longer than plan3d's {DEFAULT_SEQ_LEN:,} default)"
+    return f"seq_len {chosen:,}: {why}; pass --seq-len N to plan another training length"
+
+
+def _bias_parts(config: dict, model_type: str, fields: dict) -> dict[str, bool]:
+    """Which linear layers carry a bias: q/k/v, the attention output, the MLP."""
+    if model_type in QKV_BIAS_ONLY:
+        return {"q/k/v": True, "attention output": False, "MLP": False}
+    attention = config.get("attention_bias", fields.get("bias", True))
+    return {"q/k/v": bool(attention), "attention output": bool(attention),
+            "MLP": bool(config.get("mlp_bias", fields.get("bias", True)))}
+
+
+def bias_warning(config: dict, spec: ModelSpec) -> str | None:
+    """Names the biases `bias: false` leaves out when only some layers carry one, with their count."""
+    config = _text_config(config)
+    parts = _bias_parts(config, str(config.get("model_type", "unknown")), {"bias": spec.bias})
+    if spec.bias or not any(parts.values()):
+        return None
+    mlp_mats = 3 if spec.activation == "swiglu" else 2
+    per_layer = {"q/k/v": (spec.heads + 2 * spec.kv_heads_) * spec.head_dim_, "attention output": spec.hidden,
+                 "MLP": (mlp_mats - 1) * spec.ffn_hidden_ + spec.hidden}
+    dropped = [p for p, has in parts.items() if has]
+    count = spec.layers * sum(per_layer[p] for p in dropped)
+    return (f"the model has {' and '.join(dropped)} biases but not on every linear layer; the model spec's one "
+            f"`bias` flag cannot say so, so `bias: false` leaves out {count:,} parameters "
+            f"({spec.layers} layers x {count // spec.layers:,})")
+
+
 def default_name(path: Path, config: dict) -> str:
     """`_name_or_path` (its last part), else the folder holding config.json, else the model_type."""
     named = str(config.get("_name_or_path") or "").rstrip("/").split("/")[-1]
@@ -126,17 +199,39 @@ def default_name(path: Path, config: dict) -> str:
     return (named or folder or str(config.get("model_type", "model"))).lower()
 
 
-def import_hf(path_str: str, name: str | None = None, seq_len: int | None = None) -> ModelSpec:
-    """Read a Hugging Face config.json from disk and return the ModelSpec it describes."""
+def read_hf(path_str: str, name: str | None = None, seq_len: int | None = None) -> HfImport:
+    """Read a Hugging Face config.json (or the folder holding it) from disk: the spec and its notes."""
     path = Path(path_str)
     if path.is_dir() and (path / "config.json").is_file():  # a downloaded model folder
         path = path / "config.json"
+    if not path.exists():
+        raise SpecNotFound(f"{path_str}: no such file; give the path to a Hugging Face config.json "
+                           "or to the model folder holding it")
     config = read_mapping(path)
     fields = spec_fields(config, path_str, name or default_name(path, config), seq_len)
-    return validate(ModelSpec, fields, path_str)
+    spec = validate(ModelSpec, fields, path_str)
+    _check_learned_positions(config, spec, path_str)
+    notes = [] if seq_len else [seq_len_note(config, spec.seq_len)]
+    warning = bias_warning(config, spec)
+    return HfImport(spec, notes, [warning] if warning else [])
 
 
-def model_yaml(spec: ModelSpec, origin: str) -> str:
-    """The spec as a YAML file a user can edit, with a header naming where it came from."""
+def _check_learned_positions(config: dict, spec: ModelSpec, source: str) -> None:
+    """A learned position table has no rows past its length: a longer --seq-len cannot run."""
+    limit, key = _context_limit(_text_config(config), {})
+    if spec.position == "learned" and limit and spec.seq_len > limit:
+        raise SpecError(source, [f"--seq-len {spec.seq_len} exceeds the config's {key} {limit}: learned positions "
+                                 f"stop there; use --seq-len {limit} or less"])
+
+
+def import_hf(path_str: str, name: str | None = None, seq_len: int | None = None) -> ModelSpec:
+    """The ModelSpec a Hugging Face config.json on disk describes (notes dropped; see `read_hf`)."""
+    return read_hf(path_str, name, seq_len).spec
+
+
+def model_yaml(spec: ModelSpec, origin: str, remarks: list[str] = ()) -> str:
+    """The spec as a YAML file a user can edit, with a header naming where it came from and `remarks`."""
     body = yaml.safe_dump(spec.model_dump(exclude_none=True), sort_keys=False)
-    return f"# Imported by `plan3d import-hf` from {origin}; check it and cite the model card.\n{body}"
+    header = [f"# Imported by `plan3d import-hf` from {origin}; check it and cite the model card."]
+    header += [f"# {remark}" for remark in remarks]
+    return "\n".join(header) + "\n" + body

@@ -1,7 +1,20 @@
-"""Reading spec files: YAML or JSON, safe loading only, pydantic errors turned into one line per field."""
+"""Reading spec files: YAML or JSON, safe loading only, pydantic errors turned into one line per field.
+
+The one validation boundary of every file a command reads (specs, jobs, plans, run directories):
+
+- YAML is read as YAML 1.2 reads it (the JSON-compatible core schema), not as PyYAML's YAML 1.1:
+  `1:30` is a string (not 90), `yes`/`on` are strings (not booleans), `2e9` is a number; an
+  integer with a leading zero (`040`, octal 32 in YAML 1.1, 40 in YAML 1.2) is refused as
+  ambiguous; timestamps stay strings; a key given twice in one mapping is an error.
+- JSON: a key given twice, `NaN` and `Infinity` are errors.
+- Whatever the syntax, the data must be JSON data (mappings with string keys, lists, strings,
+  finite numbers, booleans, null), at most MAX_DEPTH levels deep and MAX_VALUES values in all.
+- Models are validated strictly (`validate`): no bool -> int, str -> int or float -> int coercion.
+"""
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import TypeVar
@@ -12,17 +25,85 @@ from pydantic import BaseModel, ValidationError
 from plan3d.errors import SpecError, SpecNotFound
 
 M = TypeVar("M", bound=BaseModel)
+# pydantic's strict type errors, whose message gains the value given ('got True', 'got "2"')
+STRICT_TYPE_ERRORS = ("int_type", "float_type", "bool_type", "string_type", "literal_error", "list_type",
+                      "dict_type", "model_type", "tuple_type")
+MAX_DEPTH = 32  # specs nest 5 levels, a plan 6; a bound that keeps a hostile file from recursing
+MAX_VALUES = 20_000_000  # keeps YAML aliases from expanding to billions of values (a plan of 131072 ranks holds ~3M)
+JSON_TYPES = (dict, list, str, int, float, bool, type(None))
 
 
 class _SpecLoader(yaml.SafeLoader):
-    """Safe YAML, except that `2e9` and `1.5e-3` are numbers (YAML 1.2), not strings (PyYAML's YAML 1.1)."""
+    """Safe YAML with YAML 1.2's core schema for plain scalars, and duplicate keys refused."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            _refuse_duplicate_keys(self, node)
+        return super().construct_mapping(node, deep=deep)
 
 
-_SpecLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."),
-)
+def _refuse_duplicate_keys(loader: yaml.SafeLoader, node: yaml.MappingNode) -> None:
+    seen = set()
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            duplicate = key in seen
+        except TypeError:  # an unhashable key; SafeConstructor reports it
+            continue
+        if duplicate:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} is given twice in one mapping (YAML keeps only the last)", key_node.start_mark)
+        seen.add(key)
+
+
+def _construct_int(loader: yaml.SafeLoader, node) -> int:
+    """YAML 1.2 integers: decimal, 0o octal, 0x hexadecimal (no YAML 1.1 0-octal, 1:30 or 1_000)."""
+    text = loader.construct_scalar(node)
+    return int(text, 0) if text.lstrip("+-")[:2] in ("0o", "0x") else int(text)
+
+
+def _refuse_leading_zero(loader: yaml.SafeLoader, node) -> None:
+    text = loader.construct_scalar(node)
+    octal = f"octal {int(text, 8)}" if set(text) <= set("+-01234567") else "an error"
+    raise yaml.constructor.ConstructorError(
+        None, None, f"{text} has a leading zero (YAML 1.1 reads it as {octal}, YAML 1.2 as {int(text)}); "
+        f"write {int(text)} without the zero", node.start_mark)
+
+
+_LEADING_ZERO = "tag:plan3d,2024:leading-zero-int"
+_SpecLoader.yaml_implicit_resolvers = {}  # YAML 1.2 core schema only (drops 1.1's yes/no, 1:30, dates, 010)
+for _tag, _pattern, _first in (
+    ("tag:yaml.org,2002:null", r"^(?:~|null|Null|NULL|)$", ["~", "n", "N", ""]),
+    ("tag:yaml.org,2002:bool", r"^(?:true|True|TRUE|false|False|FALSE)$", list("tTfF")),
+    (_LEADING_ZERO, r"^[-+]?0[0-9]+$", list("-+0")),
+    ("tag:yaml.org,2002:int", r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$", list("-+0123456789")),
+    ("tag:yaml.org,2002:float", r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+                                r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$", list("-+0123456789.")),
+    ("tag:yaml.org,2002:merge", r"^(?:<<)$", ["<"]),
+):
+    _SpecLoader.add_implicit_resolver(_tag, re.compile(_pattern), _first)
+_SpecLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+_SpecLoader.add_constructor(_LEADING_ZERO, _refuse_leading_zero)
+
+
+def _json_object(pairs: list[tuple[str, object]]) -> dict:
+    data = {}
+    for key, value in pairs:
+        if key in data:
+            raise ValueError(f"key {key!r} is given twice in one object (JSON readers keep only the last)")
+        data[key] = value
+    return data
+
+
+def _json_constant(name: str):
+    raise ValueError(f"{name} is not a number plan3d accepts (give a finite number)")
+
+
+def loads_json(text: str):
+    """Strict JSON: duplicate keys, NaN and Infinity refused (ValueError)."""
+    return json.loads(text, object_pairs_hook=_json_object, parse_constant=_json_constant)
 
 
 def read_mapping(path: Path) -> dict:
@@ -39,20 +120,86 @@ def read_mapping(path: Path) -> dict:
 
 
 def parse_mapping(text: str, source: str, json_only: bool = False) -> dict:
+    """The mapping a YAML (or, with `json_only`, JSON) text holds, checked to be plain JSON data."""
     if not text.strip():
         raise SpecError(source, ["is empty; a spec is a YAML or JSON mapping of fields"])
-    try:
-        data = json.loads(text) if json_only else yaml.load(text, Loader=_SpecLoader)  # noqa: S506 (a SafeLoader)
-    except (yaml.YAMLError, json.JSONDecodeError) as err:
-        where = getattr(err, "problem_mark", None)
-        line = f" at line {where.line + 1}" if where is not None else ""
-        reason = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise SpecError(source, [f"not valid {'JSON' if json_only else 'YAML'}{line}: {reason}"]) from err
+    data = _parse(text, source, json_only)
     if data is None:
         raise SpecError(source, ["holds no fields (only comments?); a spec is a YAML or JSON mapping of fields"])
     if not isinstance(data, dict):
         raise SpecError(source, [f"must be a mapping of fields, got {type(data).__name__}"])
+    problem = json_data_problem(data)
+    if problem:
+        raise SpecError(source, [problem])
     return data
+
+
+def _parse(text: str, source: str, json_only: bool):
+    kind = "JSON" if json_only else "YAML"
+    try:
+        return loads_json(text) if json_only else yaml.load(text, Loader=_SpecLoader)  # noqa: S506 (a SafeLoader)
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        reason = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise SpecError(source, [f"not valid {kind}{line}: {reason}"]) from err
+    except json.JSONDecodeError as err:
+        raise SpecError(source, [f"not valid JSON at line {err.lineno}: {err.msg}"]) from err
+    except ValueError as err:  # a duplicate key, NaN, or an integer too long to read
+        raise SpecError(source, [f"not valid {kind}: {' '.join(str(err).split())}"]) from err
+    except RecursionError as err:
+        raise SpecError(source, [f"nested too deeply to be a spec (at most {MAX_DEPTH} levels)"]) from err
+
+
+def json_data_problem(data) -> str | None:
+    """The first reason `data` is not plain, finite, bounded JSON data ('field.path: why'), or None."""
+    stack, values = [((), data)], 0
+    while stack:
+        path, value = stack.pop()
+        values += 1
+        if len(path) > MAX_DEPTH or values > MAX_VALUES:
+            what = f"nested deeper than {MAX_DEPTH} levels" if len(path) > MAX_DEPTH else \
+                f"holds more than {MAX_VALUES:,} values (YAML aliases expanding?)"
+            return f"{_dotted(path) or 'the file'}: {what}"
+        problem = _scalar_problem(value)
+        if problem:
+            return f"{_dotted(path)}: {problem}" if path else problem
+        if isinstance(value, dict):
+            bad_key = next((k for k in value if not isinstance(k, str)), None)
+            if bad_key is not None:
+                return f"{_dotted(path) or 'top level'}: key {bad_key!r} is not a string; quote it"
+            stack.extend(((*path, k), v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend(((*path, i), v) for i, v in enumerate(value))
+    return None
+
+
+def _scalar_problem(value) -> str | None:
+    if not isinstance(value, JSON_TYPES):
+        return f"a {type(value).__name__} value ({_short(value)}) is not JSON data; write a string or a number"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"Input should be a finite number, got {value} (inf and nan are rejected)"
+    return None
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _whole_floats_as_ints(value):
+    """`2e1` -> 20 (JSON has one number type); floats past 2**53 stay floats ('far too large')."""
+    if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _whole_floats_as_ints(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_whole_floats_as_ints(v) for v in value]
+    return value
+
+
+def _dotted(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
 
 
 def validation_problems(err: ValidationError, prefix: str = "") -> list[str]:
@@ -61,12 +208,19 @@ def validation_problems(err: ValidationError, prefix: str = "") -> list[str]:
     for item in err.errors():
         path = ".".join(str(p) for p in (prefix, *item["loc"]) if p != "" and not _internal_loc(p))
         message = item["msg"].removeprefix("Value error, ")
-        if item["type"] == "int_parsing_size":
+        if item["type"] == "int_parsing_size" or _huge_float_for_an_int(item):
             message = f"{item['input']!r} is far too large for this field"
         if item["type"] == "extra_forbidden":
             message = "unknown field (misspelled?)" + _closest_hint(item, err)
+        elif item["type"] in STRICT_TYPE_ERRORS:
+            message += f", got {_short(item['input'])}"
         lines.append(f"{path}: {message}" if path else message)  # model-level checks name their fields
     return lines
+
+
+def _huge_float_for_an_int(item: dict) -> bool:
+    value = item.get("input")
+    return item["type"] == "int_type" and isinstance(value, float) and value.is_integer()
 
 
 def _internal_loc(part) -> bool:
@@ -114,9 +268,14 @@ def _model_in(annotation, typing) -> type[BaseModel] | None:
 
 
 def validate(model: type[M], data: dict, source: str) -> M:
-    """Validate `data` as `model`; raise SpecError with one line per bad field."""
+    """Validate `data` (plain JSON data) as `model`, strictly, as JSON: a bool, a string or a float
+    with a fraction is no integer (`2e1` is 20, as in JSON) and a string is no number or bool.
+    Raise SpecError with one line per bad field."""
+    problem = json_data_problem(data)
+    if problem:
+        raise SpecError(source, [problem])
     try:
-        return model.model_validate(data)
+        return model.model_validate_json(json.dumps(_whole_floats_as_ints(data)), strict=True)
     except ValidationError as err:
         err._plan3d_model = model  # for 'did you mean'
         raise SpecError(source, validation_problems(err)) from err

@@ -80,7 +80,7 @@ def test_bad_values(capsys, tmp_path, kind, changes, fragment):
     ({"gbps": 400}, "network.0.bandwidth.gbps: unknown field (misspelled?); valid fields: gbytes_per_s_per_gpu"),
     ({"gbytes_per_s_per_gpu": 400, "gbytes_per_s_per_node": 3200}, "give exactly one of"),
     ({"gbit_per_s_per_nic": 400}, "gbit_per_s_per_nic and nics_per_node go together"),
-    ({"gbytes_per_s_per_gpu": -1}, "greater than 0"),
+    ({"gbytes_per_s_per_gpu": -1}, "greater than or equal to"),
 ])
 def test_wrong_bandwidth_units(capsys, tmp_path, bandwidth, fragment):
     network = [{**CLUSTER["network"][0], "bandwidth": bandwidth}, CLUSTER["network"][1]]

@@ -69,16 +69,12 @@ def load_cluster(name_or_path: str, nodes: int | None = None, gpus_per_node: int
 
 def resize(cluster, nodes: int | None, gpus_per_node: int | None, source: str):
     """`cluster.with_size(...)`, with a bad size reported as a SpecError naming `source`."""
-    from pydantic import ValidationError
-
-    from plan3d.specs.loader import validation_problems
-
     if nodes is None and gpus_per_node is None:
         return cluster
     try:
         return cluster.with_size(nodes, gpus_per_node)
-    except ValidationError as err:
-        raise SpecError(f"{source} (with size overrides)", validation_problems(err)) from err
+    except SpecError as err:
+        raise SpecError(f"{source} (with size overrides)", err.problems) from err
 
 
 def load_model(name_or_path: str):

@@ -15,21 +15,24 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
+from pydantic import ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
-from plan3d.specs.base import FrozenModel, StrictModel
+from plan3d.specs.base import (EFFICIENCY, GBIT_PER_S, GBYTES_PER_S, LATENCY_US, FrozenModel, StrictModel,
+                               bounded)
 from plan3d.specs.gpu import GPUSpec
 
 
 MAX_NODES = 1_000_000  # bounds keep a typo such as 1e30 from reaching the search (and hanging it)
 MAX_GPUS_PER_NODE = 4096
+MAX_OVERSUBSCRIPTION = 1e4
+MAX_CPU_CORES = 1_000_000
 
 
 class Bandwidth(StrictModel):
-    gbytes_per_s_per_gpu: PositiveFloat | None = None
-    gbytes_per_s_per_node: PositiveFloat | None = None
-    gbit_per_s_per_nic: PositiveFloat | None = None
-    nics_per_node: PositiveInt | None = None
+    gbytes_per_s_per_gpu: float | None = bounded(None, GBYTES_PER_S)
+    gbytes_per_s_per_node: float | None = bounded(None, GBYTES_PER_S)
+    gbit_per_s_per_nic: float | None = bounded(None, GBIT_PER_S)
+    nics_per_node: PositiveInt | None = Field(None, le=MAX_GPUS_PER_NODE)
     bidirectional: bool = False
 
     @model_validator(mode="after")
@@ -64,8 +67,8 @@ class CollectiveCost(StrictModel):
     tier's own `latency_us` / `efficiency` (e.g. gloo's reduce-scatter costs an all-reduce;
     a CPU's point-to-point exchange inside a step costs more than back to back)."""
 
-    latency_us: float = Field(ge=0)
-    efficiency: float = Field(gt=0, le=1)
+    latency_us: float = bounded(..., LATENCY_US)
+    efficiency: float = bounded(..., EFFICIENCY)
 
 
 class NetworkTier(StrictModel):
@@ -76,11 +79,12 @@ class NetworkTier(StrictModel):
     """
 
     name: str
-    domain_gpus: PositiveInt | None = None
+    domain_gpus: PositiveInt | None = Field(None, le=MAX_NODES * MAX_GPUS_PER_NODE)
     bandwidth: Bandwidth
-    latency_us: float = Field(ge=0)
-    efficiency: float = Field(0.8, gt=0, le=1, description="Achievable fraction of bandwidth.")
-    oversubscription: float = Field(1.0, ge=1, description="Divides this tier's bandwidth (e.g. 2 for 2:1).")
+    latency_us: float = bounded(..., LATENCY_US)
+    efficiency: float = bounded(0.8, EFFICIENCY, description="Achievable fraction of bandwidth.")
+    oversubscription: float = Field(1.0, ge=1, le=MAX_OVERSUBSCRIPTION,
+                                    description="Divides this tier's bandwidth (e.g. 2 for 2:1).")
     collectives: dict[CollectiveOp, CollectiveCost] = Field(
         default_factory=dict, description="Per-collective latency and efficiency overriding the tier's "
         "(written by plan3d calibrate); keys all_reduce, all_gather, reduce_scatter, p2p.")
@@ -130,7 +134,7 @@ class ClusterSpec(StrictModel):
     nodes: PositiveInt = Field(le=MAX_NODES)
     gpus_per_node: PositiveInt = Field(le=MAX_GPUS_PER_NODE)
     cpu_cores_per_node: PositiveInt | None = Field(
-        None, description="CPU 'GPUs' only: the cores a node's ranks share. With fewer cores than ranks, "
+        None, le=MAX_CPU_CORES, description="CPU 'GPUs' only: the cores a node's ranks share. With fewer cores than ranks, "
         "a rank idle in the pipeline bubble hands its core to busy ones (plan3d calibrate writes it).")
     gpu: GPUSpec
     network: list[NetworkTier] = Field(min_length=1)
@@ -151,16 +155,20 @@ class ClusterSpec(StrictModel):
 
     @model_validator(mode="after")
     def _tiers_nest(self) -> "ClusterSpec":
+        """Each tier's domain is a whole number of the domains inside it (the first tier's empty
+        domain is the node, the outermost's the cluster)."""
         sizes = [t.domain_gpus for t in self.network[:-1]]
         if any(s is None for s in sizes[1:]):
             raise ValueError("only the first and the outermost tier may leave domain_gpus empty")
-        previous = 1
-        for tier, size in zip(self.network, [t.domain_gpus for t in self.network]):
+        previous, inside = 1, "a GPU"
+        for i, tier in enumerate(self.network):
+            size = tier.domain_gpus or (self.gpus_per_node if i == 0 and len(self.network) > 1 else None)
             if size is None:
                 continue
             if size % previous:
-                raise ValueError(f"tier {tier.name!r}: domain_gpus={size} must be a multiple of {previous}")
-            previous = size
+                raise ValueError(f"network.{i}.domain_gpus: tier {tier.name!r} connects {size} GPUs, which is not a "
+                                 f"multiple of the {previous} GPUs of {inside}; make it a multiple of {previous}")
+            previous, inside = size, f"tier {tier.name!r}" if tier.domain_gpus else "a node (the first tier's default)"
         return self
 
     @property
@@ -168,13 +176,21 @@ class ClusterSpec(StrictModel):
         return self.nodes * self.gpus_per_node
 
     def with_size(self, nodes: int | None = None, gpus_per_node: int | None = None) -> "ClusterSpec":
-        """The same node type and fabric with another node count or node width."""
+        """The same node type and fabric with another node count or node width; a size past the
+        bounds (or a fabric it breaks) is a SpecError naming the cluster, never a pydantic error."""
+        from plan3d.errors import SpecError
+        from plan3d.specs.loader import validation_problems
+
         data = self.model_dump()
         if nodes is not None:
             data["nodes"] = nodes
         if gpus_per_node is not None:
             data["gpus_per_node"] = gpus_per_node
-        return ClusterSpec.model_validate(data)
+        try:
+            return ClusterSpec.model_validate(data)
+        except ValidationError as err:
+            raise SpecError(f"cluster {self.name!r} resized to {data['nodes']} x {data['gpus_per_node']} GPUs",
+                            validation_problems(err)) from err
 
     def tiers(self) -> list[ResolvedTier]:
         """Tiers inner to outer in SI units; the outermost spans the whole cluster."""

@@ -23,7 +23,7 @@ from pydantic import Field, field_validator
 
 from plan3d.errors import LayoutError
 from plan3d.layout import DEFAULT_ORDER, Layout, parse_order
-from plan3d.specs.base import StrictModel
+from plan3d.specs.base import BYTES_PER_ELEMENT, EFFICIENCY, FRACTION, OVERHEAD_S, StrictModel, bounded
 from plan3d.specs.model import ModelSpec
 
 Recompute = Literal["none", "selective", "full"]
@@ -73,8 +73,8 @@ class RunsAs(StrictModel):
         "ring", description="ring: parameter gathers and gradient reduce-scatters of ZeRO-3 use the "
         "bandwidth of every NIC of a node (NCCL's rings, one per NIC); per-gpu-nic: each GPU gets only its "
         "own NIC share (one small collective per parameter, DeepSpeed ZeRO-3 of 2021).")
-    zero3_overlap_fraction: float | None = Field(
-        None, ge=0, le=1, description="Share of the compute that hides ZeRO-3 parameter gathers and gradient "
+    zero3_overlap_fraction: float | None = bounded(
+        None, FRACTION, description="Share of the compute that hides ZeRO-3 parameter gathers and gradient "
         "reduce-scatters (prefetch); empty: the data-parallel overlap fraction.")
     grad_reduce: Literal["overlapped", "after-backward"] | None = Field(
         None, description="overlapped: bucketed gradient reduction during the backward "
@@ -83,7 +83,7 @@ class RunsAs(StrictModel):
     param_gather_overlap: bool = Field(False, description="ZeRO-1/2 parameter all-gather after the optimizer "
                                        "step overlapped with the next step's first forward (Megatron-Core "
                                        "--overlap-param-gather, FSDP2 prefetch); false: exposed after the step.")
-    tp_overlap_fraction: float = Field(0.0, ge=0, le=1, description="Share of the tensor-parallel "
+    tp_overlap_fraction: float = bounded(0.0, FRACTION, description="Share of the tensor-parallel "
                                        "collectives hidden behind the layer's GEMMs (Megatron-Core --tp-comm-overlap "
                                        "with Transformer Engine userbuffers); 0: blocking.")
     fused: list[str] = Field(default_factory=list, description="Fused kernels (documentation).")
@@ -92,12 +92,12 @@ class RunsAs(StrictModel):
 class SoftwareEfficiency(StrictModel):
     """Fitted values of the engine's software; None: the GPU spec's value (see ComputeEfficiency)."""
 
-    elementwise_bytes: float | None = Field(None, ge=0)
-    attention_score_bytes: float | None = Field(None, ge=0)
-    layer_overhead_s: float | None = Field(None, ge=0)
-    micro_batch_overhead_s: float | None = Field(None, ge=0)
-    dp_overlap_fraction: float | None = Field(None, ge=0, le=1)
-    gemm_efficiency_scale: float = Field(1.0, gt=0, le=1, description="The share of the GPU's GEMM ceiling "
+    elementwise_bytes: float | None = bounded(None, BYTES_PER_ELEMENT)
+    attention_score_bytes: float | None = bounded(None, BYTES_PER_ELEMENT)
+    layer_overhead_s: float | None = bounded(None, OVERHEAD_S)
+    micro_batch_overhead_s: float | None = bounded(None, OVERHEAD_S)
+    dp_overlap_fraction: float | None = bounded(None, FRACTION)
+    gemm_efficiency_scale: float = bounded(1.0, EFFICIENCY, description="The share of the GPU's GEMM ceiling "
                                          "(compute_efficiency.max_fraction) the engine's kernels reach: older "
                                          "PyTorch/cuBLAS, unfused bias adds and layout copies around its GEMMs.")
     fitted_on: str = Field("", description="The data the values were fitted on (empty: not fitted).")

@@ -4,14 +4,16 @@ Units live in field names; the code converts to SI (bytes, FLOP/s) through prope
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, PositiveFloat
+from pydantic import Field, field_validator
 
-from plan3d.specs.base import StrictModel
+from plan3d.specs.base import (BYTES_PER_ELEMENT, EFFICIENCY, FLOPS, FRACTION, MEMORY_GIB, OVERHEAD_S,
+                               TBYTES_PER_S, TFLOPS, StrictModel, bounded)
 
 GIB = 2**30
 Dtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
+FALLBACK_DTYPES = ("bf16", "fp16", "tf32", "fp32")  # in the order a missing dtype falls back
 
 
 class ComputeEfficiency(StrictModel):
@@ -39,13 +41,13 @@ class ComputeEfficiency(StrictModel):
     Values are fitted by `benchmarks/accuracy.py` (and later `plan3d calibrate`).
     """
 
-    max_fraction: float = Field(0.75, gt=0, le=1)
-    half_work_flops: float = Field(2.0e9, ge=0)
-    elementwise_bytes: float = Field(8.0, ge=0)
-    attention_score_bytes: float = Field(0.0, ge=0)
-    layer_overhead_s: float = Field(1.0e-4, ge=0)
-    micro_batch_overhead_s: float = Field(0.0, ge=0)
-    dp_overlap_fraction: float = Field(0.8, ge=0, le=1)
+    max_fraction: float = bounded(0.75, EFFICIENCY)
+    half_work_flops: float = bounded(2.0e9, FLOPS)
+    elementwise_bytes: float = bounded(8.0, BYTES_PER_ELEMENT)
+    attention_score_bytes: float = bounded(0.0, BYTES_PER_ELEMENT)
+    layer_overhead_s: float = bounded(1.0e-4, OVERHEAD_S)
+    micro_batch_overhead_s: float = bounded(0.0, OVERHEAD_S)
+    dp_overlap_fraction: float = bounded(0.8, FRACTION)
     host_overlap: bool = True
     fitted_on: str = Field("", description="The measured data these values were fitted on (empty: datasheet "
                            "defaults, not calibrated).")
@@ -53,17 +55,26 @@ class ComputeEfficiency(StrictModel):
 
 class GPUSpec(StrictModel):
     name: str
-    memory_gib: PositiveFloat = Field(description="Device memory in GiB (2^30 bytes).")
-    peak_tflops: dict[Dtype, PositiveFloat] = Field(
-        description="Dense (no sparsity) peak tensor throughput per dtype, in TFLOP/s (1e12)."
+    memory_gib: float = bounded(..., MEMORY_GIB, description="Device memory in GiB (2^30 bytes).")
+    peak_tflops: dict[Dtype, Annotated[float, Field(**TFLOPS)]] = Field(
+        description="Dense (no sparsity) peak tensor throughput per dtype, in TFLOP/s (1e12); at least one of "
+        "bf16, fp16, tf32, fp32 (fp8 falls back to bf16)."
     )
-    hbm_tbytes_per_s: PositiveFloat = Field(description="HBM bandwidth in TB/s (1e12 bytes/s).")
-    reserved_memory_gib: float = Field(
-        2.0, ge=0, description="Per-device memory no formula sees: CUDA context, NCCL buffers, "
+    hbm_tbytes_per_s: float = bounded(..., TBYTES_PER_S, description="HBM bandwidth in TB/s (1e12 bytes/s).")
+    reserved_memory_gib: float = bounded(
+        2.0, dict(MEMORY_GIB, ge=0), description="Per-device memory no formula sees: CUDA context, NCCL buffers, "
         "allocator fragmentation. A property of the device and its software stack."
     )
     compute_efficiency: ComputeEfficiency = ComputeEfficiency()
     source: str = ""
+
+    @field_validator("peak_tflops")
+    @classmethod
+    def _every_precision_has_a_peak(cls, peaks: dict) -> dict:
+        if not any(d in peaks for d in FALLBACK_DTYPES):
+            raise ValueError(f"give the peak of at least one of {', '.join(FALLBACK_DTYPES)} (fp8 alone "
+                             "leaves bf16/fp16/fp32 training without a peak), e.g. {bf16: 989}")
+        return peaks
 
     @property
     def memory_bytes(self) -> float:
@@ -73,7 +84,5 @@ class GPUSpec(StrictModel):
         """Peak FLOP/s for `dtype`; fp8 falls back to bf16 where the GPU has no fp8 units."""
         if dtype in self.peak_tflops:
             return self.peak_tflops[dtype] * 1e12
-        for fallback in ("bf16", "fp16", "tf32", "fp32"):
-            if fallback in self.peak_tflops:
-                return self.peak_tflops[fallback] * 1e12
-        raise AssertionError("GPUSpec without any peak_tflops entry")
+        fallback = next(d for d in FALLBACK_DTYPES if d in self.peak_tflops)  # the validator saw one
+        return self.peak_tflops[fallback] * 1e12

@@ -12,9 +12,9 @@ class MoESpec(StrictModel):
     """Mixture-of-experts MLP (every `every`-th layer). The planner treats it as dense for now."""
 
     experts: PositiveInt = Field(le=1_000_000)
-    top_k: PositiveInt = 2
-    expert_ffn_hidden: PositiveInt | None = None
-    every: PositiveInt = 1
+    top_k: PositiveInt = Field(2, le=1_000_000)
+    expert_ffn_hidden: PositiveInt | None = Field(None, le=100_000_000)
+    every: PositiveInt = Field(1, le=100_000)
 
     @model_validator(mode="after")
     def _top_k_fits(self) -> "MoESpec":
@@ -41,7 +41,7 @@ class ModelSpec(StrictModel):
     tied_embeddings: bool = False
     moe: MoESpec | None = None
     default_global_batch: PositiveInt | None = Field(
-        None, description="Global batch (sequences) it was trained with; used when none is given."
+        None, le=1_000_000_000, description="Global batch (sequences) it was trained with; used when none is given."
     )
     source: str = ""
 

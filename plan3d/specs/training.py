@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import Field, PositiveInt
 
-from plan3d.specs.base import StrictModel
+from plan3d.specs.base import MEMORY_GIB, StrictModel, bounded
 
 
 class TrainingSpec(StrictModel):
@@ -17,7 +17,7 @@ class TrainingSpec(StrictModel):
     memory_headroom_fraction: float = Field(
         0.05, ge=0, lt=1, description="Fraction of device memory a layout must leave free to fit."
     )
-    reserved_memory_gib: float | None = Field(
-        None, ge=0, description="Overrides the GPU spec's reserved_memory_gib (memory no formula sees)."
+    reserved_memory_gib: float | None = bounded(
+        None, dict(MEMORY_GIB, ge=0), description="Overrides the GPU spec's reserved_memory_gib (memory no formula sees)."
     )
     source: str = ""

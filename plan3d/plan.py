@@ -1,9 +1,12 @@
 """Plan: the versioned JSON contract between the planner and `plan3d launch`.
 
 A plan holds the full specs (not names), the chosen Layout, the Estimate and the RankMap, so that
-a launch is reproducible from one file. `digest` covers the specs and the layout, and the engine
-spec the plan was made for when it has one (plans written before engines existed have none and
-keep their digest).
+a launch is reproducible from one file. `digest` covers everything the plan holds (specs, layout,
+engine, estimate, rank map). `load_plan` re-validates a plan whole (issue 19): a missing digest
+is refused, and a digest recomputed after an edit does not make an edit pass, because the layout
+is re-checked against the plan's own cluster, model and engine, the rank map against the layout
+and the estimate for finite, non-negative values. Plans written before that carry a digest of
+their specs and layout alone (and of the engine when they have one) and load after the same checks.
 """
 from __future__ import annotations
 
@@ -11,9 +14,9 @@ import errno
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from plan3d import __version__
 from plan3d.layout import Layout
@@ -21,11 +24,13 @@ from plan3d.rankmap import RankMap
 from plan3d.specs.base import StrictModel
 from plan3d.specs.cluster import ClusterSpec
 from plan3d.specs.engine import EngineSpec
-from plan3d.specs.loader import read_mapping, validate
+from plan3d.errors import SpecError
+from plan3d.specs.loader import read_mapping, validate, validation_problems
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
 
 SCHEMA_VERSION = 1
+NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
 class Plan(StrictModel):
@@ -41,20 +46,55 @@ class Plan(StrictModel):
     rankmap: dict[str, Any] = Field(default_factory=dict)
 
     def specs_digest(self) -> str:
-        return digest_of({k: getattr(self, k).model_dump(mode="json") for k in digested(self.engine)})
+        """The digest of everything the plan holds (specs, layout, engine, estimate, rank map)."""
+        return content_digest(self.model_dump(mode="json"))
 
 
-DIGESTED = ("cluster", "model", "training", "layout")
+DIGESTED = ("cluster", "model", "training", "layout")  # what plans before issue 19 digested (plus engine)
 
 
 def digested(engine) -> tuple[str, ...]:
-    """The sections the digest covers: the engine only when the plan has one."""
+    """The sections an older plan's digest covers: the engine only when the plan has one."""
     return DIGESTED + (("engine",) if engine is not None else ())
 
 
 def digest_of(payload: dict) -> str:
-    """sha256 (16 hex digits) of the specs and layout as JSON with sorted keys."""
+    """sha256 (16 hex digits) of `payload` as JSON with sorted keys."""
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def content_digest(data: dict) -> str:
+    """The digest of a plan: every section but the digest itself."""
+    return digest_of({k: v for k, v in data.items() if k != "digest"})
+
+
+def legacy_digest(data: dict) -> str:
+    """The digest plans written before issue 19 carry: specs, layout and engine only."""
+    return digest_of({k: data.get(k) for k in digested(data.get("engine"))})
+
+
+class PlanEstimate(BaseModel):
+    """The estimate a plan carries, as `report` and `launch` read it: finite, non-negative SI values.
+    Other keys (a newer plan3d's) pass if they are plain JSON data."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    step_time_s: NonNegative
+    tokens_per_s: NonNegative
+    peak_memory_bytes: NonNegative
+    memory_bytes: dict[str, NonNegative]
+    time_s: dict[str, NonNegative]
+    model_tflops_per_gpu: NonNegative | None = None
+    mfu: NonNegative | None = None
+    capacity_bytes: NonNegative | None = None
+    bubble_fraction: NonNegative | None = None
+    stage_memory_bytes: list[NonNegative] = []
+    fits: bool | None = None
+    tiers: dict[str, str] = {}
+    worst_pp_rank: Annotated[int, Field(ge=0)] | None = None
+    warnings: list[str] = []
+    provenance: list[str] = []
+    engine: str = ""
 
 
 def rankmap_dict(rankmap: RankMap) -> dict[str, Any]:
@@ -93,16 +133,75 @@ def save_plan(plan: Plan, path: Path) -> None:
         raise type(err)(err.errno, err.strerror, str(path)) from err
 
 
-def load_plan(path_str: str) -> Plan:
-    from plan3d.errors import SpecError
+RECREATE = "re-create the plan with `plan3d recommend ... --out FILE`"
 
+
+def load_plan(path_str: str) -> Plan:
+    """A plan file, re-validated whole: strict specs, a digest over what it holds, its layout
+    against its own cluster, model and engine, its rank map against its layout, its estimate
+    finite and non-negative. Any problem is a SpecError naming the file."""
     data = read_mapping(Path(path_str))
     version = data.get("schema_version")
     if version != SCHEMA_VERSION:
-        raise SpecError(path_str, [f"schema_version {version!r} is not {SCHEMA_VERSION}; re-create the plan with this plan3d"])
-    plan = validate(Plan, data, path_str)
-    # Checked against the sections as the file holds them, not as this version's schema re-dumps
-    # them: a plan written before a spec gained a defaulted field still loads.
-    if plan.digest and plan.digest != digest_of({k: data.get(k) for k in digested(data.get("engine"))}):
-        raise SpecError(path_str, ["digest does not match the specs and layout (edited by hand?); re-create the plan"])
+        raise SpecError(path_str, [f"schema_version {version!r} is not {SCHEMA_VERSION}; {RECREATE}"])
+    digest = data.get("digest")
+    if not isinstance(digest, str) or not digest:
+        raise SpecError(path_str, [f"digest: missing or empty, so the plan cannot be checked against edits; {RECREATE}"])
+    plan = _validate_sections(data, path_str)
+    if digest not in _accepted_digests(data, plan):
+        raise SpecError(path_str, [f"digest does not match what the plan holds (edited by hand?); {RECREATE}"])
+    problems = plan_problems(plan)
+    if problems:
+        raise SpecError(path_str, [f"{p}; {RECREATE}" for p in problems])
     return plan
+
+
+def _validate_sections(data: dict, path_str: str) -> Plan:
+    """The specs and layout validated strictly; the estimate and rank map kept as the file holds
+    them (strict validation reads `2.0` as the integer 2, which would change their digest) and
+    checked by plan_problems."""
+    free = {k: data[k] for k in ("estimate", "rankmap") if isinstance(data.get(k), dict)}
+    plan = validate(Plan, {**data, **{k: {} for k in free}}, path_str)
+    return plan.model_copy(update=free)
+
+
+def _accepted_digests(data: dict, plan: Plan) -> set[str]:
+    """The digest of what the file holds, or of the plan as this version writes it back (`launch`
+    re-writes plan.json into its run directory); for plans written before issue 19, the digest of
+    their specs alone (their rank map and estimate are re-checked below, not trusted)."""
+    as_written = plan.model_dump(mode="json")
+    return {content_digest(data), content_digest(as_written), legacy_digest(data), legacy_digest(as_written)}
+
+
+def plan_problems(plan: Plan) -> list[str]:
+    """Every reason the plan contradicts itself (each naming the section), or []."""
+    from plan3d.layout import layout_problems
+
+    problems = [f"layout: {p}" for p in layout_problems(plan.layout, plan.model, plan.training,
+                                                         plan.cluster.world_size)]
+    if plan.engine is not None:
+        problems += [f"layout: {p}" for p in plan.engine.layout_problems(plan.layout)]
+    if problems:  # a rank map of an impossible layout says nothing more
+        return problems
+    return _rankmap_problems(plan) + _estimate_problems(plan.estimate)
+
+
+def _rankmap_problems(plan: Plan) -> list[str]:
+    from plan3d.rankmap import rankmap_for
+
+    expected = json.loads(json.dumps(rankmap_dict(rankmap_for(plan.layout, plan.cluster.gpus_per_node))))
+    if plan.rankmap == expected:
+        return []
+    differing = sorted(k for k in set(expected) | set(plan.rankmap) if plan.rankmap.get(k) != expected.get(k))
+    return [f"rankmap.{differing[0]}: differs from the rank map of the plan's layout on "
+            f"{plan.cluster.gpus_per_node} GPUs per node"]
+
+
+def _estimate_problems(estimate: dict[str, Any]) -> list[str]:
+    if not estimate:  # a plan made without an estimate (the runtime's tests, calibrate)
+        return []
+    try:
+        PlanEstimate.model_validate(estimate, strict=True)
+    except ValidationError as err:
+        return validation_problems(err, prefix="estimate")
+    return []

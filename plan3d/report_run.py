@@ -20,10 +20,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from plan3d.errors import SpecError, SpecNotFound
 from plan3d.plan import Plan, load_plan
+from plan3d.specs.loader import validation_problems
 
 REPORT_SCHEMA_VERSION = 1
 STATE_KEYS = ("weights", "gradients", "optimizer")
@@ -35,6 +38,42 @@ PHASES = (
     ("after the backward (DP/ZeRO comm, clip, optimizer, loss)", ("grad_reduce", "clip", "optimizer", "loss"),
      ("dp_comm", "zero_comm", "optimizer")),
 )
+
+
+NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class RunRecord(BaseModel):
+    """What `report` reads of a run file; other keys (losses, which may be NaN) pass unread."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class RankRecord(RunRecord):
+    model_state_bytes: dict[str, NonNegative] | None = None
+    peak_memory_bytes: NonNegative | None = None
+
+
+class StepRecord(RunRecord):
+    """One line of metrics.jsonl."""
+
+    step_time_s: NonNegative
+    tokens_per_s: NonNegative | None = None
+    phases_s: dict[str, NonNegative] | None = None
+
+
+class Summary(RunRecord):
+    """summary.json (runtime/train.py `_summary`)."""
+
+    step_time_s: NonNegative
+    tokens_per_s: NonNegative | None = None
+    precision: Literal["bf16", "fp16", "fp8", "fp32"] | None = None
+    backend: str | None = None
+    steps: Annotated[int, Field(ge=0)] | None = None
+    warmup_steps: Annotated[int, Field(ge=0, le=1_000_000_000)] = 1
+    incomplete: bool = False
+    ranks: list[RankRecord | None] = []
+    phases_s: dict[str, NonNegative] = {}
 
 
 @dataclass
@@ -50,33 +89,35 @@ class RunData:
 
 
 def read_run(run_dir: Path | str) -> RunData:
-    """The plan, summary and metrics of a run; a run without summary falls back on its metrics."""
+    """The plan, summary and metrics of a run, each validated (a bad value is a SpecError naming
+    the file and field); a run without summary falls back on its metrics."""
     run_dir = Path(run_dir)
     if not (run_dir / "plan.json").is_file():
         raise SpecNotFound(f"{run_dir}: no plan.json; give the run directory that `plan3d launch` wrote")
     plan = load_plan(str(run_dir / "plan.json"))
     metrics = _read_metrics(run_dir / "metrics.jsonl")
     summary = _read_summary(run_dir / "summary.json")
-    if summary is not None:
-        pass
-    elif metrics:
+    if summary is None and metrics:
         timed = metrics[1:] or metrics  # the first step pays start-up costs
         summary = {"step_time_s": sum(m["step_time_s"] for m in timed) / len(timed), "ranks": [],
-                   "steps": len(metrics), "incomplete": True}
-    else:
+                   "steps": len(metrics), "incomplete": True, "warmup_steps": 1}
+    elif summary is None:
         raise SpecError(str(run_dir), ["no summary.json and no metrics.jsonl: the run did not finish a step"])
     return RunData(run_dir, plan, summary, metrics)
 
 
 def _read_summary(path: Path) -> dict | None:
-    """summary.json, or None when it is missing or cut short (a killed run): the metrics stand in."""
+    """summary.json validated, or None when it is missing or cut short (a killed run: not JSON, or
+    without its step time): the metrics stand in."""
     if not path.is_file():
         return None
     try:
         summary = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return None
-    return summary if isinstance(summary, dict) and "step_time_s" in summary else None
+    if not isinstance(summary, dict) or "step_time_s" not in summary:
+        return None
+    return _checked(Summary, summary, str(path))
 
 
 def _read_metrics(path: Path) -> list[dict]:
@@ -88,13 +129,22 @@ def _read_metrics(path: Path) -> list[dict]:
     for number, line in enumerate(lines, 1):
         try:
             step = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             step = None
         if isinstance(step, dict) and "step_time_s" in step:
-            metrics.append(step)
+            metrics.append(_checked(StepRecord, step, f"{path}: line {number}"))
         elif number < len(lines):
             raise SpecError(str(path), [f"line {number} is not a step record; was the file edited?"])
     return metrics
+
+
+def _checked(model: type[RunRecord], record: dict, source: str) -> dict:
+    """`record` validated as `model` (strictly: no strings for numbers); the keys `report` does
+    not read stay as they are."""
+    try:
+        return {**record, **model.model_validate(record, strict=True).model_dump()}
+    except ValidationError as err:
+        raise SpecError(source, validation_problems(err)) from err
 
 
 def predicted_estimate(run: RunData, cluster=None) -> dict:

@@ -29,7 +29,7 @@ import numpy as np
 
 from plan3d.errors import LayoutError
 from plan3d.layout import DEFAULT_ORDER, Layout, divisors, parse_order
-from plan3d.specs.cluster import ClusterSpec
+from plan3d.specs.cluster import MAX_NODES, ClusterSpec
 from plan3d.specs.engine import EngineSpec
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
@@ -119,12 +119,14 @@ def degree_triples(world_size: int, space: Space) -> np.ndarray:
     return triples[keep]
 
 
-def shape_grid(world_size: int, space: Space) -> dict[str, np.ndarray]:
-    """Every well-formed shape as equal-length arrays keyed by SHAPE_KNOBS."""
+def shape_grid(world_size: int, space: Space, layers: int = 0) -> dict[str, np.ndarray]:
+    """Every well-formed shape as equal-length arrays keyed by SHAPE_KNOBS (refused with a
+    SearchBudgetError when there would be more than MAX_SHAPES)."""
     triples = degree_triples(world_size, space)
+    sps = np.array(sorted(set(space.sequence_parallel)), dtype=bool)
+    require_shape_budget(len(triples), space, len(sps), world_size, layers)
     mbs = np.arange(space.min_micro_batch, space.max_micro_batch + 1, dtype=np.int64)
     vpps = np.arange(space.min_vpp, space.max_vpp + 1, dtype=np.int64)
-    sps = np.array(sorted(set(space.sequence_parallel)), dtype=bool)
     t, m, v, s = (a.ravel() for a in np.meshgrid(np.arange(len(triples)), mbs, vpps, sps, indexing="ij"))
     grid = {"tp": triples[t, 0], "pp": triples[t, 1], "dp": triples[t, 2],
             "micro_batch": m, "vpp": v, "sequence_parallel": s, "uneven": np.zeros(len(t), dtype=bool)}
@@ -132,6 +134,57 @@ def shape_grid(world_size: int, space: Space) -> dict[str, np.ndarray]:
     if space.sequence_parallel_required:
         well_formed &= grid["sequence_parallel"] | (grid["tp"] == 1)
     return {k: a[well_formed] for k, a in grid.items()}
+
+
+# ---- the budget: a search takes seconds, never minutes (issue 19) -----------------------------
+MAX_SHAPES = 2_000_000  # shapes held as numpy arrays at once (about 0.1 GB, well under a second)
+# rank-map work: ranks placed, summed over the distinct (tp, pp, dp, order) placements evaluated;
+# about 0.4-0.5 us of CPU per rank (dgx-h100, 131,072 and 1,048,576 GPUs), so about 4 s at most
+MAX_PLACED_RANKS = 10_000_000
+
+
+class SearchBudgetError(LayoutError):
+    """The space is too large to search in seconds; the message says how to narrow it."""
+
+
+def require_shape_budget(triples: int, space: Space, sps: int, world_size: int, layers: int = 0) -> None:
+    """Refuse a grid of more than MAX_SHAPES shapes before it is built."""
+    mbs = space.max_micro_batch - space.min_micro_batch + 1
+    vpps = space.max_vpp - space.min_vpp + 1
+    shapes = triples * mbs * vpps * sps
+    if shapes <= MAX_SHAPES:
+        return
+    hints = []
+    if mbs > 64:
+        hints.append(f"--max-micro-batch (now {space.max_micro_batch})")
+    if vpps > 64 or (layers and space.max_vpp > layers):
+        hints.append(f"--max-vpp (now {space.max_vpp}; at most the {layers} layers can be useful)" if layers
+                     else f"--max-vpp (now {space.max_vpp})")
+    hints += ["--tp/--pp/--dp or their --min/--max bounds", "fewer --nodes"]
+    raise SearchBudgetError(f"the search space of {world_size:,} GPUs holds {shapes:,} shapes ({triples:,} tp/pp/dp "
+                            f"splits x {mbs:,} micro-batch sizes x {vpps:,} vpp values x {sps} sequence-parallel "
+                            f"settings), more than the {MAX_SHAPES:,} searched at once; narrow it with "
+                            + ", ".join(hints))
+
+
+def placed_ranks(layouts: dict[str, np.ndarray], world_size: int) -> tuple[int, int]:
+    """(distinct rank placements among `layouts`, ranks the rank maps of them place in all)."""
+    if not len(layouts["tp"]):
+        return 0, 0
+    key = np.stack([layouts[k] for k in ("tp", "pp", "order")], axis=1)  # dp follows from tp, pp
+    placements = len(np.unique(key, axis=0))
+    return placements, placements * world_size
+
+
+def require_within_budget(layouts: dict[str, np.ndarray], cluster: ClusterSpec) -> None:
+    """Refuse a search whose rank maps would place more than MAX_PLACED_RANKS ranks."""
+    placements, ranks = placed_ranks(layouts, cluster.world_size)
+    if ranks <= MAX_PLACED_RANKS:
+        return
+    raise SearchBudgetError(f"{cluster.world_size:,} GPUs: {len(layouts['tp']):,} valid layouts in {placements:,} "
+                            f"rank placements would place {ranks:,} ranks (the budget is {MAX_PLACED_RANKS:,}, a "
+                            "few seconds); narrow it: fix --tp and --pp (or bound them with --min/--max), "
+                            "allow one --order, or search fewer --nodes")
 
 
 def shape_reasons(grid: dict[str, np.ndarray], model: ModelSpec, training: TrainingSpec) -> np.ndarray:
@@ -358,7 +411,7 @@ def evaluate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec,
              layouts: dict[str, np.ndarray], orders: tuple[str, ...],
              engine: EngineSpec | None = None) -> dict[str, np.ndarray]:
     """Predicted metrics of valid layouts as `engine` runs them: even splits in one vectorised call
-    of the cost model, uneven splits (which `estimate_batch` does not model) one scalar `estimate()` each."""
+    of the cost model, uneven splits in one call per pipeline degree (`evaluate_uneven`)."""
     uneven = layouts.get("uneven", np.zeros(len(layouts["tp"]), dtype=bool))
     if not uneven.any():
         return evaluate_even(cluster, model, training, layouts, orders, engine)
@@ -366,7 +419,7 @@ def evaluate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec,
     if (~uneven).any():
         parts[False] = evaluate_even(cluster, model, training, {k: a[~uneven] for k, a in layouts.items()}, orders,
                                      engine)
-    parts[True] = evaluate_scalar(cluster, model, training, {k: a[uneven] for k, a in layouts.items()}, orders,
+    parts[True] = evaluate_uneven(cluster, model, training, {k: a[uneven] for k, a in layouts.items()}, orders,
                                   engine)
     keys = list(parts[True])
     out = {k: np.empty(len(uneven), dtype=parts[True][k].dtype) for k in keys}
@@ -376,10 +429,33 @@ def evaluate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec,
     return out
 
 
+def evaluate_uneven(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec,
+                    layouts: dict[str, np.ndarray], orders: tuple[str, ...],
+                    engine: EngineSpec | None = None) -> dict[str, np.ndarray]:
+    """The metrics of uneven-split layouts (each with `balanced_split`), vectorised: one call of
+    the cost model per pipeline degree, with every rank's layer count listed."""
+    out = {}
+    for pp in np.unique(layouts["pp"]):
+        rows = layouts["pp"] == pp
+        part = {k: a[rows] for k, a in layouts.items()}
+        metrics = evaluate_even(cluster, model, training, part, orders, engine,
+                                rank_layers(model.layers, int(pp), part["vpp"]))
+        for k, values in metrics.items():
+            out.setdefault(k, np.empty(len(rows), dtype=values.dtype))[rows] = values
+    return out
+
+
+def rank_layers(layers: int, pp: int, vpps: np.ndarray) -> np.ndarray:
+    """(pp, n) layers on each pipeline rank (its chunks r, r + pp, ...) of the balanced split."""
+    per_vpp = {int(v): [sum(balanced_split(layers, pp * int(v))[r::pp]) for r in range(pp)] for v in np.unique(vpps)}
+    return np.array([per_vpp[int(v)] for v in vpps], dtype=np.float64).reshape(len(vpps), pp).T
+
+
 def evaluate_scalar(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec,
                     layouts: dict[str, np.ndarray], orders: tuple[str, ...],
                     engine: EngineSpec | None = None) -> dict[str, np.ndarray]:
-    """The same metrics as `evaluate_even`, from `estimate()` one layout at a time."""
+    """The same metrics as `evaluate_even`, from `estimate()` one layout at a time (the reference
+    the vectorised paths are tested against)."""
     from plan3d.cost.estimate import estimate
 
     rows = []
@@ -397,15 +473,16 @@ SCALAR_METRICS = ("step_time_s", "tokens_per_s", "peak_memory_bytes", "capacity_
 
 def evaluate_even(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec,
                   layouts: dict[str, np.ndarray], orders: tuple[str, ...],
-                  engine: EngineSpec | None = None) -> dict[str, np.ndarray]:
-    """Predicted metrics of valid even-split layouts, one vectorised call of the cost model."""
+                  engine: EngineSpec | None = None, layers_per_rank: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Predicted metrics of valid layouts, one vectorised call of the cost model (even splits, or
+    the split `layers_per_rank` lists)."""
     from plan3d.cost.batch import Candidates, estimate_batch
 
     cands = Candidates(tp=layouts["tp"], pp=layouts["pp"], dp=layouts["dp"],
                        micro_batch=layouts["micro_batch"], vpp=layouts["vpp"], zero=layouts["zero"],
                        recompute=layouts["recompute"], sequence_parallel=layouts["sequence_parallel"],
                        order=layouts["order"])
-    return estimate_batch(cluster, model, training, cands, tuple(orders), engine)
+    return estimate_batch(cluster, model, training, cands, tuple(orders), engine, layers_per_rank)
 
 
 def search(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space: Space = Space(),
@@ -416,7 +493,7 @@ def search(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space
     start = time.perf_counter()
     if engine is not None:
         space = engine_space(space, engine)
-    shapes = shape_grid(cluster.world_size, space)
+    shapes = shape_grid(cluster.world_size, space, model.layers)
     codes = shape_reasons(shapes, model, training)
     if space.uneven:
         codes = allow_uneven(shapes, codes, model, training)
@@ -425,6 +502,7 @@ def search(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space
     valid = {k: a[codes == 0] for k, a in shapes.items()}
     layouts = expand_layouts(valid, space)
     layouts = drop_duplicates(layouts, space, rejected)
+    require_within_budget(layouts, cluster)
     metrics = evaluate(cluster, model, training, layouts, space.orders, engine) if len(layouts["tp"]) else {}
     fit_codes = fit_reasons(metrics, len(layouts["tp"]), min_mfu, max_memory_fraction, cluster.gpu.memory_bytes)
     for code in (MEMORY_CODE, MFU_CODE, MEMORY_FRACTION_CODE):
@@ -455,8 +533,8 @@ def fit_reasons(metrics: dict[str, np.ndarray], n: int, min_mfu: float | None,
 # ---- cluster size: "how many nodes do I need" ---------------------------------------------------
 def node_counts(min_nodes: int, max_nodes: int, limit: int = 16) -> list[int]:
     """Every count in [min, max] when there are at most `limit`; else doubling from min, plus max."""
-    if min_nodes < 1 or max_nodes < min_nodes:
-        raise LayoutError(f"--min-nodes {min_nodes} / --max-nodes {max_nodes}: need 1 <= min <= max")
+    if min_nodes < 1 or max_nodes < min_nodes or max_nodes > MAX_NODES:
+        raise LayoutError(f"--min-nodes {min_nodes} / --max-nodes {max_nodes}: need 1 <= min <= max <= {MAX_NODES:,}")
     if max_nodes - min_nodes < limit:
         return list(range(min_nodes, max_nodes + 1))
     counts, n = [], min_nodes
@@ -484,7 +562,11 @@ def nodes_to_fit(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec,
     top = min(cluster.nodes * max_factor, max(cluster.nodes, MAX_GPUS_TO_TRY // cluster.gpus_per_node))
     counts = {cluster.nodes * 2**k for k in range(1, max_factor.bit_length())}
     counts |= {2**k for k in range(top.bit_length()) if cluster.nodes < 2**k <= top}
-    for nodes in sorted(counts):
-        if search(cluster.with_size(nodes=nodes), model, training, space, engine=engine, **thresholds).feasible_count:
+    for nodes in sorted(n for n in counts if n <= MAX_NODES):
+        try:
+            result = search(cluster.with_size(nodes=nodes), model, training, space, engine=engine, **thresholds)
+        except SearchBudgetError:  # larger clusters would be refused too
+            return None
+        if result.feasible_count:
             return nodes
     return None

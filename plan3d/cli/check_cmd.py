@@ -2,12 +2,12 @@
 constraint, 2 the file itself is invalid (issue 5)."""
 from __future__ import annotations
 
-import json
 from typing import Annotated
 
 import typer
 
 from plan3d.cli.app import app
+from plan3d.render.units import json_text
 from plan3d.cli.common import EngineOpt
 from plan3d.cli.recommend_cmd import MaxMemFracOpt, MinMfuOpt, _thresholds
 from plan3d.errors import EXIT_FAILED, Plan3dError, SpecError
@@ -43,7 +43,7 @@ def check(
         raise
     report = check_job(job.cluster, job.model, job.training, job.layout, **thresholds, engine=job.engine)
     if json_out:
-        print(json.dumps(render.check_dict(job_file, job, report), indent=1))
+        print(json_text(render.check_dict(job_file, job, report)))
     else:
         render.print_check(job_file, job, report, fmt)
     if not report.ok:

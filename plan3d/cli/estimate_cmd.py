@@ -1,12 +1,12 @@
 """`plan3d estimate`: memory and step time of one layout (issue 3)."""
 from __future__ import annotations
 
-import json
 from typing import Annotated, Optional
 
 import typer
 
 from plan3d.cli.app import app
+from plan3d.render.units import json_text
 from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, EngineOpt, GlobalBatchOpt, GpnOpt, JsonOpt, MicroBatchOpt,
                                ModelOpt, NodesOpt, OrderOpt, PlotOpt, PpOpt, PrecisionOpt, RecomputeOpt,
                                SeqLenOpt, SeqParallelOpt, TpOpt, VppOpt, ZeroOpt, load_engine_opt, load_specs,
@@ -56,7 +56,7 @@ def estimate_command(
 
         plot_step_breakdown(result.to_dict(), plot)
     if json_out:
-        print(json.dumps({"schema_version": SCHEMA_VERSION, **result.to_dict()}, indent=1))
+        print(json_text({"schema_version": SCHEMA_VERSION, **result.to_dict()}))
     else:
         from plan3d.render.estimate import print_estimate
 

@@ -1,7 +1,6 @@
 """`plan3d recommend` and `plan3d explain`: parse -> load -> search -> rank -> render (issue 5)."""
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
@@ -9,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from plan3d.cli.app import app
+from plan3d.render.units import json_text
 from plan3d.cli.common import (ClusterOpt, EngineOpt, GlobalBatchOpt, GpnOpt, JsonOpt, ModelOpt, NodesOpt, PlotOpt,
                                PrecisionOpt, SeqLenOpt, load_engine_opt, load_specs, make_layout)
 from plan3d.errors import InfeasibleError, LayoutError
@@ -107,7 +107,7 @@ def recommend(
         plot_pareto(render.pareto_points(result, order_), plot, float(result.metrics["capacity_bytes"][0]))
         report.notes.append(f"wrote the throughput-vs-memory picture to {plot}")
     if json_out:
-        print(json.dumps(render.recommendation_dict(report, explain), indent=1))
+        print(json_text(render.recommendation_dict(report, explain)))
     else:
         render.print_recommendation(report, explain)
 
@@ -129,6 +129,9 @@ def space_from_flags(flags: dict):
     for flag in ("top", "max_micro_batch", "max_vpp", "min_nodes", "max_nodes"):
         if flags.get(flag) is not None:
             _require_at_least_1(flag, flags[flag])
+    for flag in INT_FLAGS:
+        if flags.get(flag) is not None and flags[flag] > MAX_INT_FLAG:
+            raise LayoutError(f"--{flag.replace('_', '-')} {flags[flag]}: at most {MAX_INT_FLAG:,}")
 
     recompute = ("none",) if flags["no_recompute"] else tuple(flags["recompute"] or RECOMPUTE)
     sp = (False, True) if flags["sequence_parallel"] is None else (flags["sequence_parallel"],)
@@ -139,6 +142,11 @@ def space_from_flags(flags: dict):
                  **bound("vpp", 1, max(flags["max_vpp"], flags["vpp"] or 1)),
                  zero=tuple(flags["zero"] or (0, 1, 2, 3)), recompute=recompute, sequence_parallel=sp, orders=orders,
                  uneven=flags["uneven"])
+
+
+MAX_INT_FLAG = 1_000_000_000  # no degree, batch or count is larger (and pp * vpp stays inside int64)
+INT_FLAGS = ("top", "pick", "tp", "min_tp", "max_tp", "pp", "min_pp", "max_pp", "dp", "min_dp", "max_dp",
+             "micro_batch", "max_micro_batch", "vpp", "max_vpp", "min_nodes", "max_nodes")
 
 
 def _require_at_least_1(knob: str, value: int) -> None:
@@ -168,7 +176,7 @@ def _no_fit(report, space, thresholds: dict, json_out: bool) -> None:
     if result.size and report.sweep is None:
         report.nodes_needed = nodes_to_fit(result.cluster, result.model, result.training, space, **thresholds)
     if json_out:
-        print(json.dumps(render.recommendation_dict(report, False), indent=1))
+        print(json_text(render.recommendation_dict(report, False)))
     else:
         render.print_recommendation(report, False)
     raise InfeasibleError(render.no_fit_message(report))
@@ -233,6 +241,6 @@ def explain_cmd(
     assert row is not None, "a valid layout inside the space is always evaluated"
     report = render.Explanation(result, order_, row, objective)
     if json_out:
-        print(json.dumps(render.explanation_dict(report), indent=1))
+        print(json_text(render.explanation_dict(report)))
     else:
         render.print_explanation(report)

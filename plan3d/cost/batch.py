@@ -1,7 +1,8 @@
 """`estimate_batch()`: the same estimate for many candidate layouts at once (for the search).
 
-Candidates are assumed valid (the search filters them with layout_problems' rules) with an even
-layer split; each result equals `estimate()` of the same layout (tests check 1e-9 agreement).
+Candidates are assumed valid (the search filters them with layout_problems' rules). Their layer
+split is even, or given per pipeline rank (`rank_layers`, uneven splits); each result equals
+`estimate()` of the same layout (tests check 1e-9 agreement).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from plan3d.cost.arrays import layout_arrays
 from plan3d.cost.comm import layout_links
 from plan3d.cost.context import make_context
 from plan3d.cost.core import Links, evaluate, link_row
+from plan3d.cost.finite import require_finite
 from plan3d.specs.cluster import ClusterSpec
 from plan3d.specs.engine import EngineSpec
 from plan3d.specs.model import ModelSpec
@@ -51,21 +53,40 @@ def _links(cluster: ClusterSpec, cands: Candidates, orders: tuple[str, ...]) -> 
     return Links.from_rows(table[inverse.reshape(-1)])
 
 
+def even_stages(pp: np.ndarray, layers: int):
+    """The three stage kinds of an even split, first / middle / last, with their multiplicities."""
+    pp_rank = np.stack([np.zeros_like(pp), np.ones_like(pp), pp - 1])
+    weights = np.stack([np.ones_like(pp), np.maximum(pp - 2, 0), (pp > 1).astype(np.float64)])
+    return pp_rank, np.broadcast_to(layers / pp, pp_rank.shape), weights
+
+
+def listed_stages(pp: np.ndarray, rank_layers: np.ndarray):
+    """Every pipeline rank of each candidate, as `estimate()` stacks them (padding rows weigh 0)."""
+    rank_layers = np.asarray(rank_layers, dtype=np.float64)
+    pp_rank = np.broadcast_to(np.arange(rank_layers.shape[0], dtype=np.float64)[:, None], rank_layers.shape)
+    return pp_rank, rank_layers, (pp_rank < pp).astype(np.float64)
+
+
 def estimate_batch(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, cands: Candidates,
-                   orders: tuple[str, ...], engine: EngineSpec | None = None) -> dict[str, np.ndarray]:
+                   orders: tuple[str, ...], engine: EngineSpec | None = None,
+                   rank_layers: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Step time, throughput, memory and breakdown for every candidate (arrays), as `engine` runs
-    them (candidates are assumed to be layouts the engine can run)."""
+    them (candidates are assumed to be layouts the engine can run).
+
+    `rank_layers` (P, n): layers on pipeline rank r of candidate i (rows r >= its pp are ignored),
+    for uneven splits; None: every candidate splits its layers evenly."""
     ctx = make_context(cluster, model, training, engine)
     la = layout_arrays(training.global_batch, cands.tp, cands.pp, cands.dp, cands.micro_batch, cands.vpp,
                        cands.zero, cands.recompute, np.asarray(cands.sequence_parallel, dtype=np.float64))
-    pp = la.pp
-    pp_rank = np.stack([np.zeros_like(pp), np.ones_like(pp), pp - 1])  # first, middle, last
-    weights = np.stack([np.ones_like(pp), np.maximum(pp - 2, 0), (pp > 1).astype(np.float64)])
-    layers = np.broadcast_to(model.layers / pp, pp_rank.shape)
+    if rank_layers is None:
+        pp_rank, layers, weights = even_stages(la.pp, model.layers)
+    else:
+        pp_rank, layers, weights = listed_stages(la.pp, rank_layers)
     out = evaluate(ctx, la, _links(cluster, cands, orders), pp_rank, layers, weights)
     time = out["time_s"]
     result = {k: out[k] for k in ("step_time_s", "tokens_per_s", "peak_memory_bytes", "capacity_bytes",
                                   "mfu", "model_tflops_per_gpu", "bubble_fraction")}
     result["fits"] = out["peak_memory_bytes"] <= out["capacity_bytes"]
     result.update({f"{k}_s": time[k] for k in time})
+    require_finite(result, cluster, model, training, engine)
     return result

@@ -175,7 +175,15 @@ def core_share(ctx: CostContext, la: LayoutArrays):
 
 
 def evaluate(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, layers, weights) -> dict:
-    """Everything for the stacked stages: memory per stage, times, step time and rates."""
+    """Everything for the stacked stages: memory per stage, times, step time and rates.
+
+    Extreme (schema-valid) inputs may overflow; the callers reject non-finite results with a
+    message naming the input (`plan3d.cost.finite`), so numpy's own warnings are silenced here."""
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        return _evaluate(ctx, la, links, pp_rank, layers, weights)
+
+
+def _evaluate(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, layers, weights) -> dict:
     mem = memory.stage_memory(ctx, la, pp_rank, layers)
     per_mb = stage_micro_batch_s(ctx, la, links, pp_rank, layers)
     per_mb_total = sum(per_mb[k] for k in PER_MICRO_BATCH)

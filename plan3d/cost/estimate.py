@@ -8,6 +8,7 @@ import numpy as np
 
 from plan3d.cost.arrays import RECOMPUTE_CODES, layout_arrays
 from plan3d.cost.comm import GROUPS, layout_links
+from plan3d.cost.finite import require_finite
 from plan3d.cost.trust import provenance
 from plan3d.cost.context import make_context
 from plan3d.cost.core import MEMORY_KEYS, TIME_KEYS, Links, evaluate, link_row
@@ -71,9 +72,17 @@ def estimate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, lay
     pp_rank = np.arange(layout.pp, dtype=np.float64)[:, None]
     out = evaluate(ctx, la, link_arrays, pp_rank, layers, np.ones_like(layers))
     result = _to_estimate(out, layout, {k: links[k].tier for k in GROUPS}, _warnings(cluster, model, layout))
+    require_finite(_numbers(result), cluster, model, training, engine)
     trust = provenance(cluster, engine, training, layout.zero)
     return replace(result, engine=engine.name if engine else "", provenance=trust.lines,
                    warnings=result.warnings + trust.warnings)
+
+
+def _numbers(est: Estimate) -> dict:
+    """The numeric terms of an estimate (for `require_finite`)."""
+    keys = ("step_time_s", "tokens_per_s", "model_tflops_per_gpu", "mfu", "peak_memory_bytes", "capacity_bytes",
+            "bubble_fraction", "time_s", "memory_bytes", "stage_memory_bytes")
+    return {k: getattr(est, k) for k in keys}
 
 
 def _to_estimate(out: dict, layout: Layout, tiers: dict, warnings: list[str]) -> Estimate:

@@ -1,11 +1,9 @@
 """Output of `plan3d check`: plain text, GitHub workflow annotations, JSON."""
 from __future__ import annotations
 
-import json
-
 from plan3d.ranking import CheckReport, Finding
 from plan3d.render.recommend import duration
-from plan3d.render.units import gib
+from plan3d.render.units import gib, json_text, printable
 
 SCHEMA_VERSION = 1
 GITHUB_LEVELS = {"error": "error", "warning": "warning", "notice": "notice"}
@@ -54,17 +52,17 @@ def print_check(path: str, job, report: CheckReport, fmt: str) -> None:
                 lines.append(f"      fix: {f.fix}")
     if summary(report):
         lines.append(f"  {summary(report)}")
-    print("\n".join(lines))
+    print("\n".join(printable(line) for line in lines))
 
 
 def print_invalid(path: str, problems: list[str], fmt: str, json_out: bool) -> None:
     """An invalid job file (exit 2): the annotations or JSON go to stdout, the CLI adds `error:` lines."""
     findings = [Finding("error", p, "fix the job file; `plan3d specs schema job` shows its schema") for p in problems]
     if json_out:
-        print(json.dumps({"schema_version": SCHEMA_VERSION, "file": path, "valid": False, "ok": False,
-                          "findings": [vars(f) for f in findings]}, indent=1))
+        print(json_text({"schema_version": SCHEMA_VERSION, "file": path, "valid": False, "ok": False,
+                          "findings": [vars(f) for f in findings]}))
     elif fmt == "github":
-        print("\n".join(annotation(path, f) for f in findings))
+        print("\n".join(printable(annotation(path, f)) for f in findings))
 
 
 def check_dict(path: str, job, report: CheckReport) -> dict:

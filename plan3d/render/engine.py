@@ -3,10 +3,12 @@ from __future__ import annotations
 
 from rich.markup import escape
 
+from plan3d.render.units import printable
+
 
 def engine_text(engine) -> str:
     """`megatron-core (Megatron-Core (2024-2025), ...)`: the name and what it is."""
-    return engine.name + (f" ({engine.description})" if engine.description else "")
+    return printable(engine.name + (f" ({engine.description})" if engine.description else ""))
 
 
 def engine_line(engine) -> str:

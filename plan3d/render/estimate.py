@@ -4,7 +4,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from plan3d.render.units import gib, ms
+from plan3d.render.units import gib, ms, printable
 
 MEMORY_LABELS = {"weights": "weights", "gradients": "gradients", "optimizer": "optimizer states",
                  "activations": "activations", "buffers": "communication buffers",
@@ -42,7 +42,7 @@ def summary_lines(est, cluster, model, training) -> list[str]:
     fits = "[green]fits[/green]" if est.fits else "[red]does NOT fit[/red]"
     stages = ", ".join(f"{b / 2**30:.1f}" for b in est.stage_memory_bytes)
     return [
-        f"{model.name} on {cluster.name}: {_layout_text(est.layout)}, global batch {training.global_batch}",
+        printable(f"{model.name} on {cluster.name}: {_layout_text(est.layout)}, global batch {training.global_batch}"),
         f"groups span: tp {est.tiers['tp']}, pp {est.tiers['pp']}, dp {est.tiers['dp']}",
         f"step {ms(est.step_time_s)}, {est.tokens_per_s:,.0f} tokens/s, "
         f"{est.model_tflops_per_gpu:.1f} model TFLOP/s per GPU, MFU {est.mfu:.1%}, bubble {est.bubble_fraction:.1%}",

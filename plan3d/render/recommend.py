@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from plan3d import ranking
-from plan3d.render.units import GIB, gib, ms
+from plan3d.render.units import GIB, gib, ms, printable
 from plan3d.search import SearchResult
 
 SCHEMA_VERSION = 1
@@ -116,7 +116,7 @@ def wide_console() -> Console:
 
 
 def duration(seconds: float) -> str:
-    return ms(seconds) if abs(seconds) < 10 else f"{seconds:.1f} s"
+    return ms(seconds) if abs(seconds) < 10 else f"{seconds:.1f} s" if abs(seconds) < 1e6 else f"{seconds:.3g} s"
 
 
 def _pct(x: float) -> str:
@@ -170,8 +170,9 @@ def print_recommendation(report: Recommendation, explain: bool = False, console:
         fewest = next((s.cluster.nodes for s in report.sweep if s.feasible_count), None)
         console.print(f"fewest nodes with a layout that fits: {fewest} (its layouts below)" if fewest
                       else "no node count of the sweep fits (the largest is shown below)")
-    title = (f"{r.model.name} on {r.cluster.nodes} x {r.cluster.gpus_per_node} {r.cluster.gpu.name} "
-             f"({r.cluster.world_size} GPUs), global batch {r.training.global_batch}, objective {report.objective}")
+    title = printable(f"{r.model.name} on {r.cluster.nodes} x {r.cluster.gpus_per_node} {r.cluster.gpu.name} "
+                      f"({r.cluster.world_size} GPUs), global batch {r.training.global_batch}, "
+                      f"objective {report.objective}")
     if r.feasible_count:
         console.print(layouts_table(r, report.shown, title, report.tokens))
         if any(r.layout(int(row)).pp_layers is not None for row in report.shown):

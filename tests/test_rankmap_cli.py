@@ -112,3 +112,30 @@ def test_unknown_cluster_suggests_the_closest(capsys):
 def test_unwritable_svg_path(capsys, tmp_path):
     code, _, err = run(capsys, "rankmap", "--cluster", "local-cpu", "--svg", str(tmp_path / "no" / "dir" / "x.svg"))
     assert code == 2 and "cannot be written" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("degrees", [("--tp", "4", "--pp", "3"), ("--tp", "2", "--pp", "12", "--dp", "1"),
+                                     ("--tp", "2", "--cp", "2", "--ep", "2", "--pp", "2")])
+def test_svg_legend_names_every_axis_and_each_stage_colour(capsys, tmp_path, degrees):
+    svg = tmp_path / "map.svg"
+    code, _, err = run(capsys, "rankmap", "--cluster", "dgx-h100", "--nodes", "3", *degrees, "--format", "json",
+                       "--svg", str(svg))
+    assert code == 0, err
+    ns = "{http://www.w3.org/2000/svg}"
+    root = ET.fromstring(svg.read_text())
+    [legend] = [g for g in root.iter(f"{ns}g") if g.get("id") == "legend"]
+    text = " ".join(t.text for t in legend.iter(f"{ns}text"))
+    flags = dict(zip(degrees[::2], degrees[1::2]))
+    sizes = {axis: int(flags.get(f"--{axis}", 1)) for axis in ("tp", "pp", "cp", "ep")}
+    for axis, size in sizes.items():
+        assert f"{axis}={size}" in text
+    assert "dp=" in text and f"group of {sizes['tp']} rank" in text
+    stage_fill = {}  # the fill of every cell, by the pipeline stage its text names
+    for rect, label in zip([r for r in root.iter(f"{ns}rect") if r.get("stroke")],
+                           [t for t in root.iter(f"{ns}text") if t.get("class") == "c"]):
+        stage_fill.setdefault(int(label.text.split(" p")[1].split()[0]), set()).add(rect.get("fill"))
+    swatches = [r for r in legend.iter(f"{ns}rect") if r.get("class") == "swatch"]
+    assert len(swatches) == min(sizes["pp"], 10)
+    for stage, swatch in enumerate(swatches):
+        assert stage_fill[stage] == {swatch.get("fill")}
+        assert float(swatch.get("x")) + 14 <= float(root.get("width"))

@@ -104,6 +104,7 @@ def rankmap_csv(rankmap: RankMap) -> str:
 
 # ---- SVG ---------------------------------------------------------------------------------
 CELL_W, CELL_H, MARGIN, LABEL_W = 78, 34, 10, 52
+LEGEND_MIN_W = 700  # room for the legend's longest line
 SVG_FILLS = ("#4e79a7", "#59a14f", "#e15759", "#b07aa1", "#f28e2b", "#76b7b2", "#edc948", "#ff9da7",
              "#9c755f", "#bab0ac")
 
@@ -151,16 +152,61 @@ def _svg_tp_outlines(rankmap: RankMap, rows: list[list[RankCoord | None]]) -> li
     return parts
 
 
+LEGEND_LINE = 18
+SWATCH_W = 58
+LEGEND_H = 2 * LEGEND_LINE + 26  # three rows: cell text, stage colours, TP outline
+
+
+def _svg_legend(rankmap: RankMap, top: int) -> list[str]:
+    """A `<g id="legend">`: what a cell's text means (every axis named with its size), one swatch
+    per pipeline stage colour, and the TP-group outline."""
+    layout = rankmap.layout
+    sizes = ", ".join(f"{axis}={getattr(layout, axis)}" for axis in ("tp", "pp", "dp", "cp", "ep"))
+    shown = "t=tp, p=pp, d=dp" + ", c=cp" * (layout.cp > 1) + ", e=ep" * (layout.ep > 1)
+    x, y = MARGIN, top + LEGEND_LINE
+    parts = ['<g id="legend">',
+             f'<text x="{x}" y="{y}" class="l">cell: rank: {shown} coordinates; sizes {escape(sizes)}, '
+             f'order {escape(rankmap.order)} (first varies fastest)</text>']
+    y += 8
+    repeat = _colour_repeat(layout.pp)
+    parts.append(f'<text x="{x}" y="{y + 11}" class="l">colour: pipeline stage{escape(repeat)}</text>')
+    for stage in range(min(layout.pp, len(SVG_FILLS))):
+        sx = _swatch_x(stage, repeat)
+        parts += [f'<rect x="{sx}" y="{y}" width="14" height="14" fill="{SVG_FILLS[stage]}" class="swatch"/>',
+                  f'<text x="{sx + 18}" y="{y + 11}" class="l">pp {stage}</text>']
+    y += 14 + LEGEND_LINE
+    parts += [f'<line x1="{x}" y1="{y - 4}" x2="{x + 30}" y2="{y - 4}" class="tp"/>',
+              f'<text x="{x + 38}" y="{y}" class="l">outline: one tensor-parallel (tp) group of {layout.tp} '
+              f'rank{"s" * (layout.tp > 1)}</text>', "</g>"]
+    return parts
+
+
+def _colour_repeat(pp: int) -> str:
+    return f" (repeats every {len(SVG_FILLS)})" if pp > len(SVG_FILLS) else ""
+
+
+def _swatch_x(stage: int, repeat: str) -> int:
+    return MARGIN + 150 + 7 * len(repeat) + stage * SWATCH_W
+
+
+def _svg_width(rankmap: RankMap) -> int:
+    grid = 2 * MARGIN + LABEL_W + rankmap.gpus_per_node * CELL_W
+    stages = min(rankmap.layout.pp, len(SVG_FILLS))
+    swatches = _swatch_x(stages, _colour_repeat(rankmap.layout.pp)) + MARGIN
+    return max(grid, swatches, LEGEND_MIN_W)
+
+
 def rankmap_svg(rankmap: RankMap, title: str) -> str:
-    """The cluster grid (nodes x GPUs) coloured by pipeline stage, each TP group outlined."""
+    """The cluster grid (nodes x GPUs) coloured by pipeline stage, each TP group outlined, a legend below."""
     rows = _grid_rows(rankmap)
-    width = 2 * MARGIN + LABEL_W + rankmap.gpus_per_node * CELL_W
-    height = 2 * MARGIN + 20 + len(rows) * CELL_H
+    grid_bottom = MARGIN + 20 + len(rows) * CELL_H
+    width = _svg_width(rankmap)
+    height = grid_bottom + LEGEND_H + MARGIN
     head = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
             f'viewBox="0 0 {width} {height}" font-family="sans-serif">',
             "<style>.c{font-size:11px;fill:#fff;text-anchor:middle}.n{font-size:11px;fill:#333}"
-            ".tp{stroke:#111;stroke-width:3}.t{font-size:13px;fill:#111}</style>",
+            ".tp{stroke:#111;stroke-width:3}.t{font-size:13px;fill:#111}.l{font-size:11px;fill:#333}</style>",
             f'<rect width="{width}" height="{height}" fill="#ffffff"/>',
             f'<text x="{MARGIN}" y="{MARGIN + 10}" class="t">{escape(title)}</text>']
-    body = _svg_cells(rankmap, rows) + _svg_tp_outlines(rankmap, rows)
+    body = _svg_cells(rankmap, rows) + _svg_tp_outlines(rankmap, rows) + _svg_legend(rankmap, grid_bottom)
     return "\n".join(head + body + ["</svg>"]) + "\n"

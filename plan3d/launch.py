@@ -5,12 +5,19 @@ starts this node's ranks. While torchrun runs, new lines of `metrics.jsonl` go t
 A failed rank (crash, collective timeout, placement mismatch) makes torchrun stop the others; the
 result names the failing rank and its one-line error. Ctrl-C stops every rank; whatever happens,
 the launcher's process group is killed before returning (workers also die with their parent).
+
+Every wait is bounded by the launch timeout (`--timeout-s` of the workers): the collectives, and
+torchrun's static rendezvous (node 0 waiting for the other nodes, a node waiting for node 0).
+What the ranks cannot report (a full disk, a port in use, a node that never joined) is diagnosed
+here, from the launcher's side.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,7 +33,10 @@ from plan3d.plan import Plan
 
 STOP_GRACE_S = 10.0
 AFTER_ERROR_S = 20.0
-RANKS_NAMED = 8  # how many stopped ranks a hang message lists
+RANKS_NAMED = 8  # how many hung ranks a message lists
+DEFAULT_TIMEOUT_S = 300.0
+MIN_FREE_BYTES = 64 * 2**20  # below this the run directory's disk counts as full
+PORT_TRIES = 3  # fresh ports tried when the port was ours to pick and another process took it
 
 
 @dataclass
@@ -36,6 +46,7 @@ class LaunchResult:
     failed_rank: int | None = None
     error: str | None = None
     elapsed_s: float = 0.0
+    port_taken: bool = False  # torchrun could not listen on the rendezvous port
 
     @property
     def ok(self) -> bool:
@@ -74,6 +85,53 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_in_use(addr: str, port: int) -> bool:
+    """Whether something already listens on addr:port here (False when addr is not this host's)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((addr, port))
+        except OSError as err:
+            return err.errno == errno.EADDRINUSE
+    return False
+
+
+def port_in_use_message(addr: str, port: int, nnodes: int) -> str:
+    node0 = (" (or a second launcher was given --node-rank 0: every node needs its own --node-rank)"
+             if nnodes > 1 else "")
+    return (f"port {port} on {addr} is already in use by another process{node0}; "
+            "pass a free --master-port (the same on every node)")
+
+
+def timeout_from(worker_args) -> float:
+    """The workers' --timeout-s, which also bounds the launcher's own waits."""
+    args = list(map(str, worker_args))
+    if "--timeout-s" in args[:-1]:
+        return float(args[args.index("--timeout-s") + 1])
+    return DEFAULT_TIMEOUT_S
+
+
+def check_free_space(run_dir: Path) -> None:
+    """Refuse to start on a full disk: the ranks could not even write why they failed."""
+    free = shutil.disk_usage(run_dir).free
+    if free < MIN_FREE_BYTES:
+        raise LaunchError(disk_full_message(run_dir, free))
+
+
+def disk_full_message(run_dir: Path, free: int) -> str:
+    return (f"no space left on the disk holding {run_dir} ({free / 2**20:.0f} MiB free); "
+            "free space, lower --keep-last, or choose a --run-dir on another disk")
+
+
+def clean_interrupted_saves(run_dir: Path) -> list[Path]:
+    """Remove `step_N.tmp` directories an interrupted save left behind (never loaded)."""
+    removed = []
+    for tmp in sorted((run_dir / "checkpoints").glob("step_*.tmp")):
+        shutil.rmtree(tmp, ignore_errors=True)
+        removed.append(tmp)
+    return removed
+
+
 def worker_argv(run_dir: Path, steps: int, backend: str, extra) -> list[str]:
     return ["--run-dir", str(run_dir), "--steps", str(steps), "--backend", backend, *map(str, extra)]
 
@@ -81,10 +139,12 @@ def worker_argv(run_dir: Path, steps: int, backend: str, extra) -> list[str]:
 def prepare_run_dir(plan: Plan, run_dir: Path) -> Path:
     """Create the run directory, write plan.json, clear a previous attempt's errors."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    check_free_space(run_dir)
     (run_dir / "logs").mkdir(exist_ok=True)
     errors = run_dir / "errors"
     for stale in errors.glob("*.json") if errors.exists() else ():
         stale.unlink()
+    clean_interrupted_saves(run_dir)
     plan_file = run_dir / "plan.json"
     _write_once(plan_file, plan.model_dump_json(indent=1))
     return plan_file
@@ -106,7 +166,8 @@ def launch(plan: Plan, plan_path: str | Path | None, run_dir: str | Path, steps:
     """Run this node's ranks to the end; returns how it ended (never raises for a failed rank).
 
     A plan that spans several nodes, launched with nnodes=1 on loopback, runs every node's
-    launcher on this machine (simulated nodes, each with its own node identity)."""
+    launcher on this machine (simulated nodes, each with its own node identity). When the port
+    was ours to pick and another process took it before torchrun did, a fresh port is tried."""
     problems = runtime_problems(plan)
     if problems:
         raise LaunchError("; ".join(problems))
@@ -115,15 +176,21 @@ def launch(plan: Plan, plan_path: str | Path | None, run_dir: str | Path, steps:
     nproc = node_layout(plan, nnodes, node_rank)
     run_dir = Path(run_dir)
     plan_file = prepare_run_dir(plan, run_dir)
-    if master_port is None:
-        if nnodes > 1 and not local_nodes:
-            raise LaunchError("several nodes need the same --master-port on every node")
-        master_port = free_port()
-    args = worker_argv(run_dir, steps, backend, worker_args)
+    ours = master_port is None
+    if ours and nnodes > 1 and not local_nodes:
+        raise LaunchError("several nodes need the same --master-port on every node")
+    if not ours and (node_rank == 0 or local_nodes) and port_in_use(master_addr, master_port):
+        raise LaunchError(port_in_use_message(master_addr, master_port, nnodes))
+    args, timeout_s = worker_argv(run_dir, steps, backend, worker_args), timeout_from(worker_args)
     nodes = range(nnodes) if local_nodes else [node_rank]
-    jobs = [(node, node_command(str(plan_file), nnodes, nproc, node, master_addr, master_port, args, worker_module),
-             _node_env(node, local_nodes, env)) for node in nodes]
-    return _run(jobs, run_dir, on_progress)
+    for _ in range(PORT_TRIES if ours else 1):
+        port = free_port() if ours else master_port
+        jobs = [(node, node_command(str(plan_file), nnodes, nproc, node, master_addr, port, args, worker_module,
+                                    rdzv_timeout_s=timeout_s), _node_env(node, local_nodes, env)) for node in nodes]
+        result = _run(jobs, run_dir, on_progress, plan.layout.world_size, _Rendezvous(master_addr, port, nnodes))
+        if not (ours and result.port_taken):
+            break
+    return result
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -142,17 +209,25 @@ def _node_env(node: int, simulated: bool, extra: dict | None) -> dict:
             **(extra or {})}
 
 
-def _run(jobs, run_dir: Path, on_progress) -> LaunchResult:
+@dataclass
+class _Rendezvous:
+    """Where node 0 hosts the static rendezvous (for the messages about it)."""
+    addr: str
+    port: int
+    nnodes: int
+
+
+def _run(jobs, run_dir: Path, on_progress, world: int, rdzv: _Rendezvous) -> LaunchResult:
     """Start one torchrun per (node, argv, env); wait for all; diagnose a failure."""
     start, procs, logs = time.monotonic(), [], []
-    previous = _sigterm_as_interrupt()
+    previous = _signals_as_interrupt()
     try:
         for node, cmd, env in jobs:
             logs.append(run_dir / "logs" / f"launcher{node}.log")
             with logs[-1].open("w") as log:
                 procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                               start_new_session=True, preexec_fn=_term_with_parent))
-        code = _watch(procs, run_dir, on_progress)
+        code = _watch(procs, run_dir, on_progress, world)
     except KeyboardInterrupt:
         for proc in procs:
             _stop(proc)
@@ -160,13 +235,20 @@ def _run(jobs, run_dir: Path, on_progress) -> LaunchResult:
     finally:
         for proc in procs:
             _kill_group(proc)
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        _restore_signals(previous)
     result = LaunchResult(code, run_dir, elapsed_s=time.monotonic() - start)
     if code != 0:
-        text = "\n".join(path.read_text(errors="replace") for path in logs)
-        result.failed_rank, result.error = diagnose(run_dir, text)
+        text = "\n".join(_read_log(path) for path in logs)
+        result.port_taken = port_taken(text)
+        result.failed_rank, result.error = diagnose(run_dir, text, world, rdzv)
     return result
+
+
+def _read_log(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def _term_with_parent() -> None:
@@ -183,16 +265,27 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def _sigterm_as_interrupt():
-    """SIGTERM (scheduler cancel, kill) stops the ranks like Ctrl-C; only the main thread can."""
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _signals_as_interrupt() -> dict | None:
+    """SIGINT and SIGTERM (Ctrl-C, scheduler cancel, kill) stop the ranks. SIGINT is set
+    explicitly: a launcher started in the background of a script inherits it as ignored.
+    Only the main thread can set handlers (None elsewhere)."""
     if threading.current_thread() is not threading.main_thread():
         return None
-    return signal.signal(signal.SIGTERM, _raise_interrupt)
+    return {sig: signal.signal(sig, _raise_interrupt) for sig in STOP_SIGNALS}
 
 
-def _watch(procs: list[subprocess.Popen], run_dir: Path, on_progress) -> int:
+def _restore_signals(previous: dict | None) -> None:
+    for sig, handler in (previous or {}).items():
+        signal.signal(sig, handler)
+
+
+def _watch(procs: list[subprocess.Popen], run_dir: Path, on_progress, world: int) -> int:
     """Poll the torchruns; forward metric records; after a failure give the others
-    AFTER_ERROR_S to stop by themselves, then stop them. Returns the first non-zero exit."""
+    AFTER_ERROR_S to stop by themselves (no longer once every rank but the hung one has reported
+    a timeout), then stop them. Returns the first non-zero exit."""
     metrics, seen, failed_since = run_dir / "metrics.jsonl", 0, None
     while True:
         codes = [proc.poll() for proc in procs]
@@ -200,20 +293,46 @@ def _watch(procs: list[subprocess.Popen], run_dir: Path, on_progress) -> int:
         bad = [c for c in codes if c not in (None, 0)]
         if all(c is not None for c in codes):
             return bad[0] if bad else 0
-        if failed_since is None and (bad or any((run_dir / "errors").glob("*.json"))):
+        records = read_error_records(run_dir)
+        if failed_since is None and (bad or records):
             failed_since = time.monotonic()
-        if failed_since is not None and time.monotonic() - failed_since > AFTER_ERROR_S:
+        if failed_since is not None and (time.monotonic() - failed_since > AFTER_ERROR_S
+                                         or _hang_reported(records, world)):
             for proc in procs:
                 _stop(proc)
             return bad[0] if bad else 1
         time.sleep(0.2)
 
 
+def _hang_reported(records: list[dict], world: int) -> bool:
+    """A timeout came first and every rank but one has reported: the diagnosis is complete."""
+    return bool(records) and _is_timeout(_first(records)["error"]) and len(records) >= world - 1
+
+
+def read_error_records(run_dir: Path) -> list[dict]:
+    records = []
+    for path in (run_dir / "errors").glob("rank*.json"):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return records
+
+
+def _first(records: list[dict]) -> dict:
+    return min(records, key=lambda e: e["time"])
+
+
+def _is_timeout(error: str) -> bool:
+    return "timed out" in error.lower() or "timeout" in error.lower()
+
+
 def _forward_metrics(path: Path, seen: int, on_progress) -> int:
     if on_progress is None or not path.exists():
         return seen
-    lines = path.read_text().splitlines()
-    complete = lines if path.read_text().endswith("\n") else lines[:-1]
+    text = path.read_text()
+    lines = text.splitlines()
+    complete = lines if text.endswith("\n") else lines[:-1]
     for line in complete[seen:]:
         on_progress(json.loads(line))
     return max(seen, len(complete))
@@ -254,32 +373,67 @@ def failures_from_torchrun(launcher_log: str) -> list[tuple[int, int]]:
     return out
 
 
-def _hang_suspect(first: dict, errored: set[int], launcher_log: str) -> tuple[int, str]:
-    """A collective timed out: the ranks torchrun had to stop without an error of their own hung."""
-    stopped = sorted(rank for rank, code in failures_from_torchrun(launcher_log)
-                     if code == -signal.SIGTERM and rank not in errored)
-    if not stopped:
+def _name_ranks(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:RANKS_NAMED])) + (" ..." if len(ranks) > RANKS_NAMED else "")
+    return ("rank " if len(ranks) == 1 else "ranks ") + shown
+
+
+def _hang_diagnosis(first: dict, records: list[dict], world: int) -> tuple[int, str]:
+    """A collective timed out: the ranks that never wrote a record of their own hung (every other
+    rank's collectives honour the same timeout, and the first to time out waits for their records)."""
+    reported = {e["rank"] for e in records}
+    hung = [rank for rank in range(world) if rank not in reported]
+    if not hung or len(hung) == world:
         return first["rank"], first["error"]
-    names = ", ".join(map(str, stopped[:RANKS_NAMED])) + (" ..." if len(stopped) > RANKS_NAMED else "")
-    return stopped[0], (f"rank {names} hung (never reached the collective that timed out on rank "
-                        f"{first['rank']}: {first['error']})")
+    return hung[0], (f"{_name_ranks(hung)} hung (no error of its own): {len(reported)} other ranks timed out "
+                     f"waiting in a collective (first rank {first['rank']}: {first['error']})")
 
 
-def diagnose(run_dir: Path, launcher_log: str) -> tuple[int | None, str]:
-    """(failing rank, one-line error): a rank killed by a signal first, else the earliest error."""
+def _killed_by_signal(launcher_log: str) -> tuple[int, str] | None:
     for rank, code in failures_from_torchrun(launcher_log):
         if code < 0 and -code not in (signal.SIGTERM, signal.SIGINT):
             return rank, f"rank {rank} was killed by signal {signal.Signals(-code).name}"
-    errors = []
-    for path in (run_dir / "errors").glob("rank*.json"):
-        try:
-            errors.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue
-    if errors:
-        first = min(errors, key=lambda e: e["time"])
-        if "timed out" in first["error"].lower():
-            return _hang_suspect(first, {e["rank"] for e in errors}, launcher_log)
+    return None
+
+
+def port_taken(launcher_log: str) -> bool:
+    return "EADDRINUSE" in launcher_log or "address already in use" in launcher_log.lower()
+
+
+def _launcher_diagnosis(run_dir: Path, launcher_log: str, rdzv: _Rendezvous | None) -> str | None:
+    """What only the launcher can see: a full disk, the rendezvous port taken, a node missing."""
+    free = shutil.disk_usage(run_dir).free if run_dir.exists() else MIN_FREE_BYTES
+    if free < MIN_FREE_BYTES or "No space left on device" in launcher_log:
+        return disk_full_message(run_dir, free)
+    if rdzv is None:
+        return None
+    if port_taken(launcher_log):
+        return port_in_use_message(rdzv.addr, rdzv.port, rdzv.nnodes)
+    joined = re.search(r"Timed out after (\d+) seconds waiting for clients\. (\d+)/(\d+) clients joined", launcher_log)
+    if joined:
+        return (f"only {joined[2]} of {joined[3]} nodes joined the rendezvous on {rdzv.addr}:{rdzv.port} within "
+                f"{joined[1]} s (--timeout-s); start one launcher per node, each with its own --node-rank")
+    if re.search(r"client socket has timed out .* while trying to connect", launcher_log):
+        return (f"node 0 did not answer on {rdzv.addr}:{rdzv.port} within --timeout-s; start node 0's launcher "
+                "(--node-rank 0) and give every node the same --master-addr and --master-port")
+    return None
+
+
+def diagnose(run_dir: Path, launcher_log: str, world: int | None = None,
+             rdzv: _Rendezvous | None = None) -> tuple[int | None, str]:
+    """(failing rank, one-line error): what only the launcher sees (disk, port, rendezvous), a hang
+    (the ranks without a record), a rank killed by a signal, else the earliest error."""
+    outside = _launcher_diagnosis(run_dir, launcher_log, rdzv)
+    if outside:
+        return None, outside
+    records = read_error_records(run_dir)
+    if records and world and _is_timeout(_first(records)["error"]):
+        return _hang_diagnosis(_first(records), records, world)
+    killed = _killed_by_signal(launcher_log)
+    if killed:
+        return killed
+    if records:
+        first = _first(records)
         return first["rank"], first["error"]
     tail = [line for line in launcher_log.splitlines() if line.strip()][-1:] or ["no output"]
     return None, f"torchrun failed: {tail[0][:300]} (see {run_dir / 'logs'})"

@@ -62,23 +62,29 @@ MasterAddrOpt = Annotated[str, typer.Option("--master-addr", help="Address of no
 MasterPortOpt = Annotated[int, typer.Option("--master-port", help="Rendezvous port on node 0.")]
 StepsOpt = Annotated[int, typer.Option("--steps", help="Training steps the runtime worker runs.")]
 RunDirOpt = Annotated[str, typer.Option("--run-dir", help="Run directory on the nodes (shared file system).")]
+TimeoutOpt = Annotated[float, typer.Option("--timeout-s", help="Collective and rendezvous timeout of the run.")]
 
 
 @emit_app.command("torchrun")
 def emit_torchrun_cmd(plan: PlanArg, out: OutOpt = None, master_addr: MasterAddrOpt = "$MASTER_ADDR",
-                      master_port: MasterPortOpt = 29500, steps: StepsOpt = 100, run_dir: RunDirOpt = "runs/job") -> None:
+                      master_port: MasterPortOpt = 29500, steps: StepsOpt = 100, run_dir: RunDirOpt = "runs/job",
+                      timeout_s: TimeoutOpt = 300.0) -> None:
     """One torchrun command line per node (static rendezvous, so the rank map holds)."""
     from plan3d.emit.megatron import Emitted
     from plan3d.emit.torchrun import torchrun_commands
     from plan3d.launch import worker_argv
     from plan3d.plan import load_plan
+    from plan3d.run_flags import check_run_flags, check_script_flags, shell_line
 
+    check_run_flags(steps=steps, master_port=master_port, timeout_s=timeout_s, master_addr=master_addr)
+    check_script_flags(run_dir=run_dir, plan=plan)
     loaded = load_plan(plan)
     world, gpn = loaded.layout.world_size, int(loaded.rankmap["gpus_per_node"])
     nnodes = -(-world // min(world, gpn))
-    commands = torchrun_commands(plan, world, nnodes, gpn, master_addr, master_port,
-                                 worker_argv(Path(run_dir), steps, "auto", ()), python="python")
-    lines = [f"# node {node}\n{_shell_line(cmd)}" for node, cmd in enumerate(commands)]
+    args = worker_argv(Path(run_dir), steps, "auto", ["--timeout-s", timeout_s])
+    commands = torchrun_commands(plan, world, nnodes, gpn, master_addr, master_port, args, python="python",
+                                 rdzv_timeout_s=timeout_s)
+    lines = [f"# node {node}\n{shell_line(cmd)}" for node, cmd in enumerate(commands)]
     _write(Emitted("\n".join(lines) + "\n"), out)
 
 
@@ -87,22 +93,20 @@ def emit_slurm_cmd(
     plan: PlanArg, out: OutOpt = None, steps: StepsOpt = 100,
     run_dir: Annotated[str, typer.Option("--run-dir", help="Run directory (shared file system).")] = "runs/slurm-$SLURM_JOB_ID",
     master_port: MasterPortOpt = 29500,
-    job_name: Annotated[str, typer.Option("--job-name")] = "plan3d",
-    time_limit: Annotated[str, typer.Option("--time", help="SLURM time limit, HH:MM:SS.")] = "01:00:00",
+    job_name: Annotated[str, typer.Option("--job-name", help="Letters, digits, '.', '_', '-'.")] = "plan3d",
+    time_limit: Annotated[str, typer.Option("--time", help="SLURM time limit: HH:MM:SS, MM, D-HH:MM:SS, ...")] = "01:00:00",
     partition: Annotated[Optional[str], typer.Option("--partition")] = None,
+    timeout_s: TimeoutOpt = 300.0,
 ) -> None:
     """An sbatch script: one `plan3d launch` per node, static rendezvous, the plan's placement."""
     from plan3d.emit.megatron import Emitted
     from plan3d.emit.slurm import sbatch_script
     from plan3d.plan import load_plan
+    from plan3d.run_flags import check_run_flags, check_script_flags
 
+    check_run_flags(steps=steps, master_port=master_port, timeout_s=timeout_s)
+    check_script_flags(job_name=job_name, time_limit=time_limit, partition=partition, run_dir=run_dir, plan=plan)
     script = sbatch_script(load_plan(plan), plan, steps=steps, run_dir=run_dir, master_port=master_port,
-                           job_name=job_name, time_limit=time_limit, partition=partition)
+                           job_name=job_name, time_limit=time_limit, partition=partition,
+                           extra_args=["--timeout-s", str(timeout_s)])
     _write(Emitted(script), out)
-
-
-def _shell_line(argv: list[str]) -> str:
-    """argv quoted for a shell, except that $VARIABLES stay expandable."""
-    import shlex
-
-    return " ".join(a if a.startswith("$") or "=$" in a else shlex.quote(a) for a in argv)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -13,9 +14,10 @@ from plan3d.cli.app import app
 from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, GlobalBatchOpt, GpnOpt, MicroBatchOpt, ModelOpt,
                                NodesOpt, OrderOpt, PpOpt, RecomputeOpt, SeqLenOpt, SeqParallelOpt, TpOpt,
                                VppOpt, ZeroOpt, load_specs, make_layout)
-from plan3d.errors import LaunchError, Plan3dError, SpecError
+from plan3d.errors import LaunchError, Plan3dError
+from plan3d.run_flags import check_run_flags
 
-BACKENDS = ("auto", "gloo", "nccl")
+PREVIOUS_RUN = ("metrics.jsonl", "summary.json", "checkpoints", "errors", "logs")  # what --overwrite removes
 PlanArg = Annotated[Optional[str], typer.Argument(help="Plan JSON (plan3d recommend/plan); omit to use the flags.")]
 
 
@@ -52,8 +54,48 @@ def _holds_a_run(run_path: Path) -> bool:
     return metrics.is_file() and metrics.stat().st_size > 0
 
 
-def _worker_args(save_every: int, resume_from: str | None, timeout_s: float, seed: int) -> list[str]:
+def _clear_previous_run(run_path: Path) -> None:
+    """--overwrite: remove a previous run's metrics, summary, checkpoints, errors and logs."""
+    for name in PREVIOUS_RUN:
+        path = run_path / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def _checked_resume(run_path: Path, run_dir: str | None, resume: bool, resume_from: str | None,
+                    overwrite: bool) -> str | None:
+    """The checkpoint to resume from, verified before any rank starts (None: a fresh start)."""
+    from plan3d.checkpoint_files import verified
+
+    if resume and overwrite:
+        raise Plan3dError("--resume continues a run and --overwrite discards it: pass only one")
+    if resume and not run_dir:
+        raise Plan3dError("--resume continues a run: pass its --run-dir (or use --resume-from)")
+    if resume_from and not Path(resume_from).exists():
+        raise Plan3dError(f"--resume-from {resume_from}: no such checkpoint or run directory")
+    if resume and not run_path.is_dir():
+        raise Plan3dError(f"--resume: {run_path} does not exist; give the --run-dir of the run to continue")
+    source = resume_from or (str(run_path) if resume else None)
+    return str(verified(Path(source))) if source else None
+
+
+def interrupt_advice(run_path: Path) -> str:
+    """What will work after Ctrl-C: --resume when a checkpoint exists, else a fresh start."""
+    from plan3d.checkpoint_files import CheckpointError, resolve
+
+    try:
+        checkpoint = resolve(run_path)
+    except CheckpointError:
+        return (f"no checkpoint was saved yet: start afresh with --overwrite --run-dir {run_path} "
+                "(or another --run-dir)")
+    return f"last checkpoint {checkpoint.name} (resume with --resume --run-dir {run_path})"
+
+
+def _worker_args(save_every: int, resume_from: str | None, timeout_s: float, seed: int, keep_last: int) -> list[str]:
     args = ["--save-every", str(save_every), "--timeout-s", str(timeout_s), "--seed", str(seed)]
+    args += ["--keep-last", str(keep_last)] if keep_last else []
     return args + (["--resume-from", resume_from] if resume_from else [])
 
 
@@ -71,7 +113,11 @@ def launch_command(
     resume: Annotated[bool, typer.Option("--resume", help="Continue from --run-dir's last checkpoint.")] = False,
     resume_from: Annotated[Optional[str], typer.Option("--resume-from", help="Checkpoint or run directory (any layout).")] = None,
     save_every: Annotated[int, typer.Option("--save-every", help="Checkpoint every N steps (0: at the end only).")] = 0,
-    timeout_s: Annotated[float, typer.Option("--timeout-s", help="Collective timeout: a hung rank ends the job.")] = 300.0,
+    keep_last: Annotated[int, typer.Option("--keep-last", help="Keep the newest N checkpoints (0: all).")] = 0,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Start afresh in a --run-dir that holds a run "
+                                                                "(its metrics, checkpoints and logs are deleted).")] = False,
+    timeout_s: Annotated[float, typer.Option("--timeout-s", help="Collective and rendezvous timeout: a hung rank "
+                                                                 "or a missing node ends the job.")] = 300.0,
     seed: Annotated[int, typer.Option("--seed", help="Weights and data seed.")] = 1234,
     cluster: ClusterOpt = "local-cpu", model: ModelOpt = "tiny-gpt",
     tp: TpOpt = 1, pp: PpOpt = 1, dp: Annotated[int, typer.Option("--dp", help="Data-parallel degree.")] = 1,
@@ -84,7 +130,8 @@ def launch_command(
     """Train a plan's layout with the bundled runtime; print measured against predicted."""
     from plan3d.plan import load_plan
 
-    _check_run_flags(steps, nnodes, node_rank, save_every, timeout_s, master_port, backend)
+    check_run_flags(steps=steps, nnodes=nnodes, node_rank=node_rank, save_every=save_every, timeout_s=timeout_s,
+                    master_port=master_port, backend=backend, keep_last=keep_last, master_addr=master_addr)
     if plan_file:
         plan = load_plan(plan_file)
     else:
@@ -92,43 +139,22 @@ def launch_command(
                      sequence_parallel=sequence_parallel, order=order)
         plan = _plan_from_flags(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision, flags)
     run_path = Path(run_dir or _default_run_dir(plan, nnodes))
-    if resume:
-        if not run_dir:
-            raise Plan3dError("--resume continues a run: pass its --run-dir (or use --resume-from)")
-    if resume_from and not Path(resume_from).exists():
-        raise Plan3dError(f"--resume-from {resume_from}: no such checkpoint or run directory")
-    if resume:
-        if not run_path.is_dir():
-            raise Plan3dError(f"--resume: {run_path} does not exist; give the --run-dir of the run to continue")
-        resume_from = resume_from or str(run_path)
-    worker_args = _worker_args(save_every, resume_from, timeout_s, seed)
+    resume_from = _checked_resume(run_path, run_dir, resume, resume_from, overwrite)
+    worker_args = _worker_args(save_every, resume_from, timeout_s, seed, keep_last)
     if master_port is None and nnodes > 1:
         master_port = 29500
     if dry_run:
-        return _print_dry_run(plan, run_path, steps, backend, nnodes, master_addr, master_port, worker_args)
+        return _print_dry_run(plan, run_path, steps, backend, nnodes, master_addr, master_port, worker_args, timeout_s)
     if not resume and _holds_a_run(run_path):
-        raise Plan3dError(f"{run_path} already holds a run (metrics.jsonl): pass --resume to continue it, "
-                          "or choose another --run-dir (default: a new runs/<time>-<layout>)")
+        if not overwrite:
+            raise Plan3dError(f"{run_path} already holds a run (metrics.jsonl): pass --resume to continue it, "
+                              "--overwrite to start afresh there, or choose another --run-dir")
+        if node_rank == 0:
+            _clear_previous_run(run_path)
     _launch_and_report(plan, run_path, steps, backend, nnodes, node_rank, master_addr, master_port, worker_args)
 
 
-def _check_run_flags(steps: int, nnodes: int, node_rank: int, save_every: int, timeout_s: float,
-                     master_port: int | None, backend: str) -> None:
-    """Nonsense numbers are bad input before anything is loaded or started (a dry run too)."""
-    problems = [f"--{name} must be {rule}, got {value}" for name, value, ok, rule in (
-        ("steps", steps, steps >= 1, "a positive integer"),
-        ("nnodes", nnodes, nnodes >= 1, "a positive integer"),
-        ("node-rank", node_rank, 0 <= node_rank < max(nnodes, 1), f"in 0..{max(nnodes, 1) - 1} (0 <= rank < --nnodes)"),
-        ("save-every", save_every, save_every >= 0, "0 (at the end only) or a positive integer"),
-        ("timeout-s", timeout_s, timeout_s > 0, "a positive number of seconds"),
-        ("master-port", master_port, master_port is None or 0 < master_port < 65536, "a port in 1..65535"),
-        ("backend", repr(backend), backend in BACKENDS, "one of " + ", ".join(BACKENDS)),
-    ) if not ok]
-    if problems:
-        raise SpecError("command line", problems)
-
-
-def _print_dry_run(plan, run_path, steps, backend, nnodes, master_addr, master_port, worker_args) -> None:
+def _print_dry_run(plan, run_path, steps, backend, nnodes, master_addr, master_port, worker_args, timeout_s) -> None:
     from plan3d.emit.torchrun import torchrun_commands
     from plan3d.launch import LOOPBACK, nodes_needed, node_layout, worker_argv
     from plan3d.report_run import engine_note
@@ -137,7 +163,8 @@ def _print_dry_run(plan, run_path, steps, backend, nnodes, master_addr, master_p
         nnodes = nodes_needed(plan)  # simulated nodes on this machine, as launch() does
     gpn = node_layout(plan, nnodes, 0)
     cmds = torchrun_commands(str(run_path / "plan.json"), plan.layout.world_size, nnodes, gpn, master_addr,
-                             master_port or 29500, worker_argv(run_path, steps, backend, worker_args))
+                             master_port or 29500, worker_argv(run_path, steps, backend, worker_args),
+                             rdzv_timeout_s=timeout_s)
     if engine_note(plan):
         print(f"# {engine_note(plan)}")
     for node, cmd in enumerate(cmds):
@@ -156,9 +183,7 @@ def _launch_and_report(plan, run_path, steps, backend, nnodes, node_rank, master
                             master_addr=master_addr, master_port=master_port, worker_args=worker_args,
                             on_progress=on_progress)
     except KeyboardInterrupt:
-        latest = run_path / "checkpoints" / "latest"
-        kept = f"; last checkpoint {latest.read_text()}" if latest.exists() else ""
-        print(f"interrupted: stopped all ranks{kept} (resume with --resume --run-dir {run_path})", file=sys.stderr)
+        print(f"interrupted: stopped all ranks; {interrupt_advice(run_path)}", file=sys.stderr)
         raise SystemExit(130)
     if not result.ok:
         where = f"rank {result.failed_rank}" if result.failed_rank is not None else "the job"

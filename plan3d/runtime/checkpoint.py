@@ -9,8 +9,13 @@ are gathered over dp first (one parameter set per stage, transiently).
 
 Atomic: all ranks write into `step_N.tmp/`; after a barrier rank 0 writes `meta.json` and renames
 the directory to `step_N/`, then rewrites `latest` (write-then-rename). A crash mid-save leaves
-only a `.tmp` directory, which is never loaded. The run directory must be on a file system every
-node sees (as for any DCP checkpoint).
+only a `.tmp` directory, which is never loaded (the launcher removes it at the next start). The
+run directory must be on a file system every node sees (as for any DCP checkpoint).
+
+Verified: every rank hashes the shards it wrote; `meta.json` records the SHA-256 of every file,
+and a load refuses a damaged checkpoint (naming the file and the previous good checkpoint)
+before DCP reads it (`plan3d/checkpoint_files.py`, torch-free, which the launcher also uses).
+Retention: with `--keep-last N` rank 0 deletes the oldest complete checkpoints after a commit.
 """
 from __future__ import annotations
 
@@ -24,9 +29,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from plan3d.errors import LaunchError
+from plan3d import checkpoint_files as files
+from plan3d.checkpoint_files import CheckpointError
 
-LATEST = "latest"
+LATEST = files.LATEST
 
 
 def _dtensor(t: torch.Tensor, mesh, tp_dim: int | None) -> DTensor:
@@ -34,7 +40,7 @@ def _dtensor(t: torch.Tensor, mesh, tp_dim: int | None) -> DTensor:
     return DTensor.from_local(t.contiguous(), mesh, placements, run_check=False)
 
 
-def save(root: Path, step: int, engine, ctx, meta: dict, written=None) -> Path:
+def save(root: Path, step: int, engine, ctx, meta: dict, written=None, keep_last: int = 0) -> Path:
     """Write step `step` atomically under `root`; returns the final directory. `written()` runs
     on every rank after its shards are on disk and before the commit (fault injection)."""
     state = engine.logical_state()
@@ -49,13 +55,27 @@ def save(root: Path, step: int, engine, ctx, meta: dict, written=None) -> Path:
     dcp.save(sd, checkpoint_id=str(tmp))
     if written is not None:
         written()
-    dist.barrier()
+    checksums = _gather_checksums(tmp, ctx.rank)
     if ctx.rank == 0:
-        (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}))
+        (tmp / files.META).write_text(json.dumps({"step": step, **meta, "checksums": checksums}))
         os.replace(tmp, final)
         _write_latest(root, final.name)
+        files.prune(root, keep_last, protect=final)
     dist.barrier()
     return final
+
+
+def _gather_checksums(directory: Path, rank: int) -> dict[str, str] | None:
+    """On rank 0: the SHA-256 of every file of the checkpoint, each rank hashing its own shards
+    (`__<rank>_<i>.distcp`); rank 0 also hashes what no rank claimed (`.metadata`)."""
+    mine = files.shard_checksums(directory, [p.name for p in directory.glob(f"__{rank}_*")])
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if rank != 0:
+        return None
+    checksums = {name: digest for part in gathered for name, digest in part.items()}
+    checksums.update(files.shard_checksums(directory, files.unlisted_files(directory, checksums)))
+    return checksums
 
 
 def _fresh_name(root: Path, step: int) -> Path:
@@ -74,20 +94,28 @@ def _write_latest(root: Path, name: str) -> None:
 
 
 def resolve(path: Path) -> Path:
-    """A checkpoint directory, or a run/checkpoints directory whose `latest` names one."""
-    for candidate in (path, path / "checkpoints"):
-        if (candidate / "meta.json").exists():
-            return candidate
-        if (candidate / LATEST).exists():
-            return candidate / (candidate / LATEST).read_text().strip()
-    raise LaunchError(f"no complete checkpoint under {path}; pass a run directory that saved one "
-                      "(--save-every) or a checkpoints/step_N directory")
+    """The checkpoint directory `path` names (see checkpoint_files.resolve)."""
+    return files.resolve(path)
+
+
+def _verified_everywhere(path: Path, rank: int) -> Path:
+    """Rank 0 checks the shards' checksums; every rank gets the same verdict (one message)."""
+    verdict = [None]
+    if rank == 0:
+        try:
+            verdict[0] = str(files.verified(path))
+        except CheckpointError as err:
+            verdict[0] = err
+    dist.broadcast_object_list(verdict, src=0)
+    if isinstance(verdict[0], CheckpointError):
+        raise verdict[0]
+    return Path(verdict[0])
 
 
 def load(path: Path, engine, ctx) -> dict:
     """Load into this layout (resharding as needed); returns the checkpoint's meta."""
-    directory = resolve(path)
-    meta = json.loads((directory / "meta.json").read_text())
+    directory = _verified_everywhere(path, ctx.rank)
+    meta = json.loads((directory / files.META).read_text())
     mesh = ctx.mesh["dp", "tp"]
     keys = ("param",) + engine.moment_names()
     sd = {f"{k}/{e.name}": _dtensor(torch.zeros(tuple(e.param.shape), device=ctx.device), mesh, e.tp_dim)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -55,27 +56,50 @@ class ParallelContext:
         return self.coords["pp"] == self.sizes["pp"] - 1
 
 
-def _embedding_group(plan, rank: int):
+def _embedding_group(plan, rank: int, timeout: timedelta):
     """new_group for every embedding group (all ranks must call), return this rank's."""
     mine = None
     if plan.layout.pp == 1 or not plan.model.tied_embeddings:
         return None
     for members in plan.rankmap["groups"]["embedding"]:
-        group = dist.new_group(members)
+        group = dist.new_group(members, timeout=timeout)
         mine = group if rank in members else mine
     return mine
 
 
-def build_context(plan, device: torch.device) -> ParallelContext:
+def group_options(backend: str, timeout: timedelta):
+    """Backend options that carry the collective timeout into every group the DeviceMesh makes.
+
+    Without them `DeviceMesh` creates its tp/pp/dp groups with `timeout=None`, i.e. torch's
+    default of 30 minutes, whatever `init_process_group` was given: a hung rank then holds a 3D
+    job for half an hour (the pipeline's p2p runs on the pp group, so it inherits this too)."""
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+        options._timeout = timeout
+        return options
+    return torch._C._distributed_c10d.Backend.Options(backend, timeout)
+
+
+def build_mesh(plan, device: torch.device, timeout: timedelta) -> DeviceMesh:
+    """The (pp, dp, tp) DeviceMesh of the plan's rank map; every dimension's groups time out
+    after `timeout`, like the world group."""
+    backend = dist.get_backend()
+    override = tuple((backend, group_options(backend, timeout)) for _ in MESH_DIMS)
+    return DeviceMesh(device.type, mesh_array(plan.rankmap, plan.layout), mesh_dim_names=MESH_DIMS,
+                      backend_override=override)
+
+
+def build_context(plan, device: torch.device, timeout: timedelta) -> ParallelContext:
     """After init_process_group: the mesh, this rank's coordinates, tp facts, embedding group."""
     layout, rank = plan.layout, dist.get_rank()
-    mesh = DeviceMesh(device.type, mesh_array(plan.rankmap, layout), mesh_dim_names=MESH_DIMS)
+    mesh = build_mesh(plan, device, timeout)
     coords = dict(plan.rankmap["ranks"][rank])
     sizes = {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp}
     tp = TPInfo(layout.tp, coords["tp"], mesh.get_group("tp") if layout.tp > 1 else None,
                 layout.sequence_parallel)
     return ParallelContext(rank, dist.get_world_size(), mesh, coords, device, tp,
-                           _embedding_group(plan, rank), sizes)
+                           _embedding_group(plan, rank, timeout), sizes)
 
 
 def placement_problems(plan, placements: list[dict]) -> list[str]:

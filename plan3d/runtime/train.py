@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from plan3d.errors import LaunchError
 from plan3d.runtime import memory
 from plan3d.runtime.clip import clip_global_norm
 from plan3d.runtime.context import build_context, check_placement
@@ -76,9 +78,10 @@ class Runner:
         self.args, self.run_dir, self.rank = args, run_dir, rank
         self.plan = _read_plan(args.plan)
         self.device, backend = _device_and_backend(args.backend)
-        dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
+        timeout = timedelta(seconds=args.timeout_s)
+        dist.init_process_group(backend, timeout=timeout)
         check_placement(self.plan)
-        self.ctx = build_context(self.plan, self.device)
+        self.ctx = build_context(self.plan, self.device, timeout)
         self.precision, amp = run_precision(self.plan, self.device, args.precision)
         layout, training = self.plan.layout, self.plan.training
         self.stages, self.ids = build_stages(self.plan, self.ctx, args.seed, amp)
@@ -137,7 +140,8 @@ class Runner:
                 "seed": self.args.seed}
         from plan3d.runtime import checkpoint  # DCP imports DTensor (~2 s): only when saving
 
-        checkpoint.save(self.run_dir / "checkpoints", step, self.engine, self.ctx, meta, written)
+        checkpoint.save(self.run_dir / "checkpoints", step, self.engine, self.ctx, meta, written,
+                        keep_last=self.args.keep_last)
 
     def resume(self) -> int:
         if not self.args.resume_from:
@@ -149,9 +153,34 @@ class Runner:
 
 
 def _append(path: Path, record: dict) -> None:
+    """One strict-JSON line (a non-finite value raises instead of writing a bare NaN)."""
+    line = json.dumps(record, allow_nan=False)
     with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write(line + "\n")
         f.flush()
+
+
+class NonFiniteLoss(LaunchError):
+    """The loss or gradient norm of a step is NaN or infinite: the run stops before it writes
+    the step's metrics or a checkpoint (one message, the same on every rank)."""
+
+
+def check_finite(record: dict, last_saved: str | None) -> None:
+    bad = [name for name in ("loss", "grad_norm") if not math.isfinite(record[name])]
+    if bad:
+        where = (f"the last checkpoint, {last_saved}, predates it" if last_saved else
+                 "no checkpoint was written")
+        raise NonFiniteLoss(f"the {' and '.join(bad)} became {record[bad[0]]} at step {record['step']}; "
+                            f"stopped before saving ({where}); lower the learning rate or check the data "
+                            "and resume from an earlier checkpoint")
+
+
+def _poison(runner: "Runner") -> None:
+    """Testing (--fail-mode nan): this rank's weights become NaN, so the next loss is NaN."""
+    with torch.no_grad():
+        for stage in runner.stages:
+            for param in stage.parameters():
+                param.fill_(float("nan"))
 
 
 def _truncate(path: Path, last_step: int) -> None:
@@ -195,8 +224,10 @@ def train(args, run_dir: Path, rank: int, inject) -> None:
     records, metrics = [], run_dir / "metrics.jsonl"
     if rank == 0:
         _truncate(metrics, start_step)
+    last_saved = None
     for step in range(start_step + 1, args.steps + 1):
         record = runner.step(step)
+        check_finite(record, last_saved)
         if not runner.state_bytes:
             runner.state_bytes = memory.model_state(runner.engine)
         records.append(record)
@@ -207,6 +238,9 @@ def train(args, run_dir: Path, rank: int, inject) -> None:
             inject(args, rank, step)
         if not args.no_save and ((args.save_every and step % args.save_every == 0) or step == args.steps):
             runner.save(step, (lambda: inject(args, rank, step)) if in_save else None)
+            last_saved = f"step {step}"
+        if args.fail_mode == "nan" and (step, rank) == (args.fail_at_step, args.fail_rank):
+            _poison(runner)
     mine = {"rank": rank, "model_state_bytes": runner.state_bytes, "peak_memory_bytes": memory.peak_bytes(runner.device),
             "pp": runner.ctx.local("pp"), "dp": runner.ctx.local("dp"), "tp": runner.ctx.local("tp"),
             "mesh_groups": {d: dist.get_process_group_ranks(runner.ctx.group(d)) for d in ("tp", "dp", "pp")}}
@@ -214,7 +248,7 @@ def train(args, run_dir: Path, rank: int, inject) -> None:
     dist.all_gather_object(peaks, mine)
     if rank == 0:
         tmp = run_dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(_summary(runner, records, peaks, start_step), indent=1))
+        tmp.write_text(json.dumps(_summary(runner, records, peaks, start_step), indent=1, allow_nan=False))
         tmp.replace(run_dir / "summary.json")
     dist.barrier()
     dist.destroy_process_group()

@@ -88,6 +88,21 @@ def test_hung_rank_times_out_and_ends_the_job(tmp_path):
     assert not _survivors(str(tmp_path))
 
 
+def test_a_stopped_rank_of_a_3d_layout_ends_the_job_within_the_timeout_and_is_named(tmp_path):
+    """SIGSTOP on rank 5 of tp2 pp2 dp2: its tp, pp and dp peers wait in groups the DeviceMesh
+    made (pipeline p2p included), which must honour --timeout-s like the world group."""
+    timeout_s = 5
+    plan = make_plan(tp=2, pp=2, dp=2, zero=1)
+    result = run(plan, tmp_path, extra=["--fail-at-step", "2", "--fail-rank", "5", "--fail-mode", "stop",
+                                        "--timeout-s", str(timeout_s), "--no-save"])
+    ended = time.time()
+    hung_at = (tmp_path / "metrics.jsonl").stat().st_mtime  # step 2's record, just before the stop
+    assert not result.ok
+    assert result.failed_rank == 5 and "rank 5 hung" in result.error and "timed out" in result.error.lower(), result
+    assert ended - hung_at < timeout_s + 20, f"the job ended {ended - hung_at:.0f} s after the hang"
+    assert not _survivors(str(tmp_path))
+
+
 def test_ctrl_c_stops_every_rank_and_keeps_the_checkpoints(tmp_path):
     import signal
     import sys

@@ -41,10 +41,14 @@ def check(
     except Plan3dError as err:
         render.print_invalid(job_file, err.lines(), fmt, json_out)
         raise
-    report = check_job(job.cluster, job.model, job.training, job.layout, **thresholds, engine=job.engine)
+    try:  # a prediction that is not finite, or a search over budget, fails the gate with its reason
+        report = check_job(job.cluster, job.model, job.training, job.layout, **thresholds, engine=job.engine)
+    except Plan3dError as err:
+        render.print_invalid(job_file, err.lines(), fmt, json_out)
+        raise
     if json_out:
         print(json_text(render.check_dict(job_file, job, report)))
     else:
         render.print_check(job_file, job, report, fmt)
-    if not report.ok:
+    if not render.passes(report):
         raise typer.Exit(EXIT_FAILED)

@@ -83,16 +83,16 @@ def nonfinite_message(problem: str, cluster, model, training, engine=None) -> st
 
 
 def network_inputs(cluster) -> list[tuple[str, str, float]]:
+    """(label, kind, value) of every tier's values as the cost model reads them (ClusterSpec.tiers)."""
     out = []
-    for tier in cluster.network:
+    for tier in cluster.tiers():
         where = f"cluster {cluster.name}: network tier {tier.name!r}"
-        gbytes = tier.bandwidth.bytes_per_s_per_gpu(cluster.gpus_per_node) / 1e9
-        out += [(f"{where} latency_us", "latency_us", tier.latency_us),
-                (f"{where} bandwidth (GB/s per GPU)", "bandwidth_gbytes_per_s", gbytes),
+        out += [(f"{where} latency_us", "latency_us", tier.latency_s * 1e6),
+                (f"{where} bandwidth (GB/s per GPU)", "bandwidth_gbytes_per_s", tier.bandwidth_bytes_per_s / 1e9),
                 (f"{where} efficiency", "efficiency", tier.efficiency)]
-        for op, cost in tier.collectives.items():
-            out += [(f"{where} collectives.{op}.latency_us", "latency_us", cost.latency_us),
-                    (f"{where} collectives.{op}.efficiency", "efficiency", cost.efficiency)]
+        for op, latency_s, efficiency in tier.collectives:
+            out += [(f"{where} collectives.{op}.latency_us", "latency_us", latency_s * 1e6),
+                    (f"{where} collectives.{op}.efficiency", "efficiency", efficiency)]
     return out
 
 

@@ -161,7 +161,10 @@ def _validate_sections(data: dict, path_str: str) -> Plan:
     them (strict validation reads `2.0` as the integer 2, which would change their digest) and
     checked by plan_problems."""
     free = {k: data[k] for k in ("estimate", "rankmap") if isinstance(data.get(k), dict)}
-    plan = validate(Plan, {**data, **{k: {} for k in free}}, path_str)
+    try:
+        plan = validate(Plan, {**data, **{k: {} for k in free}}, path_str)
+    except SpecError as err:
+        raise SpecError(path_str, [f"{p}; {RECREATE}" for p in err.problems]) from err
     return plan.model_copy(update=free)
 
 

@@ -152,26 +152,50 @@ def _parse(text: str, source: str, json_only: bool):
 
 
 def json_data_problem(data) -> str | None:
-    """The first reason `data` is not plain, finite, bounded JSON data ('field.path: why'), or None."""
-    stack, values = [((), data)], 0
-    while stack:
-        path, value = stack.pop()
-        values += 1
-        if len(path) > MAX_DEPTH or values > MAX_VALUES:
-            what = f"nested deeper than {MAX_DEPTH} levels" if len(path) > MAX_DEPTH else \
-                f"holds more than {MAX_VALUES:,} values (YAML aliases expanding?)"
-            return f"{_dotted(path) or 'the file'}: {what}"
+    """The first reason `data` is not plain, finite, bounded JSON data ('field.path: why'), or None.
+    A container reached twice (a YAML alias) is measured once, so an alias bomb costs no time."""
+    try:
+        size, _ = _measure(data, (), {})
+    except _NotJsonData as bad:
+        return str(bad)
+    return None
+
+
+class _NotJsonData(ValueError):
+    pass
+
+
+def _measure(value, path: tuple, memo: dict) -> tuple[int, int]:
+    """(values, levels) of `value` as it would expand; raise _NotJsonData at the first problem."""
+    if not isinstance(value, (dict, list)):
         problem = _scalar_problem(value)
         if problem:
-            return f"{_dotted(path)}: {problem}" if path else problem
-        if isinstance(value, dict):
-            bad_key = next((k for k in value if not isinstance(k, str)), None)
-            if bad_key is not None:
-                return f"{_dotted(path) or 'top level'}: key {bad_key!r} is not a string; quote it"
-            stack.extend(((*path, k), v) for k, v in value.items())
-        elif isinstance(value, list):
-            stack.extend(((*path, i), v) for i, v in enumerate(value))
-    return None
+            raise _NotJsonData(f"{_dotted(path)}: {problem}" if path else problem)
+        return 1, 0
+    if id(value) not in memo:
+        if len(path) >= MAX_DEPTH:
+            raise _NotJsonData(f"{_dotted(path)}: nested deeper than {MAX_DEPTH} levels")
+        memo[id(value)] = _measure_children(value, path, memo)
+    size, levels = memo[id(value)]
+    if len(path) + levels > MAX_DEPTH:
+        raise _NotJsonData(f"{_dotted(path) or 'the file'}: nested deeper than {MAX_DEPTH} levels")
+    return size, levels
+
+
+def _measure_children(value: dict | list, path: tuple, memo: dict) -> tuple[int, int]:
+    if isinstance(value, dict):
+        bad_key = next((k for k in value if not isinstance(k, str)), None)
+        if bad_key is not None:
+            raise _NotJsonData(f"{_dotted(path) or 'top level'}: key {_short(bad_key)} is not a string; quote it")
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    size, levels = 1, 0
+    for key, child in items:
+        child_size, child_levels = _measure(child, (*path, key), memo)
+        size, levels = size + child_size, max(levels, child_levels + 1)
+        if size > MAX_VALUES:
+            raise _NotJsonData(f"{_dotted(path) or 'the file'}: holds more than {MAX_VALUES:,} values "
+                               "(YAML aliases expanding?)")
+    return size, levels
 
 
 def _scalar_problem(value) -> str | None:

@@ -179,7 +179,8 @@ def _bias_parts(config: dict, model_type: str, fields: dict) -> dict[str, bool]:
 def bias_warning(config: dict, spec: ModelSpec) -> str | None:
     """Names the biases `bias: false` leaves out when only some layers carry one, with their count."""
     config = _text_config(config)
-    parts = _bias_parts(config, str(config.get("model_type", "unknown")), {"bias": spec.bias})
+    model_type = str(config.get("model_type", "unknown"))
+    parts = _bias_parts(config, model_type, FAMILIES.get(model_type) or _generic_hints(config))
     if spec.bias or not any(parts.values()):
         return None
     mlp_mats = 3 if spec.activation == "swiglu" else 2

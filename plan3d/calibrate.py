@@ -42,6 +42,7 @@ class ComputeFit:
     peak_flops: float  # the peak the efficiency refers to (raised when the catalog peak was exceeded)
     max_rel_error: float  # worst |fitted - measured| / measured over the samples
     samples: int
+    rms_rel_error: float = 0.0  # root mean square of (fitted - measured) / measured
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,13 @@ class TierFit:
     latency_s: float
     max_rel_error: float
     samples: int
+    rms_rel_error: float = 0.0
+
+
+def relative_errors(predicted, measured) -> tuple[float, float]:
+    """(worst, root mean square) of (predicted - measured) / measured."""
+    rel = (np.asarray(predicted, dtype=float) - np.asarray(measured, dtype=float)) / np.asarray(measured, dtype=float)
+    return float(np.max(np.abs(rel))), float(np.sqrt(np.mean(rel**2)))
 
 
 # ---- compute ---------------------------------------------------------------------------------
@@ -69,7 +77,8 @@ def fit_compute_efficiency(gemms: list[dict], peak_flops: float) -> ComputeFit:
         peak, max_fraction = peak_flops * max_fraction, 1.0
     eff = ComputeEfficiency(max_fraction=max_fraction, half_work_flops=half_work)
     predicted = work / (peak * efficiency_at(eff, work))
-    return ComputeFit(eff, peak, float(np.max(np.abs(predicted - time_s) / time_s)), len(gemms))
+    worst, rms = relative_errors(predicted, time_s)
+    return ComputeFit(eff, peak, worst, len(gemms), rms)
 
 
 def efficiency_at(eff: ComputeEfficiency, work_flops):
@@ -121,7 +130,8 @@ def _fit_alpha_beta(samples: list[dict], tier_index: int) -> TierFit:
     inv_bw, alpha = _nonneg_relative_lstsq(rows, time_s)
     inv_bw = inv_bw if inv_bw > 0 else float(np.min(time_s / rows[:, 0]))
     predicted = rows @ np.array([inv_bw, alpha])
-    return TierFit(tier_index, 1.0 / inv_bw, alpha, float(np.max(np.abs(predicted - time_s) / time_s)), len(samples))
+    worst, rms = relative_errors(predicted, time_s)
+    return TierFit(tier_index, 1.0 / inv_bw, alpha, worst, len(samples), rms)
 
 
 def _nonneg_relative_lstsq(design: np.ndarray, target: np.ndarray) -> tuple[float, float]:
@@ -154,6 +164,39 @@ class CalibrationFit:
     device: str = "cuda"
     ops: dict = field(default_factory=dict)  # tier index -> {op: TierFit}
     cpu_cores: int | None = None  # cores the ranks of this machine shared (CPU runs)
+    memory_rms_rel_error: float | None = None
+
+
+# ---- how good each fit is ----------------------------------------------------------------------
+GOOD_RMS, USABLE_RMS = 0.15, 0.5  # relative RMS error of a fit: good below 15%, unusable above 50%
+
+
+def fit_quality(fit: CalibrationFit, tier_names: list[str]) -> list[dict[str, Any]]:
+    """One row per fitted term: its relative RMS and worst errors, the samples, and a verdict
+    (good, poor, unusable); a coefficient the non-negative fit pinned at zero is said."""
+    rows = [_quality("compute", "GEMM efficiency curve", fit.compute.rms_rel_error, fit.compute.max_rel_error,
+                     fit.compute.samples)]
+    if fit.memory_bytes_per_s is not None:
+        rows.append(_quality("memory", "elementwise bandwidth", fit.memory_rms_rel_error or 0.0,
+                             fit.memory_max_rel_error or 0.0, None))
+    for index, ops in sorted(fit.ops.items()):
+        for op, op_fit in sorted(ops.items()):
+            pinned = " (latency pinned at 0: the samples asked for a negative one)" if op_fit.latency_s == 0 else ""
+            rows.append(_quality(tier_names[index], f"{op} bandwidth and latency{pinned}", op_fit.rms_rel_error,
+                                 op_fit.max_rel_error, op_fit.samples))
+    return rows
+
+
+def _quality(scope: str, term: str, rms: float, worst: float, samples: int | None) -> dict[str, Any]:
+    verdict = "good" if rms <= GOOD_RMS else "poor" if rms <= USABLE_RMS else "unusable"
+    return {"scope": scope, "term": term, "rms_rel_error": rms, "max_rel_error": worst, "samples": samples,
+            "verdict": verdict}
+
+
+def unusable_fits(quality: list[dict[str, Any]]) -> list[str]:
+    """One line per unusable fit, for the warning and the spec's header."""
+    return [f"{q['scope']} {q['term']}: relative RMS error {q['rms_rel_error']:.0%} (worst {q['max_rel_error']:.0%})"
+            for q in quality if q["verdict"] == "unusable"]
 
 
 def fit_measurements(cluster: ClusterSpec, raw: dict, dtype: str) -> CalibrationFit:
@@ -167,7 +210,15 @@ def fit_measurements(cluster: ClusterSpec, raw: dict, dtype: str) -> Calibration
     memory = fit_memory_bandwidth(raw["elementwise"]) if raw.get("elementwise") else (None, None)
     return CalibrationFit(compute, tiers, *memory, layer_overhead_s=layer_overhead(raw.get("layer_overhead")),
                           dtype=dtype, device=raw.get("device", "cuda"), ops=ops,
-                          cpu_cores=raw.get("cpu_cores"))
+                          cpu_cores=raw.get("cpu_cores"),
+                          memory_rms_rel_error=memory_rms_error(raw["elementwise"], memory[0])
+                          if raw.get("elementwise") else None)
+
+
+def memory_rms_error(samples: list[dict], bytes_per_s: float) -> float:
+    """Relative RMS error of t = bytes / bw over the memory-bound samples."""
+    predicted = [s["bytes"] / bytes_per_s for s in samples]
+    return relative_errors(predicted, [s["time_s"] for s in samples])[1]
 
 
 def layer_overhead(probe: dict | None) -> float | None:
@@ -178,8 +229,10 @@ def layer_overhead(probe: dict | None) -> float | None:
     return probe["forward_backward_s"] / 3
 
 
-def calibrated_cluster(cluster: ClusterSpec, fit: CalibrationFit, source: str) -> ClusterSpec:
-    """`cluster` with the fitted efficiency (and peak, if raised), memory bandwidth and tiers."""
+def calibrated_cluster(cluster: ClusterSpec, fit: CalibrationFit, source: str, machine: str | None = None) -> ClusterSpec:
+    """`cluster` with the fitted efficiency (and peak, if raised), memory bandwidth and tiers,
+    named after `cluster`, the machine measured (default: this one) and the day."""
+    machine = machine or this_machine()
     compute, tiers = fit.compute, fit.tiers
     data = cluster.model_dump()
     gpu = data["gpu"]
@@ -207,7 +260,26 @@ def calibrated_cluster(cluster: ClusterSpec, fit: CalibrationFit, source: str) -
         data["network"][index] = _fitted_tier(data["network"][index], resolved[index], tier_fit,
                                               fit.ops.get(index, {}))
     data["source"] = source
+    data["name"] = calibrated_name(cluster.name, machine)
+    data["description"] = f"{cluster.name} calibrated on {machine} on {datetime.date.today().isoformat()}"
     return ClusterSpec.model_validate(data)
+
+
+def this_machine() -> str:
+    """The host name (lower case, letters, digits and dashes), for a calibrated spec's name."""
+    import platform
+    import re
+
+    return re.sub(r"[^a-z0-9-]+", "-", platform.node().lower()).strip("-")[:40] or "unknown-host"
+
+
+def calibrated_name(base: str, machine: str) -> str:
+    """`local-cpu-calibrated-HOST-20250101`: never the bundled spec's own name (a spec calibrated
+    before keeps its base name, not a chain of suffixes)."""
+    import re
+
+    base = re.sub(r"-calibrated-.*$", "", base)
+    return f"{base}-calibrated-{machine}-{datetime.date.today():%Y%m%d}"
 
 
 def fitted_on(how: str) -> str:
@@ -215,10 +287,14 @@ def fitted_on(how: str) -> str:
     return f"{how}, {datetime.date.today().isoformat()}"
 
 
-def stamped(cluster: ClusterSpec, how: str) -> ClusterSpec:
-    """`cluster` whose GPU efficiency says it was fitted by `how` today (see `plan3d.cost.trust`)."""
+def stamped(cluster: ClusterSpec, how: str, machine: str | None = None) -> ClusterSpec:
+    """`cluster` whose GPU efficiency says it was fitted by `how` today (see `plan3d.cost.trust`),
+    renamed after the machine and the day (`calibrated_name`)."""
+    machine = machine or this_machine()
     data = cluster.model_dump()
     data["gpu"]["compute_efficiency"]["fitted_on"] = fitted_on(how)
+    data["name"] = calibrated_name(cluster.name, machine)
+    data["description"] = f"{cluster.name} refitted on {machine} on {datetime.date.today().isoformat()}"
     return ClusterSpec.model_validate(data)
 
 
@@ -248,6 +324,7 @@ def summary_rows(before: ClusterSpec, after: ClusterSpec, fit: CalibrationFit, d
         row("compute", "max fraction of peak", b_eff.max_fraction, a_eff.max_fraction, "ratio"),
         row("compute", "half-efficiency GEMM FLOPs", b_eff.half_work_flops, a_eff.half_work_flops, "flops"),
         row("compute", "worst GEMM fit error", None, compute.max_rel_error, "ratio"),
+        row("compute", "GEMM fit relative RMS error", None, compute.rms_rel_error, "ratio"),
     ]
     if fit.layer_overhead_s is not None:
         rows.append(row("compute", "per-layer overhead (forward)", getattr(b_eff, "layer_overhead_s", None),
@@ -263,6 +340,7 @@ def summary_rows(before: ClusterSpec, after: ClusterSpec, fit: CalibrationFit, d
                 new[tier.tier_index].effective_bytes_per_s, "bytes_per_s"),
             row(name, "latency per hop", old[tier.tier_index].latency_s, new[tier.tier_index].latency_s, "s"),
             row(name, "worst collective fit error", None, tier.max_rel_error, "ratio"),
+            row(name, "collective fit relative RMS error", None, tier.rms_rel_error, "ratio"),
         ]
     for index, ops in fit.ops.items():
         name, resolved = new[index].name, new[index]
@@ -272,7 +350,8 @@ def summary_rows(before: ClusterSpec, after: ClusterSpec, fit: CalibrationFit, d
             bandwidth, latency = resolved.cost(op)
             rows += [row(name, f"{op} effective bandwidth", None, bandwidth, "bytes_per_s"),
                      row(name, f"{op} latency per hop", None, latency, "s"),
-                     row(name, f"{op} worst fit error", None, op_fit.max_rel_error, "ratio")]
+                     row(name, f"{op} worst fit error", None, op_fit.max_rel_error, "ratio"),
+                     row(name, f"{op} fit relative RMS error", None, op_fit.rms_rel_error, "ratio")]
     return rows
 
 
@@ -280,18 +359,20 @@ def row(scope: str, quantity: str, catalog, fitted, unit: str) -> dict[str, Any]
     return {"scope": scope, "quantity": quantity, "catalog": catalog, "fitted": fitted, "unit": unit}
 
 
-def write_calibrated_spec(cluster: ClusterSpec, raw: dict, path: Path) -> Path:
-    """Write the spec (YAML) and the raw measurements beside it; return the measurements' path."""
+def write_calibrated_spec(cluster: ClusterSpec, raw: dict, path: Path, warnings: list[str] = ()) -> Path:
+    """Write the spec (YAML) and the raw measurements beside it; return the measurements' path.
+    `warnings` (unusable fits) head the file, one `# WARNING:` comment each."""
     import yaml
 
     from plan3d.errors import Plan3dError
 
     measurements = path.with_name(path.name + MEASUREMENTS_SUFFIX)
     header = (f"# Written by `plan3d calibrate`; raw measurements in {measurements.name}.\n"
-              "# Use it like any cluster spec: plan3d estimate --cluster THIS_FILE ...\n")
+              "# Use it like any cluster spec: plan3d estimate --cluster THIS_FILE ...\n"
+              + "".join(f"# WARNING: unusable fit, {w}\n" for w in warnings))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        measurements.write_text(json.dumps(raw, indent=1))
+        measurements.write_text(json.dumps(raw, indent=1, allow_nan=False))
         path.write_text(header + yaml.safe_dump(cluster.model_dump(mode="json", exclude_none=True), sort_keys=False))
     except OSError as err:
         raise Plan3dError(f"cannot write {path} ({err.strerror}); choose another --out") from err

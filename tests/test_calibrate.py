@@ -243,3 +243,50 @@ def test_refit_with_overheads_matches_every_run():
     refit, fitted = refit_from_runs(base, predict, truth, fit_overhead=True)
     assert "layer_overhead_s" in fitted and fitted["rms_log_error"] < 0.02
     assert predict(refit) == pytest.approx(truth, rel=0.03)
+
+
+# ---- issue 19: each fit's quality, an unusable fit marked, the spec's own name ------------------
+def _fit_with_p2p(p2p_time_s):
+    """A fit whose all-reduce samples follow alpha-beta exactly and whose p2p samples take `p2p_time_s(bytes)`."""
+    samples = [dict(s, tier=0) for s in alpha_beta_samples(1e9, 1e-4) if s["op"] == "all_reduce"]
+    samples += [dict(s, tier=0, time_s=p2p_time_s(s["bytes"])) for s in alpha_beta_samples(1e9, 0)
+                if s["op"] == "p2p"]
+    raw = {"device": "cpu", "gemm": synthetic_gemms(0.5, 1e5), "collectives": samples}
+    return fit_measurements(load_cluster("local-cpu"), raw, "fp32")
+
+
+def test_fit_quality_grades_each_term():
+    from plan3d.calibrate import fit_quality, unusable_fits
+
+    clean = fit_quality(_fit_with_p2p(lambda b: b / 2e9 + 3e-5), ["loopback"])
+    assert {q["verdict"] for q in clean} == {"good"} and not unusable_fits(clean)
+    assert {q["term"].split()[0] for q in clean if q["scope"] == "loopback"} == {"all_reduce", "p2p"}
+    # time falling with size: no non-negative alpha-beta pair comes near it (the issue's 90-99% p2p fit)
+    bad = fit_quality(_fit_with_p2p(lambda b: 1e-2 / (1 + b / 4096)), ["loopback"])
+    p2p = next(q for q in bad if q["term"].startswith("p2p"))
+    assert p2p["verdict"] == "unusable" and p2p["rms_rel_error"] > 0.5
+    lines = unusable_fits(bad)
+    assert len(lines) == 1 and lines[0].startswith("loopback p2p") and "relative RMS error" in lines[0]
+    assert next(q for q in bad if q["scope"] == "compute")["verdict"] == "good"
+
+
+def test_calibrated_spec_has_its_own_name_machine_and_date(tmp_path):
+    import datetime
+
+    from plan3d.calibrate import calibrated_name, stamped
+
+    base = load_cluster("local-cpu")
+    fitted = calibrated_cluster(base, _fit_with_p2p(lambda b: b / 2e9 + 3e-5), "test", machine="bench-7")
+    today = datetime.date.today()
+    assert fitted.name == f"local-cpu-calibrated-bench-7-{today:%Y%m%d}" != base.name
+    assert "bench-7" in fitted.description and today.isoformat() in fitted.description
+    assert calibrated_name(fitted.name, "other") == f"local-cpu-calibrated-other-{today:%Y%m%d}"  # no chain
+    assert stamped(base, "refit", machine="m1").name.startswith("local-cpu-calibrated-m1-")
+
+
+def test_unusable_fits_head_the_written_spec(tmp_path):
+    base = load_cluster("local-cpu")
+    path = tmp_path / "cpu.yaml"
+    write_calibrated_spec(base, {"gemm": []}, path, ["loopback p2p: relative RMS error 93% (worst 99%)"])
+    assert "# WARNING: unusable fit, loopback p2p: relative RMS error 93%" in path.read_text()
+    assert load_cluster(str(path)).name == base.name  # still a valid spec (marked, not broken)

@@ -16,6 +16,7 @@ from typing import Annotated, Optional
 import typer
 
 from plan3d.cli.app import app
+from plan3d.render.units import json_text
 from plan3d.errors import LaunchError, SpecError
 
 DTYPE_OF = {"cpu": "fp32", "cuda": "bf16"}
@@ -121,7 +122,7 @@ def _measure(cluster, model_name, device, backend, world, run_dir, tps, mbs, max
     if device == "cpu" and world > 1:
         config["threads"] = 1  # as torchrun sets OMP_NUM_THREADS=1 for several ranks per machine
     sweep_path = run_dir / "sweep.json"
-    sweep_path.write_text(json.dumps(config, indent=1))
+    sweep_path.write_text(json_text(config))
     progress_while(lambda: _run_sweep(cluster, model, config, world, run_dir, backend, nodes), run_dir / "progress",
                    f"calibrating {world} ranks on {device}")
     record = run_dir / "calibration.json"
@@ -147,19 +148,33 @@ def _run_sweep(cluster, model, config: dict, world: int, run_dir: Path, backend:
 
 
 def _fit_and_write(base, raw: dict, dtype: str, out: Path, json_out: bool) -> None:
-    from plan3d.calibrate import calibrated_cluster, fit_measurements, summary_rows, write_calibrated_spec
+    """Fit, judge each fit, write the spec; unusable fits are marked in the spec and warned about."""
+    import sys
+
+    from plan3d.calibrate import (calibrated_cluster, fit_measurements, fit_quality, summary_rows, this_machine,
+                                  unusable_fits, write_calibrated_spec)
 
     fit = fit_measurements(base, raw, dtype)
-    fitted = calibrated_cluster(base, fit, f"plan3d calibrate on {raw['device']}/{raw['backend']}, "
-                                            f"{raw['world_size']} ranks; catalog: {base.name}")
-    measurements = write_calibrated_spec(fitted, raw, out)
-    _show(summary_rows(base, fitted, fit, dtype), out, measurements, json_out)
+    quality = fit_quality(fit, [t.name for t in base.tiers()])
+    unusable = unusable_fits(quality)
+    machine = this_machine()
+    source = (f"plan3d calibrate on {machine} ({raw['device']}/{raw['backend']}, {raw['world_size']} ranks), "
+              f"{time.strftime('%Y-%m-%d')}; catalog: {base.name}")
+    if unusable:
+        source += f"; UNUSABLE FITS: {'; '.join(unusable)}"
+    fitted = calibrated_cluster(base, fit, source, machine)
+    measurements = write_calibrated_spec(fitted, raw, out, unusable)
+    for line in unusable:
+        print(f"warning: unusable fit, {line}: do not plan with {out} before calibrating again "
+              "(more --repeats, --statistic min, an idle machine)", file=sys.stderr)
+    _show(summary_rows(base, fitted, fit, dtype), out, measurements, json_out,
+          {"name": fitted.name, "fit_quality": quality, "unusable": unusable})
 
 
-def _show(rows: list[dict], out: Path, measurements: Path | None, json_out: bool) -> None:
+def _show(rows: list[dict], out: Path, measurements: Path | None, json_out: bool, extra: dict | None = None) -> None:
     if json_out:
-        print(json.dumps({"schema_version": 1, "spec": str(out), "measurements": str(measurements) if measurements else None,
-                          "rows": rows}, indent=1))
+        print(json_text({"schema_version": 1, "spec": str(out),
+                         "measurements": str(measurements) if measurements else None, "rows": rows, **(extra or {})}))
         return
     from plan3d.render.report import print_calibration
 
@@ -188,7 +203,7 @@ def _from_runs(run_dirs: list[Path], out: Optional[Path], json_out: bool, fit_ov
     raw = {"from_runs": [{"run_dir": str(r.run_dir), "layout": r.plan.layout.short(),
                           "measured_step_s": r.measured_step_s} for r in runs], "fit": fitted}
     measurements = write_calibrated_spec(refit, raw, out)
-    _show(_refit_rows(cluster, refit, runs, predict, fitted), out, measurements, json_out)
+    _show(_refit_rows(cluster, refit, runs, predict, fitted), out, measurements, json_out, {"name": refit.name})
 
 
 def _refit_rows(before, after, runs, predict, fitted: dict) -> list[dict]:

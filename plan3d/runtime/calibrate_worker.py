@@ -246,7 +246,7 @@ def _worker(config: dict, out_dir: Path, backend: str) -> None:
             torch.set_num_threads(config["threads"])
         record = run_sweep(config, out_dir)
         if record is not None:
-            (out_dir / "calibration.json").write_text(json.dumps(record, indent=1))
+            (out_dir / "calibration.json").write_text(json.dumps(record, indent=1, allow_nan=False))
         dist.barrier()
     finally:
         dist.destroy_process_group()

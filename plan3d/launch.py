@@ -104,11 +104,11 @@ def port_in_use_message(addr: str, port: int, nnodes: int) -> str:
 
 
 def timeout_from(worker_args) -> float:
-    """The workers' --timeout-s, which also bounds the launcher's own waits."""
+    """The workers' --timeout-s (the last one given, as argparse reads it), which also bounds
+    the launcher's own waits."""
     args = list(map(str, worker_args))
-    if "--timeout-s" in args[:-1]:
-        return float(args[args.index("--timeout-s") + 1])
-    return DEFAULT_TIMEOUT_S
+    values = [args[i + 1] for i in range(len(args) - 1) if args[i] == "--timeout-s"]
+    return float(values[-1]) if values else DEFAULT_TIMEOUT_S
 
 
 def check_free_space(run_dir: Path) -> None:
@@ -296,8 +296,9 @@ def _watch(procs: list[subprocess.Popen], run_dir: Path, on_progress, world: int
         records = read_error_records(run_dir)
         if failed_since is None and (bad or records):
             failed_since = time.monotonic()
-        if failed_since is not None and (time.monotonic() - failed_since > AFTER_ERROR_S
-                                         or _hang_reported(records, world)):
+        if _hang_reported(records, world):  # nothing left to learn; a stopped rank ignores SIGINT
+            return bad[0] if bad else 1  # the caller kills every process group
+        if failed_since is not None and time.monotonic() - failed_since > AFTER_ERROR_S:
             for proc in procs:
                 _stop(proc)
             return bad[0] if bad else 1

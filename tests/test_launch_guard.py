@@ -1,4 +1,7 @@
-"""`plan3d launch` never overwrites a previous run by accident."""
+"""`plan3d launch` never overwrites a previous run by accident, and checks what it is given
+(flags, the checkpoint to resume, the disk) before any rank starts. No ranks run here."""
+import json
+
 import pytest
 
 from plan3d.cli import main
@@ -9,6 +12,110 @@ def test_launch_into_a_run_directory_that_holds_a_run_is_refused(tmp_path, capsy
     with pytest.raises(SystemExit) as info:
         main(["launch", "--tp", "2", "--steps", "2", "--run-dir", str(tmp_path)])
     err = capsys.readouterr().err
-    assert info.value.code == 2 and "already holds a run" in err and "--resume" in err
+    assert info.value.code == 2 and "already holds a run" in err and "--resume" in err and "--overwrite" in err
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'  # untouched
     assert not (tmp_path / "logs").exists()  # nothing was started
+
+
+def _launch(capsys, *args) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as info:
+        main(["launch", *args])
+    return info.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--timeout-s", "inf"], "--timeout-s must be a finite number"),
+    (["--timeout-s", "nan"], "--timeout-s must be a finite number"),
+    (["--master-port", "1" * 31], "--master-port must be a port"),
+    (["--keep-last", "-1"], "--keep-last must be"),
+    (["--master-addr", "node0\nnode1"], "--master-addr must be"),
+])
+def test_launch_refuses_nonsense_flags_before_anything_starts(tmp_path, capsys, flags, needle):
+    code, err = _launch(capsys, "--tp", "2", "--run-dir", str(tmp_path / "r"), *flags)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "r").exists()
+
+
+def test_resume_without_a_checkpoint_is_refused_before_any_rank_starts_and_says_how_to_start_afresh(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')  # interrupted before its first save
+    code, err = _launch(capsys, "--tp", "2", "--resume", "--run-dir", str(tmp_path))
+    assert code == 2 and "no complete checkpoint" in err and "--overwrite" in err
+    assert not (tmp_path / "logs").exists()
+    code, err = _launch(capsys, "--tp", "2", "--resume", "--overwrite", "--run-dir", str(tmp_path))
+    assert code == 2 and "only one" in err
+
+
+def test_the_advice_after_an_interrupt_is_what_will_work(tmp_path):
+    from plan3d.cli.launch_cmd import interrupt_advice
+
+    assert "--overwrite" in interrupt_advice(tmp_path) and "--resume" not in interrupt_advice(tmp_path)
+    step = tmp_path / "checkpoints" / "step_00000002"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text('{"step": 2}')
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000002")
+    assert "step_00000002" in interrupt_advice(tmp_path) and f"--resume --run-dir {tmp_path}" in interrupt_advice(tmp_path)
+
+
+def test_overwrite_clears_the_previous_run_and_nothing_else(tmp_path):
+    from plan3d.cli.launch_cmd import _clear_previous_run
+
+    for name in ("metrics.jsonl", "summary.json", "notes.txt"):
+        (tmp_path / name).write_text("x")
+    (tmp_path / "checkpoints" / "step_00000001").mkdir(parents=True)
+    _clear_previous_run(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def _checkpoint(root, step: int, shards: dict[str, bytes], checksums: bool = True):
+    from plan3d.checkpoint_files import shard_checksums
+
+    directory = root / f"step_{step:08d}"
+    directory.mkdir(parents=True)
+    for name, data in shards.items():
+        (directory / name).write_bytes(data)
+    meta = {"step": step, **({"checksums": shard_checksums(directory, shards)} if checksums else {})}
+    (directory / "meta.json").write_text(json.dumps(meta))
+    (root / "latest").write_text(directory.name)
+    return directory
+
+
+@pytest.mark.parametrize("harm", ["overwrite", "truncate", "delete"])
+def test_a_damaged_shard_is_refused_naming_the_file_and_the_previous_good_checkpoint(tmp_path, harm):
+    from plan3d.checkpoint_files import CheckpointError, verified
+
+    root = tmp_path / "checkpoints"
+    good = _checkpoint(root, 2, {"__0_0.distcp": b"a" * 64, ".metadata": b"m"})
+    newest = _checkpoint(root, 4, {"__0_0.distcp": b"b" * 64, "__1_0.distcp": b"c" * 64, ".metadata": b"m"})
+    shard = newest / "__1_0.distcp"
+    {"overwrite": lambda: shard.write_bytes(b"c" * 32 + b"X" + b"c" * 31), "truncate": lambda: shard.write_bytes(b"c"),
+     "delete": shard.unlink}[harm]()
+    with pytest.raises(CheckpointError) as info:
+        verified(tmp_path)
+    message = str(info.value)
+    assert str(shard) in message and f"--resume-from {good}" in message and "\n" not in message
+    assert info.value.exit_code == 2
+
+
+def test_checkpoints_without_checksums_load_and_keep_last_prunes_the_oldest(tmp_path):
+    from plan3d.checkpoint_files import complete_checkpoints, prune, verified
+
+    root = tmp_path / "checkpoints"
+    made = [_checkpoint(root, step, {"__0_0.distcp": bytes([step])}, checksums=step > 1) for step in (1, 2, 3, 4)]
+    assert verified(made[0]) == made[0]  # written before checksums existed
+    assert prune(root, 0, protect=made[-1]) == []
+    assert prune(root, 2, protect=made[-1]) == made[:2]
+    assert complete_checkpoints(root) == made[2:]
+
+
+def test_a_full_disk_is_diagnosed_from_the_launcher(tmp_path, monkeypatch):
+    import shutil
+
+    from plan3d.errors import LaunchError
+    from plan3d.launch import check_free_space, diagnose
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1024))
+    with pytest.raises(LaunchError, match="no space left on the disk holding"):
+        check_free_space(tmp_path)
+    rank, message = diagnose(tmp_path, "", 8)
+    assert rank is None and "no space left" in message and "--run-dir" in message

@@ -99,7 +99,7 @@ def test_a_stopped_rank_of_a_3d_layout_ends_the_job_within_the_timeout_and_is_na
     hung_at = (tmp_path / "metrics.jsonl").stat().st_mtime  # step 2's record, just before the stop
     assert not result.ok
     assert result.failed_rank == 5 and "rank 5 hung" in result.error and "timed out" in result.error.lower(), result
-    assert ended - hung_at < timeout_s + 20, f"the job ended {ended - hung_at:.0f} s after the hang"
+    assert ended - hung_at < timeout_s + 15, f"the job ended {ended - hung_at:.0f} s after the hang"  # seen: 5.7 s
     assert not _survivors(str(tmp_path))
 
 
@@ -111,14 +111,14 @@ def test_ctrl_c_stops_every_rank_and_keeps_the_checkpoints(tmp_path):
     plan3d = Path(sys.executable).with_name("plan3d")
     proc = subprocess.Popen([str(plan3d), "launch", "--dp", "2", "--steps", "500", "--save-every", "1",
                              "--run-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # as `cmd &` in a script
     deadline = time.monotonic() + 90
     while not (tmp_path / "checkpoints" / "latest").exists() and time.monotonic() < deadline:
         time.sleep(0.2)
     start = time.monotonic()
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 130 and "interrupted" in err
+    assert proc.returncode == 130 and "interrupted" in err and f"--resume --run-dir {tmp_path}" in err
     assert time.monotonic() - start < 15
     time.sleep(0.5)
     assert not _survivors(str(tmp_path))
@@ -136,7 +136,78 @@ def test_crash_during_a_save_keeps_the_previous_checkpoint(reference, tmp_path):
     assert (checkpoints / "step_00000002.tmp").exists() and not (checkpoints / "step_00000002").exists()
     resumed = run(plan, tmp_path, extra=["--resume-from", str(tmp_path), "--no-save"])
     assert resumed.ok, resumed.error
+    assert not (checkpoints / "step_00000002.tmp").exists(), "the interrupted save is cleaned up"
     assert_same_losses(metrics(tmp_path), reference, range(1, STEPS + 1))
+
+
+def _damage_in_place(path) -> None:
+    """Overwrite bytes in the middle of a file, keeping its size."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 16] = bytes(16)
+    path.write_bytes(bytes(data))
+
+
+def test_non_finite_loss_stops_before_saving_and_damaged_checkpoints_are_refused(tmp_path, capsys):
+    import json
+
+    from plan3d.cli import main
+
+    plan = make_plan(dp=2, zero=2)
+    result = run(plan, tmp_path, steps=5, extra=["--save-every", "1", "--keep-last", "2", "--fail-at-step", "3",
+                                                 "--fail-rank", "1", "--fail-mode", "nan"])
+    assert not result.ok and "became nan at step 4" in result.error and "stopped before saving" in result.error
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line, parse_constant=lambda c: pytest.fail(f"bare {c} in metrics.jsonl")) for line in lines]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_00000002", "step_00000003"]  # keep-last 2
+    assert (checkpoints / "latest").read_text() == "step_00000003"
+
+    shard = sorted((checkpoints / "step_00000003").glob("*.distcp"))[0]
+    _damage_in_place(shard)
+    refused = run(plan, tmp_path, extra=["--resume-from", str(tmp_path), "--no-save"])  # the ranks check too
+    assert not refused.ok and "damaged" in refused.error and shard.name in refused.error
+    with pytest.raises(SystemExit) as info:  # the CLI refuses before any rank starts
+        main(["launch", "--dp", "2", "--zero", "2", "--steps", "5", "--resume", "--run-dir", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and len(err.splitlines()) == 1
+    assert str(shard) in err and f"--resume-from {checkpoints / 'step_00000002'}" in err
+
+
+def test_a_missing_node_and_a_duplicate_node_rank_are_bounded_and_named(tmp_path):
+    from plan3d.errors import LaunchError
+    from plan3d.launch import free_port, port_in_use
+
+    plan, port, results = make_plan(nodes=2, gpus_per_node=1, dp=2), free_port(), {}
+    node0 = threading.Thread(target=lambda: results.setdefault(0, run(
+        plan, tmp_path, extra=["--timeout-s", "4"], nnodes=2, node_rank=0, master_port=port)))
+    node0.start()
+    deadline = time.monotonic() + 60
+    while not port_in_use("127.0.0.1", port) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with pytest.raises(LaunchError, match=f"port {port} .* in use.*--node-rank 0"):
+        run(plan, tmp_path / "second", nnodes=2, node_rank=0, master_port=port)
+    node0.join(60)
+    assert not node0.is_alive(), "node 0 waited past --timeout-s for the missing node"
+    assert not results[0].ok and "only 1 of 2 nodes joined" in results[0].error
+
+
+def test_a_port_taken_before_torchrun_binds_it_is_retried_on_a_fresh_port(tmp_path, monkeypatch):
+    import socket
+
+    import plan3d.launch as launcher
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    picks = [busy.getsockname()[1], launcher.free_port()]
+    handed = []
+    monkeypatch.setattr(launcher, "free_port", lambda: handed.append(picks[len(handed)]) or handed[-1])
+    with busy:
+        result = run(make_plan(), tmp_path, steps=1, extra=["--no-save"])
+    assert result.ok, result.error
+    assert handed == picks, "the busy port was tried first, then a fresh one"
 
 
 def test_a_multi_node_plan_on_one_machine_runs_every_node_locally(reference, tmp_path):

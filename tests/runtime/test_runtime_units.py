@@ -108,6 +108,21 @@ def test_diagnose_names_the_killed_rank(tmp_path):
     assert diagnose(tmp_path, log) == (5, "rank 5 was killed by signal SIGKILL")
 
 
+def test_diagnose_names_the_rank_without_a_record_when_a_timeout_came_first(tmp_path):
+    import json
+
+    from plan3d.launch import diagnose
+
+    (tmp_path / "errors").mkdir()
+    for rank, when in ((0, 3.0), (1, 1.0), (3, 2.0)):
+        error = f"RuntimeError: Timed out waiting 5000ms for recv operation to complete (rank {rank})"
+        (tmp_path / "errors" / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "error": error, "time": when}))
+    rank, message = diagnose(tmp_path, "", world=4)
+    assert rank == 2 and message.startswith("rank 2 hung") and "first rank 1" in message
+    (tmp_path / "errors" / "rank2.json").write_text(json.dumps({"rank": 2, "error": "ValueError: bad", "time": 0.5}))
+    assert diagnose(tmp_path, "", world=4) == (2, "ValueError: bad")  # an error of its own came first
+
+
 def test_dry_run_prints_exactly_the_commands_launch_runs(capsys, tmp_path):
     from plan3d.cli import main
     from plan3d.emit.torchrun import torchrun_commands

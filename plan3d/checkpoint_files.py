@@ -77,13 +77,6 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=step_of)
 
 
-def checkpoints_root(path: Path) -> Path:
-    """The checkpoints/ folder of a run directory, a checkpoints folder, or a checkpoint."""
-    if (path / META).exists():
-        return path.parent
-    return path / "checkpoints" if (path / "checkpoints").is_dir() else path
-
-
 def resolve(path: Path) -> Path:
     """A checkpoint directory, or a run/checkpoints directory whose `latest` names one."""
     for candidate in (path, path / "checkpoints"):

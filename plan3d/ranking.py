@@ -68,6 +68,8 @@ def rank(result: SearchResult, objective: str = "throughput") -> np.ndarray:
 def pareto_front(result: SearchResult, order: np.ndarray) -> np.ndarray:
     """Feasible rows not beaten on both tokens/s and memory headroom, by descending tokens/s."""
     rows = order[result.feasible[order]]
+    if not len(rows):  # nothing feasible (or nothing valid: no metrics at all)
+        return np.array([], dtype=np.int64)
     tokens = result.metrics["tokens_per_s"][rows]
     headroom = (result.metrics["capacity_bytes"] - result.metrics["peak_memory_bytes"])[rows]
     by_tokens = rows[np.lexsort((-headroom, -tokens))]

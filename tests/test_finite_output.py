@@ -170,3 +170,10 @@ def test_nodes_to_fit_stays_inside_the_node_bound(seed_specs):
     cluster, model, training = seed_specs
     big = cluster.with_size(nodes=MAX_NODES // 2)
     assert nodes_to_fit(big, model, training) in (None, MAX_NODES)
+
+
+def test_json_when_no_layout_is_valid_at_all(capsys):
+    """No valid layout, even or uneven: a JSON answer with an empty Pareto front and exit 1 (was a KeyError)."""
+    code, out, err = run_cli(capsys, "recommend", "-c", "local-cpu", "-m", "tiny-gpt", "--json",
+                             "--gpus-per-node", "4096", "--nodes", "1")
+    assert code == 1 and json.loads(out)["pareto_front"] == [] and "no valid layout" in err

@@ -90,12 +90,13 @@ def _inject(args, rank: int, step: int) -> None:
 
 
 PEER_GRACE_CAP_S = 15.0
+MAX_CAUSES = 8  # how deep a chain of wrapped errors is followed (a cycle cannot loop)
 
 
 def _chain(err: BaseException) -> list[BaseException]:
     """The error and its causes (the pipelining schedule wraps a failed p2p in its own error)."""
     chain = [err]
-    while chain[-1].__cause__ is not None and len(chain) < 8:
+    while chain[-1].__cause__ is not None and len(chain) < MAX_CAUSES:
         chain.append(chain[-1].__cause__)
     return chain
 

@@ -20,7 +20,6 @@ import json
 import random
 import signal
 import time
-import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -317,20 +316,12 @@ def flags_case(rng, tmp: Path):
 
 
 KINDS = ("cluster", "gpu", "model", "job", "plan", "hf-config", "run-dir", "flags")
-# Failures in code outside the input-validation boundary, reported to its owners: a case whose
-# command and message match one of these warns instead of failing. Empty it once fixed.
-KNOWN_OUTSIDE = [("recommend", "KeyError: 'tokens_per_s'")]  # ranking.pareto_front (issue 19 report)
-# The same failures pinned as single commands (each xfail turns into a pass once fixed).
-FOUND_OUTSIDE = [
-    pytest.param(["recommend", "-c", "local-cpu", "-m", "tiny-gpt", "--json", "--nodes", "16"],
-                 marks=pytest.mark.xfail(reason="ranking.pareto_front: KeyError 'tokens_per_s'",
-                                         strict=False)),
-    pytest.param(["recommend", "-c", "local-cpu", "-m", "tiny-gpt", "--json", "--global-batch", "1"],
-                 marks=pytest.mark.xfail(reason="ranking.pareto_front: KeyError 'tokens_per_s' when no layout "
-                                                "is feasible", strict=False)),
-    pytest.param(["recommend", "-c", "local-cpu", "-m", "tiny-gpt", "--json", "--nodes", "16", "--seq-len", "16"],
-                 marks=pytest.mark.xfail(reason="ranking.pareto_front: KeyError 'tokens_per_s'",
-                                         strict=False)),
+# Cases other seeds found failing (recommend --json with no feasible layout: a KeyError in
+# ranking.pareto_front, fixed in 574faac), kept as single commands.
+FOUND_BY_OTHER_SEEDS = [
+    ["recommend", "-c", "local-cpu", "-m", "tiny-gpt", "--json", "--nodes", "16"],
+    ["recommend", "-c", "local-cpu", "-m", "tiny-gpt", "--json", "--global-batch", "1"],
+    ["recommend", "-c", "local-cpu", "-m", "tiny-gpt", "--json", "--nodes", "16", "--seq-len", "16"],
 ]
 
 
@@ -359,24 +350,21 @@ def cases(tmp_root: Path):
 
 def test_every_input_kind_keeps_the_contract_under_mutation(capsys, tmp_path):
     start = time.perf_counter()
-    failures, outside, codes = [], [], {kind: set() for kind in KINDS}
+    failures, codes = [], {kind: set() for kind in KINDS}
     for kind, number, description, command in cases(tmp_path):
         code, out, err, elapsed = run_case(capsys, command)
         codes[kind].add(code)
         problems = contract_violations(code, out, err, elapsed, "--json" in command)
         if problems:
-            line = f"{kind} #{number} [{description}] plan3d {' '.join(map(str, command))}: {'; '.join(problems)}"
-            known = any(command[0] == name and fragment in line for name, fragment in KNOWN_OUTSIDE)
-            (outside if known else failures).append(line)
-    for line in outside:
-        warnings.warn(f"known failure outside the input boundary: {line}", stacklevel=1)
+            failures.append(f"{kind} #{number} [{description}] plan3d {' '.join(map(str, command))}: "
+                            f"{'; '.join(problems)}")
     assert not failures, "\n".join(failures)
     for kind in KINDS:  # the mutations are not all refused: the output checks ran on successes too
         assert {0, 2} <= codes[kind], (kind, codes[kind])
     assert time.perf_counter() - start < 60
 
 
-@pytest.mark.parametrize("command", FOUND_OUTSIDE)
+@pytest.mark.parametrize("command", FOUND_BY_OTHER_SEEDS)
 def test_cases_found_by_other_seeds(capsys, command):
     code, out, err, elapsed = run_case(capsys, command)
     assert not contract_violations(code, out, err, elapsed, "--json" in command)

@@ -1,14 +1,13 @@
-"""Top-K as distinct decisions: layouts that tie are one row, with the alternatives named.
+"""Top-K as distinct decisions: one row per tp/pp/dp/micro-batch/ZeRO, near-ties named.
 
-Two ranked layouts are the same decision when they share the knobs that change what runs where
-(tp, pp, dp, micro-batch, ZeRO stage) and their objective differs by less than `TIE_FRACTION`:
-they differ only in recompute, sequence parallelism, rank order, the number of virtual stages
-or an uneven split, and the model cannot tell them apart within its noise (its left-out error is
-several per cent; a 0.4% difference is not a decision). Virtual stages fold too: vpp5 and vpp8
-of one tp/pp/dp within 0.2% are one choice, "interleave"; vpp1 against vpp5 differs by the
-bubble, which is usually more than the tie, and then stays a row of its own. The best of them heads the row; the others are named
-as its alternatives. A same-shape layout further than `TIE_FRACTION` away is a real trade-off
-(full recompute for memory headroom, say) and gets its own row.
+A user asking for the top 8 wants 8 different decisions, not rows that differ only in how a
+layout is run. Ranked layouts that share the knobs that change what runs where (tp, pp, dp,
+micro-batch, ZeRO stage) are one decision: the best of them is its row. Those within
+`TIE_FRACTION` of it (another recompute mode, sequence parallelism, rank order, number of
+virtual stages or an uneven split) are named as its alternatives: the model cannot tell them
+apart (its left-out error is several per cent, and layouts of one shape share most of it).
+Slower layouts of the same shape are not shown: they are the same decision run worse, and the
+memory they may save is what the Pareto front reports.
 """
 from __future__ import annotations
 
@@ -16,10 +15,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from plan3d.layout import Layout
+from plan3d.layout import Layout, short_order
 
 DECISION_KNOBS = ("tp", "pp", "dp", "micro_batch", "zero")
-TIE_FRACTION = 0.01
+TIE_FRACTION = 0.02
 
 
 @dataclass
@@ -46,18 +45,19 @@ def group_decisions(layouts: dict[str, np.ndarray], values: np.ndarray, ranked: 
                     limit: int) -> list[Decision]:
     """The first `limit` decisions among `ranked` feasible rows, each with its tying alternatives.
 
-    Scans in rank order; a row joins the decision of its shape when it ties with that decision's
-    head, and opens a new decision otherwise. One decision past `limit` is kept, so that a caller
-    can name the next real alternative. Stops once every later row is too slow to tie with any
-    kept head (ranked rows are best first).
+    Scans in rank order: the first row of a shape opens its decision, a later one joins it when
+    it ties with the head and is passed over otherwise. One decision past `limit` is kept, so
+    that a caller can name the next real alternative. Stops once every later row is too slow to
+    tie with any kept head (ranked rows are best first).
     """
     decisions: list[Decision] = []
     by_shape: dict[tuple, Decision] = {}
     for row in (int(r) for r in ranked):
         shape = tuple(int(layouts[k][row]) for k in DECISION_KNOBS)
         decision = by_shape.get(shape)
-        if decision is not None and ties(values[decision.head], values[row]):
-            decision.alternatives.append(row)
+        if decision is not None:
+            if ties(values[decision.head], values[row]):
+                decision.alternatives.append(row)
             continue
         if len(decisions) > limit:
             if not ties(values[decisions[-1].head], values[row]):
@@ -79,7 +79,7 @@ def difference(head: Layout, other: Layout) -> str:
     if other.sequence_parallel != head.sequence_parallel:
         parts.append("sp" if other.sequence_parallel else "no sp")
     if other.order != head.order:
-        parts.append(f"order {other.order}")
+        parts.append(f"order {short_order(other.order)}")
     if other.pp_layers != head.pp_layers:
         parts.append("even split" if other.pp_layers is None else "uneven split")
     return ", ".join(parts) or "same knobs"

@@ -53,6 +53,13 @@ def full_order(order: str) -> str:
     return "-".join(parse_order(order))
 
 
+def short_order(order: str) -> str:
+    """The shortest order that `parse_order` reads back as `order`: the axes out of their default
+    slot ('tp-cp-ep-pp-dp' -> 'pp-dp'); the default itself prints as 'dp-pp'."""
+    moved = [axis for axis, default in zip(parse_order(order), AXES) if axis != default]
+    return "-".join(moved) or "dp-pp"
+
+
 class Layout(FrozenModel):
     tp: PositiveInt = 1
     pp: PositiveInt = 1
@@ -118,7 +125,7 @@ class Layout(FrozenModel):
             parts.append(f"vpp{self.vpp}")
         parts += [f"zero{self.zero}", self.recompute] + (["sp"] if self.sequence_parallel else [])
         if self.order != DEFAULT_ORDER:
-            parts.append(f"order {self.order}")
+            parts.append(f"order {short_order(self.order)}")
         return " ".join(parts)
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from plan3d.errors import LayoutError
-from plan3d.layout import DEFAULT_ORDER, Layout, divisors, parse_order
+from plan3d.layout import DEFAULT_ORDER, Layout, divisors, full_order, parse_order
 from plan3d.specs.cluster import MAX_NODES, ClusterSpec
 from plan3d.specs.engine import EngineSpec
 from plan3d.specs.model import ModelSpec
@@ -84,8 +84,8 @@ class Space:
     zero_with_pp: tuple[int, ...] = (0, 1, 2, 3)  # ZeRO stages allowed with pp > 1 (the engine's rule)
 
     def __post_init__(self) -> None:
-        for order in self.orders:
-            parse_order(order)
+        full = tuple(dict.fromkeys(full_order(o) for o in self.orders))  # 'pp-dp' as the table prints it
+        object.__setattr__(self, "orders", full)
         bad = [r for r in self.recompute if r not in RECOMPUTE]
         if bad or not self.recompute:
             raise LayoutError(f"recompute {bad[0] if bad else 'set'!r}: choose from none, selective, full")

@@ -188,6 +188,7 @@ def old_plan(path: Path) -> dict:
     del data["engine"]
     for key in ("engine", "provenance"):
         data["estimate"].pop(key, None)
+    data["digest"] = digest_of({k: data[k] for k in DIGESTED})  # the digest of that time: the four sections
     path.write_text(json.dumps(data))
     return data
 

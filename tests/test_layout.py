@@ -104,4 +104,4 @@ def test_stage_layers_even_split():
 
 def test_short_names_the_order_only_when_it_is_not_the_default():
     assert "order" not in Layout(tp=2, dp=2).short()
-    assert Layout(tp=2, dp=2, order="tp-cp-ep-pp-dp").short().endswith("order tp-cp-ep-pp-dp")
+    assert Layout(tp=2, dp=2, order="tp-cp-ep-pp-dp").short().endswith("order pp-dp")

@@ -54,7 +54,8 @@ def estimate_command(
     if plot is not None:
         from plan3d.render.plots import plot_step_breakdown
 
-        plot_step_breakdown(result.to_dict(), plot)
+        plot_step_breakdown(result.to_dict(), plot, title=f"{model_spec.name} on {cluster_spec.nodes} x "
+                            f"{cluster_spec.gpus_per_node} {cluster_spec.gpu.name}, {engine_spec.name}")
     if json_out:
         print(json_text({"schema_version": SCHEMA_VERSION, **result.to_dict()}))
     else:

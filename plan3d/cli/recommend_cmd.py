@@ -94,17 +94,19 @@ def recommend(
         result = search.search(*specs, space, **thresholds)
         notes.append("no layout with an even layer split is valid here, so uneven splits were searched (--uneven)")
     order_ = ranking.rank(result, objective)
-    _require_pick(result, order_, pick)
     report = render.Recommendation(result, order_, objective, top, pick, sweep, tokens, notes)
+    _require_pick(report)
     if not result.feasible_count:
         _no_fit(report, space, thresholds, json_out)
     if out is not None:
-        _write_plan(result, int(order_[pick - 1]), out)
+        _write_plan(result, report.picked_row, out)
         report.notes.append(f"wrote the plan of #{pick} to {out}")
     if plot is not None:
         from plan3d.render.plots import plot_pareto
 
-        plot_pareto(render.pareto_points(result, order_), plot, float(result.metrics["capacity_bytes"][0]))
+        picked = report.picked_row
+        plot_pareto(render.pareto_points(result, order_, picked, pick), plot,
+                    float(result.metrics["capacity_bytes"][0]), render.picked_index(result, order_, picked))
         report.notes.append(f"wrote the throughput-vs-memory picture to {plot}")
     if json_out:
         print(json_text(render.recommendation_dict(report, explain)))
@@ -162,9 +164,12 @@ def _thresholds(min_mfu: float | None, max_memory_fraction: float | None) -> dic
     return {"min_mfu": min_mfu, "max_memory_fraction": max_memory_fraction}
 
 
-def _require_pick(result, order, pick: int) -> None:
-    if pick < 1 or (result.feasible_count and pick > result.feasible_count):
-        raise LayoutError(f"--pick {pick}: choose 1..{max(result.feasible_count, 1)} (the feasible layouts, ranked)")
+def _require_pick(report) -> None:
+    """--pick names a row of the table: one of the distinct decisions (`plan3d.grouping`)."""
+    pick, count = report.pick, len(report.decisions)
+    if pick < 1 or (report.result.feasible_count and pick > count):
+        raise LayoutError(f"--pick {pick}: choose 1..{max(count, 1)} (the rows of the ranked table, one per "
+                          "distinct layout)")
 
 
 def _no_fit(report, space, thresholds: dict, json_out: bool) -> None:

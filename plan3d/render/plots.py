@@ -91,7 +91,7 @@ def pareto_figure(points: list[dict], capacity_bytes: float | None = None, chose
     ax.set(xlabel="peak memory of the most-loaded GPU (GiB)", ylabel="tokens/s", title="throughput vs memory")
     ax.margins(x=0.08, y=0.1)
     lettered = _letter_front(ax, points, front, chosen)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)  # off the points
     _front_key(key_ax, points, lettered, chosen)
     fig.tight_layout()
     return fig
@@ -111,7 +111,7 @@ def chosen_text(points: list[dict], chosen: int) -> str:
     """'chosen #1: tp2 pp1 ... (68.7K tokens/s, 60.1 GiB)' -- the legend entry of the starred point."""
     point = points[chosen]
     name = point.get("label") or "(not on the front)"
-    return f"chosen #{chosen + 1}: {name} ({count(point['tokens_per_s'])} tokens/s, {gib(point['peak_memory_bytes'])})"
+    return f"chosen #{point.get('rank', chosen + 1)}: {name} ({count(point['tokens_per_s'])} tokens/s, {gib(point['peak_memory_bytes'])})"
 
 
 def _mark_chosen(ax, points: list[dict], chosen: int) -> None:

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from plan3d import ranking
+from plan3d import grouping, ranking
+from plan3d.layout import short_order
 from plan3d.render.units import GIB, gib, ms, printable
 from plan3d.search import SearchResult
 
@@ -30,10 +32,35 @@ class Recommendation:
     notes: list[str] = field(default_factory=list)
     nodes_needed: int | None = None
 
+    @cached_property
+    def decisions(self) -> list[grouping.Decision]:
+        """The ranked distinct decisions (`plan3d.grouping`), one past what is shown or picked."""
+        feasible = self.order[self.result.feasible[self.order]]
+        if not len(feasible):
+            return []
+        values = grouping.objective_values(self.result.metrics, self.objective)
+        return grouping.group_decisions(self.result.layouts, values, feasible, max(self.top, self.pick))
+
     @property
     def shown(self) -> np.ndarray:
-        feasible = self.order[self.result.feasible[self.order]]
-        return feasible[: self.top]
+        return np.array([d.head for d in self.decisions[: self.top]], dtype=np.int64)
+
+    @property
+    def ranked_decisions(self) -> np.ndarray:
+        """The decisions' heads in rank order (the full order when fewer than two), so that "why #1"
+        compares #1 with row #2 of the table rather than with a near-copy folded into #1."""
+        heads = [d.head for d in self.decisions]
+        return np.array(heads, dtype=np.int64) if len(heads) >= 2 else self.order
+
+    @property
+    def picked_row(self) -> int:
+        """The row of decision #pick (what --out writes and --explain explains)."""
+        return self.decisions[self.pick - 1].head
+
+    @property
+    def next_decision(self) -> grouping.Decision | None:
+        """The best decision not shown: what the user would look at next."""
+        return self.decisions[self.top] if len(self.decisions) > self.top else None
 
 
 # ---- plain data (JSON) ---------------------------------------------------------------------------
@@ -55,20 +82,29 @@ def recommendation_dict(report: Recommendation, explain: bool = False) -> dict:
         "schema_version": SCHEMA_VERSION, "engine": engine_name(r), "cluster": r.cluster.name,
         "nodes": r.cluster.nodes, "gpus": r.cluster.world_size, "model": r.model.name,
         "training": r.training.model_dump(mode="json"), "objective": report.objective, "search": r.stats(),
-        "top": [dict(rank=i + 1, **row_dict(r, int(row), report.tokens)) for i, row in enumerate(report.shown)],
-        "why": ranking.why_wins(r, report.order, report.objective),
+        "top": [dict(rank=i + 1, **row_dict(r, d.head, report.tokens), alternatives=alternatives_list(r, d))
+                for i, d in enumerate(report.decisions[: report.top])],
+        "why": ranking.why_wins(r, report.ranked_decisions, report.objective),
         "pareto_front": [row_dict(r, int(row)) for row in ranking.pareto_front(r, report.order)],
     }
     if not r.feasible_count:
         payload["nearest_misses"] = [miss_dict(r, int(row)) for row in ranking.nearest_misses(r, report.order)]
         payload["nodes_needed"] = report.nodes_needed
+    if report.next_decision is not None:
+        payload["next_alternative"] = row_dict(r, report.next_decision.head, report.tokens)
     if report.sweep is not None:
         payload["node_sweep"] = [sweep_row(s, report.objective) for s in report.sweep]
     if explain and r.feasible_count:
-        payload["explain"] = explanation_dict(Explanation(r, report.order, int(report.order[report.pick - 1]),
-                                                          report.objective))
+        payload["explain"] = explanation_dict(Explanation(r, report.order, report.picked_row, report.objective))
     payload["notes"] = report.notes
     return payload
+
+
+def alternatives_list(result: SearchResult, decision: grouping.Decision) -> list[dict]:
+    """The near-ties a row stands for: what each changes, and its figures."""
+    head = result.layout(decision.head)
+    return [{"differs": grouping.difference(head, result.layout(row)), **row_dict(result, row)}
+            for row in decision.alternatives]
 
 
 def engine_name(result: SearchResult) -> str:
@@ -125,7 +161,7 @@ def _pct(x: float) -> str:
 
 def layout_cells(result: SearchResult, row: int) -> list[str]:
     lay = result.layout(row)
-    order = "pp-dp" if lay.order.endswith("pp-dp") else "dp-pp"
+    order = short_order(lay.order)
     pp = f"{lay.pp}*" if lay.pp_layers is not None else str(lay.pp)
     return [str(lay.tp), pp, str(lay.dp), str(lay.micro_batch), str(lay.vpp), str(lay.zero),
             lay.recompute, "y" if lay.sequence_parallel else "", order]
@@ -143,6 +179,7 @@ def metric_cells(result: SearchResult, row: int, tokens: float | None) -> list[s
 
 HEADERS = ["#", "tp", "pp", "dp", "mb", "vpp", "zero", "recompute", "sp", "order", "mem GiB", "headroom GiB",
            "step", "tokens/s", "TFLOP/s/GPU", "MFU", "bubble", "top comm"]
+ALSO_SHOWN = 3  # alternatives named per row under the table; --json lists all
 
 
 def layouts_table(result: SearchResult, rows, title: str, tokens: float | None = None) -> Table:
@@ -152,6 +189,39 @@ def layouts_table(result: SearchResult, rows, title: str, tokens: float | None =
     for i, row in enumerate(rows):
         table.add_row(str(i + 1), *layout_cells(result, int(row)), *metric_cells(result, int(row), tokens))
     return table
+
+
+def alternatives_text(result: SearchResult, decision: grouping.Decision) -> str:
+    """'vpp8 -0.2%; selective recompute -0.4%; +3 more' (change against the row, tokens/s difference)."""
+    metric = result.metrics["tokens_per_s"]
+    head = result.layout(decision.head)
+    named = [f"{grouping.difference(head, result.layout(row))} {_signed_pct(metric[row] / metric[decision.head] - 1)}"
+             for row in decision.alternatives[:ALSO_SHOWN]]
+    more = len(decision.alternatives) - ALSO_SHOWN
+    return "; ".join(named + ([f"+{more} more"] if more > 0 else []))
+
+
+def _signed_pct(x: float) -> str:
+    return f"{x * 100:+.1f}%"
+
+
+def alternatives_lines(report: Recommendation) -> list[str]:
+    """'#1 also: selective recompute -1.2%' for each shown row that stands for near-ties."""
+    return [f"#{i + 1} also: {alternatives_text(report.result, d)}"
+            for i, d in enumerate(report.decisions[: report.top]) if d.alternatives]
+
+
+def decisions_line(report: Recommendation) -> str:
+    """How rows were folded, and the next different choice after the shown ones."""
+    r = report.result
+    line = (f"one row per decision: layouts of one tp/pp/dp/mb/ZeRO within {grouping.TIE_FRACTION:.0%} "
+            "of each other are one row, their alternatives named below (--json: `alternatives`)")
+    nxt = report.next_decision
+    if nxt is not None:
+        best = float(r.metrics["tokens_per_s"][report.decisions[0].head])
+        change = float(r.metrics["tokens_per_s"][nxt.head]) / best - 1
+        line += f"; next: #{report.top + 1} {r.layout(nxt.head).short()} ({_signed_pct(change)} tokens/s against #1)"
+    return line
 
 
 def print_engine(result: SearchResult, console: Console) -> None:
@@ -175,9 +245,12 @@ def print_recommendation(report: Recommendation, explain: bool = False, console:
                       f"objective {report.objective}")
     if r.feasible_count:
         console.print(layouts_table(r, report.shown, title, report.tokens))
+        console.print(decisions_line(report))
+        for line in alternatives_lines(report):
+            console.print(line)
         if any(r.layout(int(row)).pp_layers is not None for row in report.shown):
             console.print("* uneven split: the first and last stages hold fewer layers (--json lists pp_layers)")
-        console.print(f"[bold]why #1:[/bold] {ranking.why_wins(r, report.order, report.objective)}")
+        console.print(f"[bold]why #1:[/bold] {ranking.why_wins(r, report.ranked_decisions, report.objective)}")
         front = ranking.pareto_front(r, report.order)
         console.print(f"Pareto front (tokens/s vs memory headroom): {len(front)} layouts; "
                       f"most headroom {gib(_headroom(r, int(front[-1])))} at {r.layout(int(front[-1])).short()}")
@@ -188,8 +261,7 @@ def print_recommendation(report: Recommendation, explain: bool = False, console:
     for why, n in r.rejected_by_reason().items():
         console.print(f"  rejected {n:>10,}  {why}")
     if explain and r.feasible_count:
-        print_explanation(Explanation(r, report.order, int(report.order[report.pick - 1]), report.objective), console,
-                          engine=False)
+        print_explanation(Explanation(r, report.order, report.picked_row, report.objective), console, engine=False)
     for note in report.notes:
         console.print(note)
 
@@ -325,13 +397,23 @@ def print_explanation(ex: Explanation, console: Console | None = None, engine: b
         console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
 
 
-def pareto_points(result, order) -> list[dict]:
-    """Every feasible layout as a point for `plots.plot_pareto`, the Pareto front labelled."""
+def pareto_points(result, order, picked: int | None = None, pick: int = 1) -> list[dict]:
+    """Every feasible layout as a point for `plots.plot_pareto`: the Pareto front and the `picked`
+    row labelled, the picked one with its rank `pick` in the table."""
     from plan3d.ranking import pareto_front
 
     front = set(pareto_front(result, order).tolist())
     rows = order[result.feasible[order]].tolist()
     metrics = result.metrics
-    return [{"tokens_per_s": float(metrics["tokens_per_s"][r]),
-             "peak_memory_bytes": float(metrics["peak_memory_bytes"][r]),
-             "pareto": r in front, "label": result.layout(r).short() if r in front else ""} for r in rows]
+    points = [{"tokens_per_s": float(metrics["tokens_per_s"][r]),
+               "peak_memory_bytes": float(metrics["peak_memory_bytes"][r]),
+               "pareto": r in front, "label": result.layout(r).short() if r in front or r == picked else ""}
+              for r in rows]
+    if picked is not None:
+        points[rows.index(picked)]["rank"] = pick
+    return points
+
+
+def picked_index(result, order, picked: int) -> int:
+    """Where the picked row is among `pareto_points`."""
+    return order[result.feasible[order]].tolist().index(picked)

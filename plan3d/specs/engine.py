@@ -55,12 +55,10 @@ class CanRun(StrictModel):
     @field_validator("orders")
     @classmethod
     def _orders_are_valid(cls, orders: list[str]) -> list[str]:
-        for order in orders:
-            try:
-                parse_order(order)
-            except LayoutError as err:  # reported with the spec file's other problems
-                raise ValueError(str(err)) from None
-        return orders
+        try:
+            return ["-".join(parse_order(order)) for order in orders]  # short forms stored in full
+        except LayoutError as err:  # reported with the spec file's other problems
+            raise ValueError(str(err)) from None
 
 
 class RunsAs(StrictModel):

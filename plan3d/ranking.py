@@ -284,9 +284,9 @@ def engine_finding(problem: str) -> Finding:
 
 
 def check_job(cluster, model, training, layout, min_mfu: float | None = None,
-              max_memory_fraction: float | None = None, engine=None) -> CheckReport:
+              max_memory_fraction: float | None = None, engine=None, strict: bool = False) -> CheckReport:
     """Is this job valid for `engine` and predicted to fit with headroom (and meet the thresholds)?
-    Each error has a fix."""
+    Each error has a fix. `strict`: GPUs of the job that the layout leaves idle are an error."""
     from plan3d.layout import layout_problems
 
     report = CheckReport([], engine=engine)
@@ -299,15 +299,15 @@ def check_job(cluster, model, training, layout, min_mfu: float | None = None,
             report.findings += [engine_finding(p) for p in engine.layout_problems(layout)]
         report.findings += [problem_finding(p) for p in layout_problems(layout, model, training, cluster.world_size)]
         if report.ok:
-            _check_fit(report, cluster, model, training, layout, min_mfu, max_memory_fraction, engine)
+            _check_fit(report, cluster, model, training, layout, min_mfu, max_memory_fraction, engine, strict)
     if layout is None or not report.ok:
         _recommend_instead(report, cluster, model, training, min_mfu, max_memory_fraction, engine)
     return report
 
 
 def _check_fit(report: CheckReport, cluster, model, training, layout, min_mfu, max_memory_fraction,
-               engine=None) -> None:
-    from plan3d.cost.estimate import estimate
+               engine=None, strict: bool = False) -> None:
+    from plan3d.cost.estimate import estimate, idle_gpus_warning
 
     est = estimate(cluster, model, training, layout, engine).to_dict()
     report.estimate = est
@@ -318,10 +318,11 @@ def _check_fit(report: CheckReport, cluster, model, training, layout, min_mfu, m
 
         report.findings += suggestion_findings(layout_suggestions(cluster, model, training, layout, DEFAULT_ORDERS,
                                                                   engine))
-    report.findings += [Finding("warning", w) for w in est.get("warnings", [])]
-    if layout.world_size < cluster.world_size:
-        report.findings.append(Finding("warning", f"the layout uses {layout.world_size} of the cluster's "
-                                       f"{cluster.world_size} GPUs", "raise dp to use them all, or lower `nodes`"))
+    idle = idle_gpus_warning(layout.world_size, cluster.world_size)
+    report.findings += [Finding("warning", w) for w in est.get("warnings", []) if w != idle]
+    if idle:
+        fix = "raise dp to use them all, or lower `nodes`" + ("" if strict else " (`--strict` fails on this)")
+        report.findings.append(Finding("error" if strict else "warning", idle, fix))
 
 
 def _recommend_instead(report: CheckReport, cluster, model, training, min_mfu, max_memory_fraction,

@@ -92,3 +92,27 @@ def test_job_without_layout_passes_when_some_layout_fits(capsys, tmp_path):
 def test_unknown_format_exits_2(capsys):
     code, _, err = run(capsys, SEED, "--format", "gitlab")
     assert code == 2 and "--format" in err
+
+
+HALF_USED = """cluster: dgx-a100-80g
+nodes: 64
+model: gpt3-175b
+training: {global_batch: 1536, precision: bf16}
+layout: {tp: 8, pp: 8, dp: 4, micro_batch: 1, zero: 1, recompute: selective, sequence_parallel: true}
+"""
+
+
+def test_idle_gpus_warn_once_and_fail_under_strict(capsys, tmp_path):
+    job = write(tmp_path, HALF_USED)
+    code, out, _ = run(capsys, job)
+    assert code == 0 and out.count("256 of the cluster's 512 GPUs") == 1
+    code, out, _ = run(capsys, job, "--strict", "--format", "github")
+    assert code == 1 and out.startswith("FAIL")
+    assert sum(line.startswith("::error") and "256 idle" in line for line in out.splitlines()) == 1
+    data = json.loads(run(capsys, job, "--strict", "--json")[1])
+    assert data["ok"] is False and [f["level"] for f in data["findings"] if "idle" in f["message"]] == ["error"]
+
+
+def test_strict_passes_a_job_that_uses_every_gpu(capsys):
+    code, out, err = run(capsys, SEED, "--strict")
+    assert code == 0, out + err

@@ -23,6 +23,8 @@ def check(
     min_mfu: MinMfuOpt = None,
     max_memory_fraction: MaxMemFracOpt = None,
     engine: EngineOpt = None,
+    strict: Annotated[bool, typer.Option(
+        "--strict", help="Also fail a layout that leaves some of the job's GPUs idle (a warning otherwise).")] = False,
 ) -> None:
     """Validate a job file for CI: valid, runs on its engine, fits in memory with headroom, meets the thresholds.
 
@@ -42,7 +44,8 @@ def check(
         render.print_invalid(job_file, err.lines(), fmt, json_out)
         raise
     try:  # a prediction that is not finite, or a search over budget, fails the gate with its reason
-        report = check_job(job.cluster, job.model, job.training, job.layout, **thresholds, engine=job.engine)
+        report = check_job(job.cluster, job.model, job.training, job.layout, **thresholds, engine=job.engine,
+                           strict=strict)
     except Plan3dError as err:
         render.print_invalid(job_file, err.lines(), fmt, json_out)
         raise

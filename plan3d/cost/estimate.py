@@ -113,6 +113,12 @@ def _warnings(cluster: ClusterSpec, model: ModelSpec, layout: Layout) -> list[st
                    f"(the groups still span the tiers of the cp={layout.cp} rank map)")
     if model.moe is not None:
         out.append("mixture-of-experts layers are modelled as dense layers")
-    if layout.world_size < cluster.world_size:
-        out.append(f"layout uses {layout.world_size} of the cluster's {cluster.world_size} GPUs")
-    return out
+    idle = idle_gpus_warning(layout.world_size, cluster.world_size)
+    return out + ([idle] if idle else [])
+
+
+def idle_gpus_warning(layout_gpus: int, cluster_gpus: int) -> str | None:
+    """'the layout uses 256 of the cluster's 512 GPUs' when some GPUs would sit idle."""
+    if layout_gpus >= cluster_gpus:
+        return None
+    return f"the layout uses {layout_gpus} of the cluster's {cluster_gpus} GPUs ({cluster_gpus - layout_gpus} idle)"

@@ -64,3 +64,10 @@ def test_module_entry_point_starts_without_torch():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.stdout.startswith("rank,node,local_rank"), done.stderr
     assert done.stderr.strip().splitlines()[-1] == "False"
+
+
+def test_help_keeps_bracketed_text_that_rich_would_read_as_markup(capsys):
+    from cli_helpers import run_cli
+
+    code, out, _ = run_cli(capsys, "estimate", "--help")
+    assert code == 0 and "plan3d[plot]" in out.replace("\n", "").replace(" ", "").replace("│", "")

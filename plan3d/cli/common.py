@@ -78,4 +78,4 @@ ZeroOpt = Annotated[int, typer.Option("--zero", help="ZeRO stage 0-3.")]
 RecomputeOpt = Annotated[str, typer.Option("--recompute", help="none, selective or full.")]
 SeqParallelOpt = Annotated[bool, typer.Option("--sequence-parallel", help="Megatron sequence parallelism.")]
 PlotOpt = Annotated[Optional[Path], typer.Option(
-    "--plot", help="Also save a picture (.png, .svg or .pdf; needs matplotlib: plan3d[plot]).")]
+    "--plot", help="Also save a picture (.png, .svg or .pdf; needs matplotlib: pip install 'plan3d\\[plot]').")]

@@ -111,3 +111,16 @@ def test_in_flight_micro_batches_1f1b_and_interleaved():
     assert float(in_flight(inter, 0)[0]) == pytest.approx(4 * (1 + 3 / (4 * 2)))  # Korthikanti
     few = layout_arrays(2, [1], [4], [1], [1], [1], [0], [0], [0])
     assert float(in_flight(few, 0)[0]) == 2  # never more than m
+
+
+@pytest.mark.parametrize("bias, qkv_bias", [(False, True), (True, False), (True, None), (False, None)])
+def test_memory_model_counts_the_biases_params_counts(bias, qkv_bias):
+    """Q/K/V biases alone (Qwen2) or with the others: the per-rank weights sum to the model's count."""
+    from plan3d.specs.model import ModelSpec
+
+    spec = ModelSpec(name="qkv", layers=2, hidden=64, heads=4, kv_heads=2, vocab=128, seq_len=32, bias=bias,
+                     qkv_bias=qkv_bias, position="rope", norm="rmsnorm", activation="swiglu")
+    one = model_state_bytes(spec, MIXED, Layout(), 0)["weights"] / 2
+    assert one == total_params(spec)
+    tp2 = model_state_bytes(spec, MIXED, Layout(tp=2), 0)["weights"] / 2
+    assert tp2 < one

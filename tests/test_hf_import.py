@@ -245,18 +245,21 @@ def qkv_bias_params(config: dict) -> int:
 
 
 @pytest.mark.parametrize("config", [QWEN2_7B, QWEN25_7B], ids=["qwen2", "qwen2.5"])
-def test_qwen2_qkv_biases_are_named_and_counted_in_a_warning(tmp_path, config):
+def test_qwen2_qkv_biases_are_imported_and_counted(tmp_path, config):
+    from plan3d.cost.params import total_params
+
     imported = read_hf(str(write_config(tmp_path, config)))
-    assert imported.spec.bias is False
-    [warning] = imported.warnings
-    assert "q/k/v" in warning and "`bias`" in warning and "MLP" not in warning
-    assert f"{qkv_bias_params(config):,} parameters" in warning
+    assert (imported.spec.bias, imported.spec.qkv_bias) == (False, True) and imported.warnings == []
+    without = imported.spec.model_copy(update={"qkv_bias": None})
+    assert total_params(imported.spec) - total_params(without) == qkv_bias_params(config)
 
 
-def test_llama_with_attention_bias_only_warns_about_the_attention_biases(tmp_path):
+def test_llama_with_attention_bias_only_warns_about_the_output_bias_it_cannot_hold(tmp_path):
     imported = read_hf(str(write_config(tmp_path, LLAMA31_8B | {"attention_bias": True})))
     [warning] = imported.warnings
-    assert imported.spec.bias is False and "q/k/v and attention output" in warning
+    assert (imported.spec.bias, imported.spec.qkv_bias) == (False, True)
+    assert "attention output" in warning and "q/k/v" not in warning
+    assert f"{32 * 4096:,} parameters" in warning
     both = read_hf(str(write_config(tmp_path, LLAMA31_8B | {"attention_bias": True, "mlp_bias": True}, "b")))
     assert both.spec.bias is True and both.warnings == []
 
@@ -266,7 +269,8 @@ def test_uniform_biases_give_no_warning(tmp_path, config):
     assert read_hf(str(write_config(tmp_path, config))).warnings == []
 
 
-def test_cli_prints_the_bias_warning_on_stderr(tmp_path, capsys):
+def test_cli_writes_qkv_bias_and_prints_a_partial_bias_warning_on_stderr(tmp_path, capsys):
     code, out, err = run(capsys, "import-hf", str(write_config(tmp_path, QWEN2_7B)))
-    assert code == 0 and "bias: false" in out
-    assert [line for line in err.splitlines() if line.startswith("warning:") and "q/k/v" in line]
+    assert code == 0 and "bias: false" in out and "qkv_bias: true" in out and "warning:" not in err
+    code, out, err = run(capsys, "import-hf", str(write_config(tmp_path, LLAMA31_8B | {"attention_bias": True}, "b")))
+    assert code == 0 and [line for line in err.splitlines() if line.startswith("warning:") and "attention output" in line]

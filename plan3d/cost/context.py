@@ -32,6 +32,7 @@ class CostContext:
     position_params: int  # learned positions (replicated over tp), on the first stage
     norm_params: int
     bias: bool
+    qkv_bias: bool
     tied: bool
     # training
     global_batch: int
@@ -121,7 +122,7 @@ def _model_fields(model: ModelSpec, training: TrainingSpec) -> dict:
         ffn=model.ffn_hidden_, mlp_mats=3 if model.activation == "swiglu" else 2,
         vocab=model.vocab, seq=training.seq_len or model.seq_len,
         position_params=model.seq_len * model.hidden if model.position == "learned" else 0,
-        norm_params=norm_params(model), bias=model.bias, tied=model.tied_embeddings,
+        norm_params=norm_params(model), bias=model.bias, qkv_bias=model.qkv_bias_, tied=model.tied_embeddings,
         global_batch=training.global_batch, act_bytes=4 if training.precision == "fp32" else 2,
         weight_bytes=weights, grad_bytes=grads, optim_bytes=optim,
     )

@@ -25,7 +25,7 @@ def layer_params_split(ctx: CostContext) -> int:
     column-parallel biases (QKV, MLP up/gate) -- Shoeybi et al. 2019 (Megatron-LM)."""
     h, q, kv, f, mats = ctx.hidden, ctx.q_dim, ctx.kv_dim, ctx.ffn, ctx.mlp_mats
     weights = h * (q + 2 * kv) + q * h + mats * h * f
-    biases = (q + 2 * kv + (mats - 1) * f) if ctx.bias else 0
+    biases = (q + 2 * kv) * ctx.qkv_bias + (mats - 1) * f * ctx.bias
     return weights + biases
 
 

@@ -5,12 +5,13 @@ from plan3d.specs.model import ModelSpec
 
 
 def attention_params(model: ModelSpec) -> int:
-    """Q and O projections h*(a*d), K and V h*(kv*d); 4h^2 without GQA (cost-model.md)."""
+    """Q and O projections h*(a*d), K and V h*(kv*d); 4h^2 without GQA (cost-model.md). Biases:
+    on Q/K/V when `qkv_bias_` (Qwen2 has them alone), on the output projection when `bias`."""
     h, d = model.hidden, model.head_dim_
     q_out = model.heads * d
     kv_out = model.kv_heads_ * d
     weights = h * q_out + 2 * h * kv_out + q_out * h
-    biases = (q_out + 2 * kv_out + h) if model.bias else 0
+    biases = (q_out + 2 * kv_out) * model.qkv_bias_ + h * model.bias
     return weights + biases
 
 

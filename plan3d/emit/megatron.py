@@ -142,6 +142,8 @@ def _model_args(plan: Plan) -> list[str]:
         args += ["--normalization", "RMSNorm"]
     if not model.bias:
         args.append("--disable-bias-linear")
+        if model.qkv_bias_:
+            args.append("--add-qkv-bias")  # Megatron-LM's flag for Qwen2-style Q/K/V biases
     args += ["--position-embedding-type", "learned_absolute" if model.position == "learned" else model.position]
     if not model.tied_embeddings:
         args.append("--untie-embeddings-and-output-weights")

@@ -84,9 +84,9 @@ class Attention(nn.Module):
         self.d, self.rope = model.head_dim_, model.position == "rope"
         self.heads, self.kv = model.heads // tp.size, model.kv_heads_ // tp.size
         self.recompute = selective_recompute
-        self.q = ColLinear(model.hidden, model.heads * self.d, tp, model.bias)
-        self.k = ColLinear(model.hidden, model.kv_heads_ * self.d, tp, model.bias)
-        self.v = ColLinear(model.hidden, model.kv_heads_ * self.d, tp, model.bias)
+        self.q = ColLinear(model.hidden, model.heads * self.d, tp, model.qkv_bias_)
+        self.k = ColLinear(model.hidden, model.kv_heads_ * self.d, tp, model.qkv_bias_)
+        self.v = ColLinear(model.hidden, model.kv_heads_ * self.d, tp, model.qkv_bias_)
         self.o = RowLinear(model.heads * self.d, model.hidden, tp, model.bias)
 
     def _core(self, q, k, v):

@@ -15,10 +15,11 @@ the length it is trained at. Without `--seq-len` the import takes min(max_positi
 starts from a common pretraining shape; a config that states a shorter context keeps it. The
 import says which it chose (`read_hf` returns the notes) and how to change it.
 
-Approximations (all well under 1% of the parameters): ModelSpec has one `bias` flag for every
-linear layer, so a model with biases on some layers only (Qwen2: q/k/v yes, attention output and
-MLP no) is imported with `bias: false` and a warning naming what is left out; BLOOM's embedding
-LayerNorm and OPT's two extra learned positions are not counted.
+Biases: ModelSpec's `qkv_bias` covers the Q/K/V projections and `bias` the attention output and
+the MLP together, so Qwen2 (Q/K/V biases only) imports exactly as `bias: false, qkv_bias: true`.
+Approximations (all well under 1% of the parameters): a model with an attention-output bias but
+no MLP bias, or the reverse, is imported with `bias: false` and a warning naming what is left
+out; BLOOM's embedding LayerNorm and OPT's two extra learned positions are not counted.
 """
 from __future__ import annotations
 
@@ -130,7 +131,7 @@ def spec_fields(config: dict, source: str, name: str, seq_len: int | None = None
     fields = {k: defaults[k] for k in ("norm", "bias", "position", "tied_embeddings") if k in defaults}
     fields |= {k: v for k, v in found.items() if v is not None and k != "activation"}
     fields["activation"] = _activation(config, defaults, source)
-    fields["bias"] = all(_bias_parts(config, model_type, fields).values())
+    fields |= _bias_fields(_bias_parts(config, model_type, fields))
     hidden, heads = fields["hidden"], fields["heads"]
     sizes_ok = all(isinstance(v, int) and v > 0 for v in (hidden, heads))  # else validation names the field
     if sizes_ok and fields.get("head_dim") == hidden // heads:
@@ -176,20 +177,31 @@ def _bias_parts(config: dict, model_type: str, fields: dict) -> dict[str, bool]:
             "MLP": bool(config.get("mlp_bias", fields.get("bias", True)))}
 
 
+def _bias_fields(parts: dict[str, bool]) -> dict[str, bool]:
+    """`bias` for the output projection and the MLP together; `qkv_bias` only where it differs."""
+    bias = parts["attention output"] and parts["MLP"]
+    return {"bias": bias} | ({"qkv_bias": parts["q/k/v"]} if parts["q/k/v"] != bias else {})
+
+
+def _represented(part: str, spec: ModelSpec) -> bool:
+    return spec.qkv_bias_ if part == "q/k/v" else spec.bias
+
+
 def bias_warning(config: dict, spec: ModelSpec) -> str | None:
-    """Names the biases `bias: false` leaves out when only some layers carry one, with their count."""
+    """Names the biases the spec's `bias` / `qkv_bias` leave out (an attention-output bias without
+    an MLP one, or the reverse), with their count."""
     config = _text_config(config)
     model_type = str(config.get("model_type", "unknown"))
     parts = _bias_parts(config, model_type, FAMILIES.get(model_type) or _generic_hints(config))
-    if spec.bias or not any(parts.values()):
+    if all(_represented(p, spec) == has for p, has in parts.items()):
         return None
     mlp_mats = 3 if spec.activation == "swiglu" else 2
     per_layer = {"q/k/v": (spec.heads + 2 * spec.kv_heads_) * spec.head_dim_, "attention output": spec.hidden,
                  "MLP": (mlp_mats - 1) * spec.ffn_hidden_ + spec.hidden}
-    dropped = [p for p, has in parts.items() if has]
+    dropped = [p for p, has in parts.items() if has and not _represented(p, spec)]
     count = spec.layers * sum(per_layer[p] for p in dropped)
-    return (f"the model has {' and '.join(dropped)} biases but not on every linear layer; the model spec's one "
-            f"`bias` flag cannot say so, so `bias: false` leaves out {count:,} parameters "
+    return (f"the model has {' and '.join(dropped)} biases but not on every linear layer; the model spec's "
+            f"`bias` flag covers the attention output and the MLP together, so `bias: false` leaves out {count:,} parameters "
             f"({spec.layers} layers x {count // spec.layers:,})")
 
 

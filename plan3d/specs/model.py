@@ -35,6 +35,8 @@ class ModelSpec(StrictModel):
     activation: Literal["gelu", "relu", "swiglu"] = "gelu"
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     bias: bool = Field(True, description="Linear layers carry biases (GPT-2/3: yes, Llama: no).")
+    qkv_bias: bool | None = Field(None, description="The Q/K/V projections carry biases; default = bias "
+                                  "(Qwen2: qkv_bias true with bias false).")
     position: Literal["learned", "rope", "alibi"] = "learned"
     vocab: PositiveInt = Field(le=1_000_000_000)
     seq_len: PositiveInt = Field(le=1_000_000_000)
@@ -52,6 +54,10 @@ class ModelSpec(StrictModel):
         if self.head_dim is None and self.hidden % self.heads:
             raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads}; set head_dim")
         return self
+
+    @property
+    def qkv_bias_(self) -> bool:
+        return self.bias if self.qkv_bias is None else self.qkv_bias
 
     @property
     def kv_heads_(self) -> int:

@@ -181,3 +181,14 @@ def test_gpu_single_rank_bf16_runs(tmp_path):
     got = done["ranks"][0]["model_state_bytes"]
     for kind in ("weights", "gradients", "optimizer"):
         assert abs(got[kind] - want[kind]) <= 0.01 * want[kind], kind
+
+
+@pytest.mark.parametrize("bias, qkv_bias", [(False, True), (True, None), (False, None)])
+def test_runtime_model_has_the_parameters_the_cost_model_counts(bias, qkv_bias):
+    from plan3d.cost.params import total_params
+    from plan3d.runtime.model import Stage
+    from plan3d.runtime.tp import TPInfo
+
+    model = make_plan().model.model_copy(update={"bias": bias, "qkv_bias": qkv_bias, "tied_embeddings": False})
+    stage = Stage(model, TPInfo(1, 0, None, False), range(model.layers), first=True, last=True)
+    assert sum(p.numel() for p in stage.parameters()) == total_params(model)

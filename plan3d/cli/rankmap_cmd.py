@@ -1,7 +1,7 @@
 """`plan3d rankmap`: who talks to whom, and where (issue 4)."""
 from __future__ import annotations
 
-import json
+from plan3d.render.units import json_text
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -52,7 +52,7 @@ def rankmap(
     if fmt == "json":
         payload = rankmap_dict(rmap) | {"cluster": spec.name, "placement": [vars(f) for f in facts],
                                         "warnings": warnings}
-        print(json.dumps(payload, indent=1))
+        print(json_text(payload))
     elif fmt == "csv":
         print(render.rankmap_csv(rmap), end="")
     else:

@@ -1,7 +1,7 @@
 """`plan3d specs list|show|schema`."""
 from __future__ import annotations
 
-import json
+from plan3d.render.units import json_text
 from typing import Annotated, Optional
 
 import typer
@@ -18,7 +18,7 @@ def specs_list(json_out: Annotated[bool, typer.Option("--json")] = False) -> Non
 
     rows = catalog_rows()
     if json_out:
-        print(json.dumps(rows, indent=1))
+        print(json_text(rows))
     else:
         print_catalog(rows)
 
@@ -89,4 +89,4 @@ def specs_schema(
     all_schemas = schemas()
     if kind is not None and kind not in all_schemas:
         raise SpecNotFound(f"unknown schema {kind!r}; use one of {', '.join(all_schemas)}")
-    print(json.dumps(all_schemas[kind] if kind else all_schemas, indent=1))
+    print(json_text(all_schemas[kind] if kind else all_schemas))

@@ -15,7 +15,7 @@ topologies cannot build.
 """
 from __future__ import annotations
 
-import json
+from plan3d.render.units import json_text
 
 from plan3d.emit.megatron import Emitted, same_groups
 from plan3d.errors import InfeasibleError
@@ -64,7 +64,7 @@ def _check_expressible(layout: Layout) -> None:
 def emit_deepspeed(plan: Plan) -> Emitted:
     """The config as JSON, with the settings that live in user code as notes."""
     layout = plan.layout
-    text = json.dumps(ds_config(plan), indent=2) + "\n"
+    text = json_text(ds_config(plan), indent=2) + "\n"
     notes = []
     if layout.pp > 1:
         notes.append(f"build the model as deepspeed.pipe.PipelineModule(num_stages={layout.pp}, "

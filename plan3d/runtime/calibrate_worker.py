@@ -19,6 +19,7 @@ import json
 import os
 import statistics
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -177,7 +178,8 @@ def collective_sweep(config: dict, device: torch.device, repeats: int, progress)
     work = _between_collectives_work(config, device)
     work_s = _timed(work, device, repeats, TARGET_S[0]) if work else 0.0
     for kind in config["groups"]:
-        groups = [dist.new_group(members) for members in kind["members"]]  # every rank creates every group
+        groups = [dist.new_group(members, timeout=collective_timeout(config))  # every rank creates every group
+                  for members in kind["members"]]
         mine = next(((g, m) for g, m in zip(groups, kind["members"]) if dist.get_rank() in m), None)
         n = len(kind["members"][0])
         for op in config["ops"]:
@@ -239,8 +241,16 @@ def _collective_count(config: dict) -> int:
     return sum(per_kind) * len(config["sizes_bytes"])
 
 
+DEFAULT_TIMEOUT_S = 300.0  # a rank that hangs ends the sweep after this long, not torch's 30 minutes
+
+
+def collective_timeout(config: dict) -> timedelta:
+    """The sweep's collective timeout (`timeout_s` in the sweep file), for the world and every subgroup."""
+    return timedelta(seconds=float(config.get("timeout_s", DEFAULT_TIMEOUT_S)))
+
+
 def _worker(config: dict, out_dir: Path, backend: str) -> None:
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, timeout=collective_timeout(config))
     try:
         if config.get("threads"):
             torch.set_num_threads(config["threads"])

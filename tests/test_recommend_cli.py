@@ -135,3 +135,14 @@ def test_uneven_splits_are_tried_when_no_even_split_is_valid(capsys):
                     "--pp", "3", "--global-batch", "24", "--top", "3")
     assert any("uneven" in note for note in data["notes"])
     assert all(r["layout"]["pp"] == 3 and sum(r["layout"]["pp_layers"]) == 8 for r in data["top"])
+
+
+def test_recommend_says_when_it_ranks_on_datasheet_values(capsys):
+    data = run_json(capsys, "recommend", "-c", "mi300x", "-m", "llama3-8b", "--nodes", "1", "--global-batch", "64",
+                    "--top", "2")
+    assert any("mi300x" in w and "datasheet only" in w for w in data["warnings"])
+    code, out, _ = run(capsys, "recommend", "-c", "mi300x", "-m", "llama3-8b", "--nodes", "1", "--global-batch", "64",
+                       "--top", "2")
+    assert code == 0 and "datasheet only" in out.replace("\n", " ")
+    fitted = run_json(capsys, "recommend", *SMALL, "--top", "2")
+    assert not any("datasheet only" in w for w in fitted["warnings"])

@@ -6,6 +6,7 @@ from functools import cached_property
 
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from plan3d import grouping, ranking
@@ -96,8 +97,19 @@ def recommendation_dict(report: Recommendation, explain: bool = False) -> dict:
         payload["node_sweep"] = [sweep_row(s, report.objective) for s in report.sweep]
     if explain and r.feasible_count:
         payload["explain"] = explanation_dict(Explanation(r, report.order, report.picked_row, report.objective))
+    payload["warnings"] = trust_warnings(report)
     payload["notes"] = report.notes
     return payload
+
+
+def trust_warnings(report: Recommendation) -> list[str]:
+    """What is outside the validated region for the #1 layout (a datasheet-only GPU, an engine never
+    calibrated on it, ...): `plan3d.cost.trust`, so a ranking on guessed values says so."""
+    from plan3d.cost.trust import provenance
+
+    r = report.result
+    zero = r.layout(report.decisions[0].head).zero if report.decisions else 0
+    return provenance(r.cluster, r.engine, r.training, zero).warnings
 
 
 def alternatives_list(result: SearchResult, decision: grouping.Decision) -> list[dict]:
@@ -251,6 +263,8 @@ def print_recommendation(report: Recommendation, explain: bool = False, console:
         if any(r.layout(int(row)).pp_layers is not None for row in report.shown):
             console.print("* uneven split: the first and last stages hold fewer layers (--json lists pp_layers)")
         console.print(f"[bold]why #1:[/bold] {ranking.why_wins(r, report.ranked_decisions, report.objective)}")
+        for warning in trust_warnings(report):
+            console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
         front = ranking.pareto_front(r, report.order)
         console.print(f"Pareto front (tokens/s vs memory headroom): {len(front)} layouts; "
                       f"most headroom {gib(_headroom(r, int(front[-1])))} at {r.layout(int(front[-1])).short()}")

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from plan3d.emit.torchrun import WORKER_MODULE, node_command
-from plan3d.errors import LaunchError
+from plan3d.errors import LaunchError, SpecError, os_error_message
 from plan3d.plan import Plan
 
 STOP_GRACE_S = 10.0
@@ -130,6 +130,38 @@ def clean_interrupted_saves(run_dir: Path) -> list[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         removed.append(tmp)
     return removed
+
+
+def sequence_window(plan: Plan) -> int:
+    """Tokens one training sequence reads: the sequence length + 1 (inputs and shifted targets)."""
+    return (plan.training.seq_len or plan.model.seq_len) + 1
+
+
+def checked_data(plan: Plan, data: str) -> str:
+    """The absolute path of the token file `--data` names (a path or a bundled corpus), checked
+    before any rank starts: whole tokens, at least one sequence, ids inside the model's vocabulary."""
+    from plan3d.tokens import open_tokens
+
+    try:
+        tokens = open_tokens(data, plan.model.vocab, sequence_window(plan))
+    except SpecError as err:
+        raise SpecError(f"--data {data}", err.problems) from err
+    except (OSError, ValueError) as err:
+        detail = os_error_message(err) if isinstance(err, OSError) else str(err)
+        raise SpecError(f"--data {data}", [f"cannot read it as a token file ({detail})"]) from err
+    return str(Path(tokens.filename).resolve())
+
+
+def emitted_data(plan: Plan, data: str) -> str | None:
+    """`emit torchrun|slurm --data`: a file or bundled name readable here is checked as launch
+    checks it; one that is not (it lives on the cluster, or names $VARIABLES) is passed as written.
+    Returns a note for the user in the second case."""
+    from plan3d.tokens import BUNDLED
+
+    if Path(data).is_file() or (BUNDLED / f"{data}.bin").is_file():
+        checked_data(plan, data)
+        return None
+    return f"--data {data} is not on this machine: every node must be able to read it there"
 
 
 def worker_argv(run_dir: Path, steps: int, backend: str, extra) -> list[str]:

@@ -57,9 +57,23 @@ class RankRecord(RunRecord):
 class StepRecord(RunRecord):
     """One line of metrics.jsonl."""
 
+    step: Annotated[int, Field(ge=0)] | None = None
     step_time_s: NonNegative
     tokens_per_s: NonNegative | None = None
     phases_s: dict[str, NonNegative] | None = None
+
+
+class SegmentRecord(RunRecord):
+    """One line of segments.jsonl (runtime/train.py `_segment_record`)."""
+
+    first_step: Annotated[int, Field(ge=1)]
+    target_step: Annotated[int, Field(ge=0)] | None = None
+    resumed_at_step: Annotated[int, Field(ge=0)] | None = None
+    resumed_from: str | None = None
+    layout: str | None = None
+    world_size: Annotated[int, Field(ge=1)] | None = None
+    warmup_steps: Annotated[int, Field(ge=0, le=1_000_000_000)] = 1
+    predicted_step_time_s: NonNegative | None = None
 
 
 class Summary(RunRecord):
@@ -82,6 +96,14 @@ class RunData:
     plan: Plan
     summary: dict
     metrics: list[dict]
+    segments: list[dict] = field(default_factory=list)  # runtime/history.py summarize_segments
+
+    @property
+    def last_segment_metrics(self) -> list[dict]:
+        """The steps of the last launch: the layout of plan.json, which the prediction is for."""
+        if not self.segments:
+            return self.metrics
+        return [m for m in self.metrics if m.get("step", 0) >= self.segments[-1]["first_step"]]
 
     @property
     def measured_step_s(self) -> float:
@@ -96,14 +118,26 @@ def read_run(run_dir: Path | str) -> RunData:
         raise SpecNotFound(f"{run_dir}: no plan.json; give the run directory that `plan3d launch` wrote")
     plan = load_plan(str(run_dir / "plan.json"))
     metrics = _read_metrics(run_dir / "metrics.jsonl")
-    summary = _read_summary(run_dir / "summary.json")
-    if summary is None and metrics:
-        timed = metrics[1:] or metrics  # the first step pays start-up costs
-        summary = {"step_time_s": sum(m["step_time_s"] for m in timed) / len(timed), "ranks": [],
-                   "steps": len(metrics), "incomplete": True, "warmup_steps": 1}
-    elif summary is None:
+    run = RunData(run_dir, plan, _read_summary(run_dir / "summary.json"), metrics, _segments(run_dir, metrics))
+    last = run.last_segment_metrics
+    if run.summary is None and last:
+        timed = last[1:] or last  # the first step pays start-up costs
+        run.summary = {"step_time_s": sum(m["step_time_s"] for m in timed) / len(timed), "ranks": [],
+                       "steps": len(metrics), "incomplete": True, "warmup_steps": 1}
+    elif run.summary is None:
         raise SpecError(str(run_dir), ["no summary.json and no metrics.jsonl: the run did not finish a step"])
-    return RunData(run_dir, plan, summary, metrics)
+    return run
+
+
+def _segments(run_dir: Path, metrics: list[dict]) -> list[dict]:
+    """Every launch of the run (segments.jsonl, each line validated, joined with the steps of
+    metrics.jsonl), so a killed last launch without summary.json is shown too; none for a run
+    from before segments."""
+    from plan3d.runtime.history import SEGMENTS, read_segments, summarize_segments  # torch-free
+
+    path = run_dir / SEGMENTS
+    segments = [_checked(SegmentRecord, s, f"{path}: segment {n}") for n, s in enumerate(read_segments(run_dir), 1)]
+    return summarize_segments(segments, metrics)
 
 
 def _read_summary(path: Path) -> dict | None:
@@ -181,6 +215,10 @@ def engine_note(plan: Plan) -> str | None:
             f"predictions here are for {RUNTIME_ENGINE}")
 
 
+SEGMENT_KEYS = ("first_step", "last_step", "steps", "resumed_at_step", "resumed_from", "layout", "world_size",
+                "step_time_s", "predicted_step_time_s", "tokens_per_s", "train_time_s", "final_loss", "ended")
+
+
 @dataclass
 class Report:
     run_dir: str
@@ -188,10 +226,12 @@ class Report:
     rows: list[dict]
     notes: list[str] = field(default_factory=list)
     predicted_time_s: dict = field(default_factory=dict)
+    segments: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema_version": REPORT_SCHEMA_VERSION, "run_dir": self.run_dir, "layout": self.layout,
-                "rows": self.rows, "predicted_time_s": self.predicted_time_s, "notes": self.notes}
+                "rows": self.rows, "predicted_time_s": self.predicted_time_s, "notes": self.notes,
+                "segments": self.segments}
 
 
 def row(term: str, predicted: float | None, measured: float | None, unit: str) -> dict:
@@ -210,9 +250,10 @@ def compare(run: RunData, cluster=None) -> Report:
     time_s = est.get("time_s", {})
     comm = sum(time_s.get(k, 0.0) for k in COMM_KEYS)
     rows.append(row("communication share of step", comm / step_pred if step_pred else None, None, "ratio"))
-    rows += _phase_rows(time_s, run.metrics, int(summary.get("warmup_steps", 1)))
+    rows += _phase_rows(time_s, run.last_segment_metrics, int(summary.get("warmup_steps", 1)))
     rows += _memory_rows(est, summary.get("ranks") or [])
-    return Report(str(run.run_dir), run.plan.layout.short(), rows, _notes(run), dict(time_s))
+    segments = [{k: s.get(k) for k in SEGMENT_KEYS} for s in run.segments]
+    return Report(str(run.run_dir), run.plan.layout.short(), rows, _notes(run), dict(time_s), segments)
 
 
 def _phase_rows(time_s: dict, metrics: list[dict], warmup: int) -> list[dict]:
@@ -247,6 +288,9 @@ def _notes(run: RunData) -> list[str]:
     summary, plan = run.summary, run.plan
     if engine_note(plan):
         notes.append(engine_note(plan))
+    if len(run.segments) > 1:
+        notes.append(f"the run was trained in {len(run.segments)} launches (segments); the rows above are the last "
+                     f"one's (steps {run.segments[-1]['first_step']}.., layout {run.segments[-1]['layout']})")
     if summary.get("incomplete"):
         notes.append("the run wrote no summary.json (or one cut short): step time is the mean of metrics.jsonl without its first step")
     if summary.get("precision") and summary["precision"] != plan.training.precision:

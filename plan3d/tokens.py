@@ -64,15 +64,31 @@ def resolve_token_file(name_or_path: str | Path) -> Path:
                                         "give a nanoGPT .bin or a Megatron PREFIX.bin"])
 
 
-def open_tokens(name_or_path: str | Path, vocab: int, window: int) -> np.ndarray:
-    """The corpus as a read-only array, checked: long enough for a window, ids below `vocab`."""
+def map_tokens(name_or_path: str | Path, window: int) -> np.ndarray:
+    """The corpus as a read-only memory map, its size checked (whole tokens, at least one window)
+    but its ids not scanned: what a rank opens after the launcher ran `open_tokens`."""
     path = resolve_token_file(name_or_path)
     dtype = token_dtype(path)
     if path.stat().st_size % dtype.itemsize:
         raise SpecError(str(path), [f"size {path.stat().st_size} B is not a whole number of {dtype} tokens"])
     if path.stat().st_size < window * dtype.itemsize:
         raise SpecError(str(path), [f"needs at least {window} tokens (sequence length + 1) for one sequence"])
-    tokens = np.memmap(path, dtype=dtype, mode="r")
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def token_file_record(name_or_path: str | Path) -> dict:
+    """What summary.json says of a token file: its absolute path, token count and format."""
+    path = resolve_token_file(name_or_path)
+    dtype = token_dtype(path)
+    megatron = path.with_suffix(".idx").exists()
+    return {"path": str(path), "tokens": path.stat().st_size // dtype.itemsize,
+            "format": f"megatron-indexed ({dtype.name})" if megatron else f"nanogpt-bin ({dtype.name})"}
+
+
+def open_tokens(name_or_path: str | Path, vocab: int, window: int) -> np.ndarray:
+    """The corpus as a read-only array, checked: long enough for a window, ids below `vocab`."""
+    tokens = map_tokens(name_or_path, window)
+    path = Path(tokens.filename)
     top, low = int(tokens.max()), int(tokens.min())
     if low < 0 or top >= vocab:
         raise SpecError(str(path), [f"token ids span {low}..{top}, outside the model's vocabulary 0..{vocab - 1}; "

@@ -63,12 +63,26 @@ MasterPortOpt = Annotated[int, typer.Option("--master-port", help="Rendezvous po
 StepsOpt = Annotated[int, typer.Option("--steps", help="Training steps the runtime worker runs.")]
 RunDirOpt = Annotated[str, typer.Option("--run-dir", help="Run directory on the nodes (shared file system).")]
 TimeoutOpt = Annotated[float, typer.Option("--timeout-s", help="Collective and rendezvous timeout of the run.")]
+DataOpt = Annotated[Optional[str], typer.Option("--data", help="Token file the nodes train on (or a bundled corpus, "
+                                                "python-docs); default: synthetic tokens.")]
+
+
+def _data_args(loaded, data: str | None) -> list[str]:
+    """`--data` for the worker or launcher: checked when readable here, else noted (it lives on the nodes)."""
+    from plan3d.launch import emitted_data
+
+    if not data:
+        return []
+    note = emitted_data(loaded, data)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    return ["--data", data]
 
 
 @emit_app.command("torchrun")
 def emit_torchrun_cmd(plan: PlanArg, out: OutOpt = None, master_addr: MasterAddrOpt = "$MASTER_ADDR",
                       master_port: MasterPortOpt = 29500, steps: StepsOpt = 100, run_dir: RunDirOpt = "runs/job",
-                      timeout_s: TimeoutOpt = 300.0) -> None:
+                      timeout_s: TimeoutOpt = 300.0, data: DataOpt = None) -> None:
     """One torchrun command line per node (static rendezvous, so the rank map holds)."""
     from plan3d.emit.megatron import Emitted
     from plan3d.emit.torchrun import torchrun_commands
@@ -77,11 +91,11 @@ def emit_torchrun_cmd(plan: PlanArg, out: OutOpt = None, master_addr: MasterAddr
     from plan3d.run_flags import check_run_flags, check_script_flags, shell_line
 
     check_run_flags(steps=steps, master_port=master_port, timeout_s=timeout_s, master_addr=master_addr)
-    check_script_flags(run_dir=run_dir, plan=plan)
+    check_script_flags(run_dir=run_dir, plan=plan, data=data)
     loaded = load_plan(plan)
     world, gpn = loaded.layout.world_size, int(loaded.rankmap["gpus_per_node"])
     nnodes = -(-world // min(world, gpn))
-    args = worker_argv(Path(run_dir), steps, "auto", ["--timeout-s", timeout_s])
+    args = worker_argv(Path(run_dir), steps, "auto", ["--timeout-s", timeout_s, *_data_args(loaded, data)])
     commands = torchrun_commands(plan, world, nnodes, gpn, master_addr, master_port, args, python="python",
                                  rdzv_timeout_s=timeout_s)
     lines = [f"# node {node}\n{shell_line(cmd)}" for node, cmd in enumerate(commands)]
@@ -96,7 +110,7 @@ def emit_slurm_cmd(
     job_name: Annotated[str, typer.Option("--job-name", help="Letters, digits, '.', '_', '-'.")] = "plan3d",
     time_limit: Annotated[str, typer.Option("--time", help="SLURM time limit: HH:MM:SS, MM, D-HH:MM:SS, ...")] = "01:00:00",
     partition: Annotated[Optional[str], typer.Option("--partition")] = None,
-    timeout_s: TimeoutOpt = 300.0,
+    timeout_s: TimeoutOpt = 300.0, data: DataOpt = None,
 ) -> None:
     """An sbatch script: one `plan3d launch` per node, static rendezvous, the plan's placement."""
     from plan3d.emit.megatron import Emitted
@@ -105,8 +119,10 @@ def emit_slurm_cmd(
     from plan3d.run_flags import check_run_flags, check_script_flags
 
     check_run_flags(steps=steps, master_port=master_port, timeout_s=timeout_s)
-    check_script_flags(job_name=job_name, time_limit=time_limit, partition=partition, run_dir=run_dir, plan=plan)
-    script = sbatch_script(load_plan(plan), plan, steps=steps, run_dir=run_dir, master_port=master_port,
+    check_script_flags(job_name=job_name, time_limit=time_limit, partition=partition, run_dir=run_dir, plan=plan,
+                       data=data)
+    loaded = load_plan(plan)
+    script = sbatch_script(loaded, plan, steps=steps, run_dir=run_dir, master_port=master_port,
                            job_name=job_name, time_limit=time_limit, partition=partition,
-                           extra_args=["--timeout-s", str(timeout_s)])
+                           extra_args=["--timeout-s", str(timeout_s), *_data_args(loaded, data)])
     _write(Emitted(script), out)

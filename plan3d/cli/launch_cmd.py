@@ -17,7 +17,7 @@ from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, GlobalBatchOpt, GpnOpt
 from plan3d.errors import LaunchError, Plan3dError
 from plan3d.run_flags import check_run_flags
 
-PREVIOUS_RUN = ("metrics.jsonl", "summary.json", "checkpoints", "errors", "logs")  # what --overwrite removes
+PREVIOUS_RUN = ("metrics.jsonl", "segments.jsonl", "summary.json", "checkpoints", "errors", "logs")  # what --overwrite removes
 PlanArg = Annotated[Optional[str], typer.Argument(help="Plan JSON (plan3d recommend/plan); omit to use the flags.")]
 
 
@@ -93,9 +93,11 @@ def interrupt_advice(run_path: Path) -> str:
     return f"last checkpoint {checkpoint.name} (resume with --resume --run-dir {run_path})"
 
 
-def _worker_args(save_every: int, resume_from: str | None, timeout_s: float, seed: int, keep_last: int) -> list[str]:
+def _worker_args(save_every: int, resume_from: str | None, timeout_s: float, seed: int, keep_last: int,
+                 data: str | None = None) -> list[str]:
     args = ["--save-every", str(save_every), "--timeout-s", str(timeout_s), "--seed", str(seed)]
     args += ["--keep-last", str(keep_last)] if keep_last else []
+    args += ["--data", data] if data else []
     return args + (["--resume-from", resume_from] if resume_from else [])
 
 
@@ -119,6 +121,9 @@ def launch_command(
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Collective and rendezvous timeout: a hung rank "
                                                                  "or a missing node ends the job.")] = 300.0,
     seed: Annotated[int, typer.Option("--seed", help="Weights and data seed.")] = 1234,
+    data: Annotated[Optional[str], typer.Option("--data", help="Train on a token file (nanoGPT .bin, Megatron "
+                                                "PREFIX.bin) or a bundled corpus (python-docs); default: "
+                                                "synthetic tokens.")] = None,
     cluster: ClusterOpt = "local-cpu", model: ModelOpt = "tiny-gpt",
     tp: TpOpt = 1, pp: PpOpt = 1, dp: Annotated[int, typer.Option("--dp", help="Data-parallel degree.")] = 1,
     micro_batch: MicroBatchOpt = 1, global_batch: GlobalBatchOpt = None, seq_len: SeqLenOpt = None,
@@ -128,6 +133,7 @@ def launch_command(
     precision: Annotated[Optional[str], typer.Option("--precision", help="Default fp32 on CPU clusters, else bf16.")] = None,
 ) -> None:
     """Train a plan's layout with the bundled runtime; print measured against predicted."""
+    from plan3d.launch import checked_data
     from plan3d.plan import load_plan
 
     check_run_flags(steps=steps, nnodes=nnodes, node_rank=node_rank, save_every=save_every, timeout_s=timeout_s,
@@ -140,7 +146,8 @@ def launch_command(
         plan = _plan_from_flags(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision, flags)
     run_path = Path(run_dir or _default_run_dir(plan, nnodes))
     resume_from = _checked_resume(run_path, run_dir, resume, resume_from, overwrite)
-    worker_args = _worker_args(save_every, resume_from, timeout_s, seed, keep_last)
+    data_path = checked_data(plan, data) if data else None
+    worker_args = _worker_args(save_every, resume_from, timeout_s, seed, keep_last, data_path)
     if master_port is None and nnodes > 1:
         master_port = 29500
     if dry_run:

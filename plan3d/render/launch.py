@@ -60,6 +60,14 @@ def print_summary(summary: dict, predicted_state: dict[int, float], run_dir: str
     console = console or Console()
     losses = ", ".join(f"{x:.4f}" for x in summary["losses"])
     console.print(f"losses (steps {summary['first_step']}..{summary['first_step'] + summary['steps'] - 1}): {losses}")
+    segments = summary.get("segments") or []
+    if len(segments) > 1:
+        from plan3d.render.report import print_segments
+
+        print_segments(segments, console)
+    data = summary.get("data") or {}
+    if data.get("path"):
+        console.print(f"data: {data['path']} ({data['tokens']:,} tokens, {data['format']})")
     table = Table(title=f"measured vs predicted ({summary['world_size']} ranks, {summary['backend']}, "
                         f"{summary['precision']})")
     for col in ("", "measured", "predicted", "measured/predicted"):

@@ -70,8 +70,36 @@ def breakdown_table(time_s: dict) -> Table:
     return table
 
 
+def _resumed(segment: dict) -> str:
+    if not segment.get("resumed_at_step"):
+        return "from the start"
+    return f"resumed from step {segment['resumed_at_step']}"
+
+
+def segment_line(number: int, segment: dict) -> str:
+    """One launch of the run: its steps, where it resumed, its layout and its own timing."""
+    last = segment.get("last_step")
+    steps = f"steps {segment['first_step']}..{last}" if last is not None else "no step"
+    ranks = segment.get("world_size")
+    parts = [f"segment {number}: {steps} ({_resumed(segment)})",
+             f"{segment.get('layout') or '?'}" + (f" on {ranks} rank{'s' if ranks != 1 else ''}" if ranks else ""),
+             f"{fmt(segment.get('step_time_s'), 's')}/step (predicted {fmt(segment.get('predicted_step_time_s'), 's')})",
+             f"{fmt(segment.get('tokens_per_s'), 'tokens_per_s')} tokens/s"]
+    if segment.get("final_loss") is not None:
+        parts.append(f"final loss {segment['final_loss']:.4f}")
+    return ", ".join(parts) + f", {segment.get('ended') or '?'}"
+
+
+def print_segments(segments: list[dict], console: Console) -> None:
+    console.print(f"[bold]{len(segments)} launches (segments)[/bold]")
+    for number, segment in enumerate(segments, 1):
+        console.print(segment_line(number, segment), highlight=False)
+
+
 def print_report(report, console: Console | None = None) -> None:
     console = console or Console()
+    if len(report.segments) > 1:
+        print_segments(report.segments, console)
     console.print(report_table(report))
     if report.predicted_time_s:
         console.print(breakdown_table(report.predicted_time_s))

@@ -7,12 +7,17 @@ restart, A_j = a^j, B_j = b (a^(j-1) + ... + 1), so a whole batch is built witho
 over positions. The global batch of step `step` comes from a CPU generator seeded by
 (seed, step); data-parallel rank d takes rows [d*G/dp, (d+1)*G/dp). Every layout sees the same
 tokens, so losses are comparable.
+
+With `launch --data` the global batch is cut from a token file instead (plan3d.tokens
+`global_windows`: windows at offsets drawn from (seed, step) alone), chunked over dp the same way.
 """
 from __future__ import annotations
 
 from functools import lru_cache
 
 import torch
+
+from plan3d.tokens import global_windows
 
 RESTART_FRACTION = 0.1
 
@@ -48,7 +53,10 @@ def global_batch(seed: int, step: int, batch: int, seq: int, vocab: int) -> torc
     return (mul[since] * starts.gather(1, last) + add[since]) % vocab
 
 
-def replica_batch(seed: int, step: int, batch: int, seq: int, vocab: int, dp: int, dp_rank: int):
-    """(inputs, targets) of this data-parallel replica."""
-    rows = global_batch(seed, step, batch, seq, vocab).chunk(dp)[dp_rank]
+def replica_batch(seed: int, step: int, batch: int, seq: int, vocab: int, dp: int, dp_rank: int, tokens=None):
+    """(inputs, targets) of this data-parallel replica: from the token file `tokens` (a numpy
+    array, `launch --data`) when given, else from the synthetic stream."""
+    full = (global_batch(seed, step, batch, seq, vocab) if tokens is None
+            else torch.from_numpy(global_windows(tokens, seed, step, batch, seq)))
+    rows = full.chunk(dp)[dp_rank]
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()

@@ -11,12 +11,15 @@ import torch
 import torch.distributed as dist
 
 from plan3d.errors import LaunchError
-from plan3d.runtime import memory
+from plan3d.runtime import history, memory
 from plan3d.runtime.clip import clip_global_norm
 from plan3d.runtime.context import build_context, check_placement
 from plan3d.runtime.data import replica_batch
 from plan3d.runtime.dp import collect_entries, make_dp, rebind_entries, shard_stages
 from plan3d.runtime.pipeline import build_stages, forward_backward, make_schedule
+from plan3d.tokens import map_tokens, token_file_record
+
+SYNTHETIC = {"path": None, "tokens": None, "format": "synthetic"}  # summary.json's `data` without --data
 
 
 def _device_and_backend(choice: str) -> tuple[torch.device, str]:
@@ -100,11 +103,13 @@ class Runner:
         self.schedule = make_schedule(self.plan, self.ctx, self.stages, self.ids, self.seq, self.n_micro,
                                       amp or torch.float32, scale_grads=not outside_grads)
         self.state_bytes: dict = {}
+        self.tokens = map_tokens(args.data, self.seq + 1) if args.data else None  # checked by the launcher
+        self.data_record = token_file_record(args.data) if args.data else SYNTHETIC
 
     def batch(self, step: int):
         t = self.plan.training
         return replica_batch(self.args.seed, step, t.global_batch, self.seq, self.plan.model.vocab,
-                             self.plan.layout.dp, self.ctx.local("dp"))
+                             self.plan.layout.dp, self.ctx.local("dp"), self.tokens)
 
     def step(self, step: int) -> dict:
         clock = PhaseClock(self.device)
@@ -183,27 +188,33 @@ def _poison(runner: "Runner") -> None:
                 param.fill_(float("nan"))
 
 
-def _truncate(path: Path, last_step: int) -> None:
-    """Keep the records of steps <= last_step (a resumed run rewrites what follows)."""
-    if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    tmp.replace(path)
+def _segment_record(runner: Runner, start_step: int) -> dict:
+    """What segments.jsonl keeps of this launch (runtime/history.py); timing comes from its steps."""
+    args, plan = runner.args, runner.plan
+    return {"first_step": start_step + 1, "target_step": args.steps, "resumed_at_step": start_step,
+            "resumed_from": str(args.resume_from) if args.resume_from else None,
+            "layout": plan.layout.short(), "world_size": runner.ctx.world, "precision": runner.precision,
+            "backend": dist.get_backend(), "warmup_steps": args.warmup_steps, "data": runner.data_record,
+            "predicted_step_time_s": _predicted(plan, runner.precision).get("step_time_s"),
+            "started_at": time.time()}
 
 
 def _summary(runner: Runner, records: list[dict], peaks: list, start_step: int) -> dict:
+    """The whole run (every step of metrics.jsonl, every segment) and this launch's layout,
+    timing and memory (the layout of plan.json, which `plan3d report` predicts)."""
     args, plan = runner.args, runner.plan
+    every = history.read_metrics(runner.run_dir)
     timed = records[args.warmup_steps:] or records
     return {
         "world_size": runner.ctx.world, "layout": plan.layout.model_dump(mode="json"),
-        "precision": runner.precision, "backend": dist.get_backend(), "steps": len(records),
-        "first_step": start_step + 1, "warmup_steps": min(args.warmup_steps, len(records)),
+        "precision": runner.precision, "backend": dist.get_backend(), "steps": len(every),
+        "first_step": every[0]["step"] if every else start_step + 1, "warmup_steps": min(args.warmup_steps, len(records)),
         "step_time_s": sum(r["step_time_s"] for r in timed) / max(1, len(timed)),
         "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / max(1, len(timed)),
-        "final_loss": records[-1]["loss"] if records else None,
-        "losses": [r["loss"] for r in records],
+        "final_loss": every[-1]["loss"] if every else None,
+        "losses": [r["loss"] for r in every],
+        "data": runner.data_record,
+        "segments": history.summarize_segments(history.read_segments(runner.run_dir), every),
         "ranks": peaks,
         "phases_s": {k: sum(r["phases_s"][k] for r in timed) / len(timed) for k in (timed[0]["phases_s"] if timed else {})},
         "predicted": _predicted(plan, runner.precision),
@@ -223,7 +234,9 @@ def train(args, run_dir: Path, rank: int, inject) -> None:
     start_step = runner.resume()
     records, metrics = [], run_dir / "metrics.jsonl"
     if rank == 0:
-        _truncate(metrics, start_step)
+        history.inherit(run_dir, args.resume_from, start_step)
+        history.rewind(run_dir, start_step)
+        history.start_segment(run_dir, _segment_record(runner, start_step))
     last_saved = None
     for step in range(start_step + 1, args.steps + 1):
         record = runner.step(step)

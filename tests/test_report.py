@@ -165,3 +165,63 @@ def test_a_cpu_run_of_a_bf16_plan_is_predicted_in_fp32_in_the_launch_table_too()
     after = rows["after the backward (DP/ZeRO comm, clip, optimizer, loss)"]
     assert fb[0] == pytest.approx(0.2) and after[0] == pytest.approx(0.1)
     assert fb[1] + after[1] == pytest.approx(as_run["step_time_s"])
+
+
+def write_segments(tmp_path, *segments):
+    (tmp_path / "segments.jsonl").write_text("".join(json.dumps(s) + "\n" for s in segments))
+
+
+def two_launches(tmp_path):
+    """Steps 1-2 in tp4 (killed before its target, step 4), steps 3-4 resumed in tp2 pp2 dp2."""
+    make_run(tmp_path, with_summary=False)
+    steps = [{"step": s, "loss": 6.0 - s, "step_time_s": t, "tokens_per_s": 100 / t,
+              "phases_s": {"forward_backward": t, "grad_reduce": 0.0, "clip": 0.0, "optimizer": 0.0, "loss": 0.0}}
+             for s, t in ((1, 9.0), (2, 3.0), (3, 8.0), (4, 1.0))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    write_segments(tmp_path,
+                   {"first_step": 1, "target_step": 4, "resumed_at_step": 0, "resumed_from": None,
+                    "layout": "tp4 pp1 dp2", "world_size": 8, "warmup_steps": 1, "predicted_step_time_s": 2.0},
+                   {"first_step": 3, "target_step": 4, "resumed_at_step": 2, "resumed_from": "r/checkpoints/step_2",
+                    "layout": "tp2 pp2 dp2", "world_size": 8, "warmup_steps": 1, "predicted_step_time_s": 1.5})
+
+
+def test_a_resumed_run_is_reported_segment_by_segment(tmp_path):
+    two_launches(tmp_path)
+    report = compare(read_run(tmp_path))
+    first, second = report.segments
+    assert (first["first_step"], first["last_step"], first["ended"]) == (1, 2, "interrupted")
+    assert (second["first_step"], second["last_step"], second["ended"]) == (3, 4, "completed")
+    assert (first["step_time_s"], second["step_time_s"]) == (3.0, 1.0)  # each without its own warm-up step
+    assert (first["train_time_s"], second["train_time_s"]) == (12.0, 9.0)
+    assert second["resumed_at_step"] == 2 and second["final_loss"] == 2.0
+    rows = by_term(report)
+    assert rows["step time"]["measured"] == 1.0  # the last launch, whose layout plan.json holds
+    assert rows["forward + backward (compute, bubble, TP/PP comm)"]["measured"] == 1.0
+    assert any("2 launches" in note for note in report.notes)
+
+
+def test_cli_report_prints_every_segment(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    two_launches(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["report", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert info.value.code in (0, None)
+    assert "segment 1: steps 1..2 (from the start), tp4 pp1 dp2 on 8 ranks, 3000.0 ms/step" in out
+    assert "segment 2: steps 3..4 (resumed from step 2), tp2 pp2 dp2 on 8 ranks" in out and "interrupted" in out
+    with pytest.raises(SystemExit) as info:
+        main(["report", str(tmp_path), "--json"])
+    assert [s["layout"] for s in json.loads(capsys.readouterr().out)["segments"]] == ["tp4 pp1 dp2", "tp2 pp2 dp2"]
+
+
+@pytest.mark.parametrize("segment, field", [({"first_step": "1"}, "first_step"),
+                                            ({"first_step": 1, "warmup_steps": -1}, "warmup_steps"),
+                                            ({"first_step": 1, "predicted_step_time_s": "fast"}, "predicted_step_time_s")])
+def test_a_damaged_segments_file_is_one_line_naming_the_field(tmp_path, capsys, segment, field):
+    make_run(tmp_path)
+    write_segments(tmp_path, segment)
+    with pytest.raises(SystemExit) as info:
+        main(["report", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "segments.jsonl: segment 1" in err and field in err
+    assert "Traceback" not in err

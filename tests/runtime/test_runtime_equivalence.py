@@ -84,15 +84,19 @@ def test_bf16_mixed_precision_model_states_match_the_memory_model(reference, tmp
 
 
 @pytest.mark.slow
-def test_llama_style_tied_tp2_pp2_dp2_zero1_matches_single_process(tmp_path):
+def test_llama_style_tied_tp2_pp2_dp2_zero1_on_token_data_matches_single_process(tmp_path):
     """GQA + SwiGLU + RoPE + RMSNorm, tied embeddings split over two stages (gradients summed
-    over the embedding group), a non-default rank order, ZeRO-1."""
+    over the embedding group), a non-default rank order, ZeRO-1; trained on the bundled text
+    (`--data python-docs`), so the token file's global batch is the same in both layouts and
+    each dp rank takes its rows of it."""
+    data = ["--no-save", "--data", "python-docs"]
     single = llama_style(make_plan())
-    assert run(single, tmp_path / "one", extra=["--no-save"]).ok
+    assert run(single, tmp_path / "one", extra=data).ok
     plan = llama_style(make_plan(tp=2, pp=2, dp=2, zero=1, order="tp-cp-ep-pp-dp"))
-    result = run(plan, tmp_path / "eight", extra=["--no-save"])
+    result = run(plan, tmp_path / "eight", extra=data)
     assert result.ok, f"{result.failed_rank}: {result.error}"
     assert_same_losses(metrics(tmp_path / "eight"), metrics(tmp_path / "one"), range(1, STEPS + 1))
+    assert summary(tmp_path / "eight")["data"]["path"].endswith("python-docs.bin")
     ranks = summary(tmp_path / "eight")["ranks"]
     _check_model_state(plan, ranks)
     _check_mesh_groups(plan, ranks)

@@ -1,7 +1,9 @@
 """Multi-node simulation, placement check, crash / hang handling, resume and reshard."""
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import threading
 import time
 
@@ -68,13 +70,42 @@ def test_killed_rank_ends_job_then_resume_and_reshard_reproduce_losses(reference
     resumed = run(plan, first, extra=["--resume-from", str(first), "--no-save"])
     assert resumed.ok, resumed.error
     assert_same_losses(metrics(first), reference, range(1, STEPS + 1))
+    _check_whole_run(first, reference, [("tp2 pp2 dp2", 1, 2, "interrupted"), ("tp2 pp2 dp2", 3, 4, "completed")])
 
     reshard = tmp_path / "tp1-pp4-dp2"
     other = make_plan(tp=1, pp=4, dp=2, zero=3)
     resharded = run(other, reshard, extra=["--resume-from", str(first / "checkpoints" / "step_00000002"), "--no-save"])
     assert resharded.ok, resharded.error
-    assert summary(reshard)["first_step"] == 3
-    assert_same_losses(metrics(reshard), reference, (3, 4))
+    assert_same_losses(metrics(reshard), reference, range(1, STEPS + 1))  # steps 1-2 inherited from `first`
+    _check_whole_run(reshard, reference, [("tp2 pp2 dp2", 1, 2, "interrupted"), ("tp1 pp4 dp2", 3, 4, "completed")])
+    _check_report_shows_segments(reshard)
+
+
+def _check_whole_run(run_dir, reference, want: list[tuple[str, int, int, str]]) -> None:
+    """summary.json covers every step and every launch (segment): its steps, the step it resumed
+    from, its layout and its own timing."""
+    done = summary(run_dir)
+    assert done["first_step"] == 1 and done["steps"] == STEPS
+    assert_same_losses(dict(enumerate(done["losses"], 1)), reference, range(1, STEPS + 1))
+    segments = done["segments"]
+    assert len(segments) == len(want)
+    for segment, (layout, first, last, ended) in zip(segments, want):
+        assert segment["layout"].startswith(layout) and segment["world_size"] == 8
+        assert (segment["first_step"], segment["last_step"], segment["ended"]) == (first, last, ended)
+        assert segment["resumed_at_step"] == first - 1 and (segment["resumed_from"] is None) == (first == 1)
+        assert segment["step_time_s"] > 0 and segment["train_time_s"] > 0 and segment["predicted_step_time_s"] > 0
+    assert done["step_time_s"] == pytest.approx(segments[-1]["step_time_s"])  # the last launch's layout
+
+
+def _check_report_shows_segments(run_dir) -> None:
+    from plan3d.report_run import compare, read_run
+
+    report = compare(read_run(run_dir))
+    assert [(s["first_step"], s["last_step"]) for s in report.segments] == [(1, 2), (3, STEPS)]
+    result = subprocess.run([sys.executable, "-m", "plan3d", "report", str(run_dir)], capture_output=True, text=True,
+                            env={**os.environ, "COLUMNS": "200"})
+    assert result.returncode == 0, result.stderr
+    assert f"segment 2: steps 3..{STEPS} (resumed from step 2), tp1 pp4 dp2" in result.stdout
 
 
 def test_hung_rank_times_out_and_ends_the_job(tmp_path):

@@ -192,3 +192,19 @@ def test_runtime_model_has_the_parameters_the_cost_model_counts(bias, qkv_bias):
     model = make_plan().model.model_copy(update={"bias": bias, "qkv_bias": qkv_bias, "tied_embeddings": False})
     stage = Stage(model, TPInfo(1, 0, None, False), range(model.layers), first=True, last=True)
     assert sum(p.numel() for p in stage.parameters()) == total_params(model)
+
+
+def test_token_file_batches_are_the_global_windows_cut_over_dp():
+    """With --data each dp rank's rows are its slice of the token file's global batch."""
+    import numpy as np
+
+    from plan3d.runtime.data import replica_batch
+    from plan3d.tokens import global_windows
+
+    corpus = (np.arange(5000) * 7) % 256
+    full = global_windows(corpus, seed=5, step=3, batch=8, seq=16)
+    parts = [replica_batch(5, 3, 8, 16, 256, 4, d, corpus) for d in range(4)]
+    assert torch.equal(torch.cat([x for x, _ in parts]), torch.from_numpy(full[:, :-1]))
+    assert torch.equal(torch.cat([y for _, y in parts]), torch.from_numpy(full[:, 1:]))
+    synthetic = replica_batch(5, 3, 8, 16, 256, 4, 0)[0]
+    assert not torch.equal(synthetic, parts[0][0])

@@ -234,9 +234,15 @@ class Report:
                 "segments": self.segments}
 
 
+def prediction_error(predicted: float | None, measured: float | None) -> float | None:
+    """predicted / measured - 1: the one convention of `launch`, `report` and the accuracy
+    benchmarks (+10% = predicted 10% above what was measured); None when either is missing."""
+    return predicted / measured - 1 if predicted is not None and measured else None
+
+
 def row(term: str, predicted: float | None, measured: float | None, unit: str) -> dict:
     """One paired term; `error` = predicted / measured - 1 (the prediction's relative error) when both exist."""
-    error = predicted / measured - 1 if predicted is not None and measured else None
+    error = prediction_error(predicted, measured)
     return {"term": term, "predicted": predicted, "measured": measured, "unit": unit, "error": error}
 
 

@@ -18,7 +18,7 @@ from plan3d.errors import LaunchError, Plan3dError
 from plan3d.run_flags import check_run_flags
 
 PREVIOUS_RUN = ("metrics.jsonl", "segments.jsonl", "summary.json", "checkpoints", "errors", "logs")  # what --overwrite removes
-PlanArg = Annotated[Optional[str], typer.Argument(help="Plan JSON (plan3d recommend/plan); omit to use the flags.")]
+PlanArg = Annotated[Optional[str], typer.Argument(help="Plan JSON (`plan3d recommend --out FILE`); omit to use the flags.")]
 
 
 def _plan_from_flags(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision, layout_flags):

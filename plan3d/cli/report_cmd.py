@@ -1,7 +1,7 @@
 """`plan3d report RUN_DIR [--cluster SPEC] [--json] [--plot FILE]`: measured vs predicted per term."""
 from __future__ import annotations
 
-import json
+from plan3d.render.units import json_text
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -32,7 +32,7 @@ def report_command(
 
         plot_report(report.to_dict(), plot)
     if json_out:
-        print(json.dumps(report.to_dict(), indent=1))
+        print(json_text(report.to_dict()))
         return
     from plan3d.render.report import print_report
 

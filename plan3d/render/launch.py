@@ -7,7 +7,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from plan3d.render.report import error_text
 from plan3d.render.units import GIB, ms
+from plan3d.report_run import prediction_error
 
 
 @contextmanager
@@ -28,12 +30,6 @@ def progress_bar(steps: int, first_step: int = 1, console: Console | None = None
 
 def _mib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**20:.2f} MiB" if n < GIB else f"{n / GIB:.2f} GiB"
-
-
-def _ratio(measured: float | None, predicted: float | None) -> str:
-    if not measured or not predicted:
-        return "-"
-    return f"{measured / predicted:.2f}x"
 
 
 def comparison_rows(summary: dict, predicted_state: dict[int, float]) -> list[tuple[str, float | None, float | None, str]]:
@@ -70,12 +66,13 @@ def print_summary(summary: dict, predicted_state: dict[int, float], run_dir: str
         console.print(f"data: {data['path']} ({data['tokens']:,} tokens, {data['format']})")
     table = Table(title=f"measured vs predicted ({summary['world_size']} ranks, {summary['backend']}, "
                         f"{summary['precision']})")
-    for col in ("", "measured", "predicted", "measured/predicted"):
+    for col in ("", "predicted", "measured", "prediction error"):  # the columns and sign of `plan3d report`
         table.add_column(col, justify="left" if not col else "right")
     for name, measured, predicted, unit in comparison_rows(summary, predicted_state):
         show = ms if unit == "s" else _mib
-        table.add_row(name, show(measured) if measured is not None else "-",
-                      show(predicted) if predicted is not None else "-", _ratio(measured, predicted))
+        table.add_row(name, show(predicted) if predicted is not None else "-",
+                      show(measured) if measured is not None else "-",
+                      error_text(prediction_error(predicted, measured)))
     console.print(table)
     from plan3d.specs.catalog import RUNTIME_ENGINE
 

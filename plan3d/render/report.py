@@ -48,12 +48,15 @@ def report_table(report) -> Table:
                           ("prediction error", "right")):
         table.add_column(name, justify=justify)
     for r in report.rows:
-        error = "-" if r["error"] is None else _colour_error(r["error"])
+        error = error_text(r["error"])
         table.add_row(r["term"], fmt(r["predicted"], r["unit"]), fmt(r["measured"], r["unit"]), error)
     return table
 
 
-def _colour_error(error: float) -> str:
+def error_text(error: float | None) -> str:
+    """A prediction error as a signed, coloured percentage ('-' when there is none)."""
+    if error is None:
+        return "-"
     colour = "green" if abs(error) <= 0.15 else "yellow" if abs(error) <= 0.3 else "red"
     return f"[{colour}]{error:+.1%}[/{colour}]"
 

@@ -159,6 +159,14 @@ def test_cli_launch_prints_losses_and_measured_vs_predicted(capsys, tmp_path):
     assert "losses (steps 1..2)" in out and "measured vs predicted" in out and "model states" in out
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 2
     assert (tmp_path / "logs" / "rank1.log").exists() and (tmp_path / "plan.json").exists()
+    # one convention with `plan3d report`: predicted / measured - 1 as a signed percentage
+    import json
+
+    from plan3d.report_run import prediction_error
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    error = prediction_error(summary["predicted"]["step_time_s"], summary["step_time_s"])
+    assert "prediction error" in out and f"{error:+.1%}" in out and "x\n" not in out
 
 
 @pytest.mark.gpu

@@ -8,9 +8,9 @@ sentence that says what to change.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, PositiveInt, field_validator, model_validator
+from pydantic import BeforeValidator, Field, PositiveInt, field_validator, model_validator
 
 from plan3d.errors import LayoutError
 from plan3d.specs.base import FrozenModel
@@ -53,6 +53,11 @@ def full_order(order: str) -> str:
     return "-".join(parse_order(order))
 
 
+def _array_as_tuple(value):
+    """A JSON array is this tuple (strict validation refuses a list for a tuple); items stay strict."""
+    return tuple(value) if isinstance(value, list) else value
+
+
 def short_order(order: str) -> str:
     """The shortest order that `parse_order` reads back as `order`: the axes out of their default
     slot ('tp-cp-ep-pp-dp' -> 'pp-dp'); the default itself prints as 'dp-pp'."""
@@ -72,9 +77,8 @@ class Layout(FrozenModel):
     recompute: Recompute = "none"
     sequence_parallel: bool = False
     order: str = DEFAULT_ORDER
-    pp_layers: tuple[PositiveInt, ...] | None = Field(
-        None, description="Layers per (virtual) stage, for uneven splits; default an even split."
-    )
+    pp_layers: Annotated[tuple[PositiveInt, ...] | None, BeforeValidator(_array_as_tuple)] = Field(
+        None, description="Layers per (virtual) stage, for uneven splits; default an even split.")
 
     @field_validator("order")
     @classmethod

@@ -44,3 +44,30 @@ def test_a_plan_written_before_a_spec_gained_a_defaulted_field_still_loads(plan_
     plan = load_plan(str(plan_path))
     assert plan.cluster.gpu.compute_efficiency.host_overlap is True  # the default fills in
     assert plan.cluster.network[0].collectives == {}
+
+
+def test_an_uneven_plan_round_trips_through_its_file(tmp_path, capsys):
+    """recommend --uneven --out writes pp_layers as a JSON array; loading reads it back (strictly)."""
+    from cli_helpers import run_cli
+
+    model = tmp_path / "m7.yaml"
+    model.write_text("name: m7\nlayers: 7\nhidden: 64\nheads: 4\nvocab: 256\nseq_len: 32\ndefault_global_batch: 16\n")
+    plan_path = tmp_path / "plan.json"
+    code, _, err = run_cli(capsys, "recommend", "-c", "local-cpu", "-m", model, "--tp", "2", "--pp", "2", "--dp", "2",
+                           "--uneven", "--precision", "fp32", "--top", "1", "--out", plan_path)
+    assert code == 0, err
+    plan = load_plan(str(plan_path))
+    assert plan.layout.pp_layers is not None and sum(plan.layout.pp_layers) == 7
+    code, out, err = run_cli(capsys, "emit", "megatron", plan_path)
+    assert code == 0, err
+    first = out.split().index("--decoder-first-pipeline-num-layers")
+    assert out.split()[first + 1] == str(plan.layout.pp_layers[0])
+    job = tmp_path / "job.yaml"
+    job.write_text(f"cluster: local-cpu\nmodel: {model}\ntraining: {{global_batch: 16, precision: fp32}}\n"
+                   "layout: {tp: 2, pp: 2, dp: 2, pp_layers: [4, 3]}\n")
+    code, out, err = run_cli(capsys, "check", job)
+    assert "valid array" not in out + err and code in (0, 1)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(job.read_text().replace("[4, 3]", "[4, \"3\"]"))
+    code, _, err = run_cli(capsys, "check", bad)
+    assert code == 2 and "pp_layers" in err

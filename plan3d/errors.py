@@ -40,6 +40,10 @@ class LayoutError(Plan3dError):
     """A layout that cannot exist for this model and cluster (tp not dividing heads, ...)."""
 
 
+class OutputError(Plan3dError):
+    """An output path plan3d will not write to (a device, a FIFO, a socket)."""
+
+
 class InfeasibleError(Plan3dError):
     """Nothing fits, or a check failed: the input was fine, the answer is no."""
 
@@ -64,3 +68,33 @@ def os_error_message(err: OSError) -> str:
               errno.ENOSPC: "no space left on the device; free space or write elsewhere",
               errno.EROFS: "read-only file system; choose a writable path"}
     return f"{path}: {advice.get(err.errno, (err.strerror or str(err)).lower())}"
+
+
+def refuse_special_target(path) -> None:
+    """Refuse to write (by a temp file renamed over it) to a path that exists and is no regular
+    file: a rename would replace a device (/dev/full), a FIFO or a socket with a plain file.
+    A directory keeps its own message (`os_error_message`, EISDIR)."""
+    import errno
+    import os
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:  # nothing there yet (or a dangling link, which the rename replaces); else the write reports it
+        return
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
+    if not stat.S_ISREG(mode):
+        raise OutputError(f"{path}: exists and is {special_file_kind(mode)}; plan3d writes only to a new or a "
+                          "regular file, never over a special one: give another path")
+
+
+def special_file_kind(mode: int) -> str:
+    """'a FIFO (named pipe)', 'a device', 'a socket' ... for an `st_mode` that is no regular file."""
+    import stat
+
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "a socket" if stat.S_ISSOCK(mode) else "not a regular file"

@@ -5,12 +5,12 @@ a launch is reproducible from one file. `digest` covers everything the plan hold
 engine, estimate, rank map). `load_plan` re-validates a plan whole (issue 19): a missing digest
 is refused, and a digest recomputed after an edit does not make an edit pass, because the layout
 is re-checked against the plan's own cluster, model and engine, the rank map against the layout
-and the estimate for finite, non-negative values. Plans written before that carry a digest of
+and the estimate for finite values within physical bounds (times at most 1e9 s, bytes at most
+1e18). Plans written before that carry a digest of
 their specs and layout alone (and of the engine when they have one) and load after the same checks.
 """
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 from pathlib import Path
@@ -21,21 +21,29 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from plan3d import __version__
 from plan3d.layout import Layout
 from plan3d.rankmap import RankMap
-from plan3d.specs.base import StrictModel
+from plan3d.specs.base import StrictModel, Text
 from plan3d.specs.cluster import ClusterSpec
 from plan3d.specs.engine import EngineSpec
-from plan3d.errors import SpecError
-from plan3d.specs.loader import read_mapping, validate, validation_problems
+from plan3d.errors import SpecError, refuse_special_target
+from plan3d.specs.loader import MAX_RUN_FILE_BYTES, read_mapping, validate, validation_problems
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
 
 SCHEMA_VERSION = 1
-NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+# Physical bounds of what a plan or a run directory states (docs/specs.md, "Plan"): finite, and
+# small enough that a ratio, a sum or a unit conversion of them stays finite.
+MAX_SECONDS = 1e9  # ~32 years
+MAX_BYTES = 1e18  # an exabyte
+MAX_RATE = 1e18  # tokens/s, FLOP/s
+Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
+Bytes = Annotated[float, Field(ge=0, le=MAX_BYTES, allow_inf_nan=False)]
+Rate = Annotated[float, Field(ge=0, le=MAX_RATE, allow_inf_nan=False)]
+Ratio = Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False)]
 
 
 class Plan(StrictModel):
     schema_version: Literal[1] = SCHEMA_VERSION
-    created_by: str = Field(default_factory=lambda: f"plan3d {__version__}")
+    created_by: Text = Field(default_factory=lambda: f"plan3d {__version__}")
     digest: str = ""
     cluster: ClusterSpec
     model: ModelSpec
@@ -74,27 +82,27 @@ def legacy_digest(data: dict) -> str:
 
 
 class PlanEstimate(BaseModel):
-    """The estimate a plan carries, as `report` and `launch` read it: finite, non-negative SI values.
-    Other keys (a newer plan3d's) pass if they are plain JSON data."""
+    """The estimate a plan carries, as `report` and `launch` read it: SI values within physical
+    bounds, text on one line. Other keys (a newer plan3d's) pass if they are plain JSON data."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    step_time_s: NonNegative
-    tokens_per_s: NonNegative
-    peak_memory_bytes: NonNegative
-    memory_bytes: dict[str, NonNegative]
-    time_s: dict[str, NonNegative]
-    model_tflops_per_gpu: NonNegative | None = None
-    mfu: NonNegative | None = None
-    capacity_bytes: NonNegative | None = None
-    bubble_fraction: NonNegative | None = None
-    stage_memory_bytes: list[NonNegative] = []
+    step_time_s: Seconds
+    tokens_per_s: Rate
+    peak_memory_bytes: Bytes
+    memory_bytes: dict[str, Bytes]
+    time_s: dict[str, Seconds]
+    model_tflops_per_gpu: Rate | None = None
+    mfu: Ratio | None = None
+    capacity_bytes: Bytes | None = None
+    bubble_fraction: Ratio | None = None
+    stage_memory_bytes: list[Bytes] = []
     fits: bool | None = None
-    tiers: dict[str, str] = {}
-    worst_pp_rank: Annotated[int, Field(ge=0)] | None = None
-    warnings: list[str] = []
-    provenance: list[str] = []
-    engine: str = ""
+    tiers: dict[str, Text] = {}
+    worst_pp_rank: Annotated[int, Field(ge=0, le=10**9)] | None = None
+    warnings: list[Text] = []
+    provenance: list[Text] = []
+    engine: Text = ""
 
 
 def rankmap_dict(rankmap: RankMap) -> dict[str, Any]:
@@ -120,11 +128,13 @@ def build_plan(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, l
 
 
 def save_plan(plan: Plan, path: Path) -> None:
-    """Write atomically: a crash mid-write never leaves a truncated plan."""
+    """Write atomically: a crash mid-write never leaves a truncated plan. Only a new or a regular
+    file is replaced (the rename would turn /dev/full or a FIFO into a plain file): anything else
+    is an OutputError, as is a special file in the way of the temp file."""
     path = Path(path)
-    if path.is_dir():
-        raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
     tmp = path.with_suffix(path.suffix + ".tmp")
+    refuse_special_target(path)
+    refuse_special_target(tmp)
     try:
         tmp.write_text(plan.model_dump_json(indent=1))
         tmp.replace(path)
@@ -140,7 +150,7 @@ def load_plan(path_str: str) -> Plan:
     """A plan file, re-validated whole: strict specs, a digest over what it holds, its layout
     against its own cluster, model and engine, its rank map against its layout, its estimate
     finite and non-negative. Any problem is a SpecError naming the file."""
-    data = read_mapping(Path(path_str))
+    data = read_mapping(Path(path_str), MAX_RUN_FILE_BYTES)  # a plan lists every rank
     version = data.get("schema_version")
     if version != SCHEMA_VERSION:
         raise SpecError(path_str, [f"schema_version {version!r} is not {SCHEMA_VERSION}; {RECREATE}"])

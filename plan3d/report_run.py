@@ -18,6 +18,7 @@ timed apart.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -25,8 +26,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from plan3d.errors import SpecError, SpecNotFound
-from plan3d.plan import Plan, load_plan
-from plan3d.specs.loader import validation_problems
+from plan3d.plan import Bytes, Plan, Rate, Seconds, load_plan
+from plan3d.specs.base import Text
+from plan3d.specs.loader import MAX_RUN_FILE_BYTES, check_file, read_text, validation_problems
 
 REPORT_SCHEMA_VERSION = 1
 STATE_KEYS = ("weights", "gradients", "optimizer")
@@ -38,56 +40,57 @@ PHASES = (
     ("after the backward (DP/ZeRO comm, clip, optimizer, loss)", ("grad_reduce", "clip", "optimizer", "loss"),
      ("dp_comm", "zero_comm", "optimizer")),
 )
-
-
-NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+MAX_STEPS = 10**12
+Step = Annotated[int, Field(ge=0, le=MAX_STEPS)]
 
 
 class RunRecord(BaseModel):
-    """What `report` reads of a run file; other keys (losses, which may be NaN) pass unread."""
+    """What `report` reads of a run file; other keys (losses, which may be NaN) pass unread.
+    Every number it reads is finite and physical (times <= 1e9 s, bytes <= 1e18, plan.py), so no
+    mean, sum or ratio of them overflows; text is one printable line."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class RankRecord(RunRecord):
-    model_state_bytes: dict[str, NonNegative] | None = None
-    peak_memory_bytes: NonNegative | None = None
+    model_state_bytes: dict[str, Bytes] | None = None
+    peak_memory_bytes: Bytes | None = None
 
 
 class StepRecord(RunRecord):
     """One line of metrics.jsonl."""
 
-    step: Annotated[int, Field(ge=0)] | None = None
-    step_time_s: NonNegative
-    tokens_per_s: NonNegative | None = None
-    phases_s: dict[str, NonNegative] | None = None
+    step: Step  # which launch (segment) a step belongs to
+    step_time_s: Seconds
+    tokens_per_s: Rate | None = None
+    phases_s: dict[str, Seconds] | None = None
 
 
 class SegmentRecord(RunRecord):
     """One line of segments.jsonl (runtime/train.py `_segment_record`)."""
 
-    first_step: Annotated[int, Field(ge=1)]
-    target_step: Annotated[int, Field(ge=0)] | None = None
-    resumed_at_step: Annotated[int, Field(ge=0)] | None = None
-    resumed_from: str | None = None
-    layout: str | None = None
-    world_size: Annotated[int, Field(ge=1)] | None = None
+    first_step: Annotated[int, Field(ge=1, le=MAX_STEPS)]
+    target_step: Step | None = None
+    resumed_at_step: Step | None = None
+    resumed_from: Text | None = None
+    layout: Text | None = None
+    world_size: Annotated[int, Field(ge=1, le=10**9)] | None = None
     warmup_steps: Annotated[int, Field(ge=0, le=1_000_000_000)] = 1
-    predicted_step_time_s: NonNegative | None = None
+    predicted_step_time_s: Seconds | None = None
 
 
 class Summary(RunRecord):
     """summary.json (runtime/train.py `_summary`)."""
 
-    step_time_s: NonNegative
-    tokens_per_s: NonNegative | None = None
+    step_time_s: Seconds
+    tokens_per_s: Rate | None = None
     precision: Literal["bf16", "fp16", "fp8", "fp32"] | None = None
-    backend: str | None = None
-    steps: Annotated[int, Field(ge=0)] | None = None
+    backend: Text | None = None
+    steps: Step | None = None
     warmup_steps: Annotated[int, Field(ge=0, le=1_000_000_000)] = 1
     incomplete: bool = False
     ranks: list[RankRecord | None] = []
-    phases_s: dict[str, NonNegative] = {}
+    phases_s: dict[str, Seconds] = {}
 
 
 @dataclass
@@ -114,7 +117,7 @@ def read_run(run_dir: Path | str) -> RunData:
     """The plan, summary and metrics of a run, each validated (a bad value is a SpecError naming
     the file and field); a run without summary falls back on its metrics."""
     run_dir = Path(run_dir)
-    if not (run_dir / "plan.json").is_file():
+    if not (run_dir / "plan.json").exists():
         raise SpecNotFound(f"{run_dir}: no plan.json; give the run directory that `plan3d launch` wrote")
     plan = load_plan(str(run_dir / "plan.json"))
     metrics = _read_metrics(run_dir / "metrics.jsonl")
@@ -136,6 +139,8 @@ def _segments(run_dir: Path, metrics: list[dict]) -> list[dict]:
     from plan3d.runtime.history import SEGMENTS, read_segments, summarize_segments  # torch-free
 
     path = run_dir / SEGMENTS
+    if path.exists():
+        check_file(path, MAX_RUN_FILE_BYTES)  # a FIFO or a device there would never end
     segments = [_checked(SegmentRecord, s, f"{path}: segment {n}") for n, s in enumerate(read_segments(run_dir), 1)]
     return summarize_segments(segments, metrics)
 
@@ -143,11 +148,12 @@ def _segments(run_dir: Path, metrics: list[dict]) -> list[dict]:
 def _read_summary(path: Path) -> dict | None:
     """summary.json validated, or None when it is missing or cut short (a killed run: not JSON, or
     without its step time): the metrics stand in."""
-    if not path.is_file():
+    if not path.exists():
         return None
+    text = read_text(path, MAX_RUN_FILE_BYTES, errors="replace")  # a FIFO or a device: one error line
     try:
-        summary = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        summary = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
         return None
     if not isinstance(summary, dict) or "step_time_s" not in summary:
         return None
@@ -156,9 +162,9 @@ def _read_summary(path: Path) -> dict | None:
 
 def _read_metrics(path: Path) -> list[dict]:
     """One dict per step; a last line cut short by a killed run is dropped, a bad line before it is an error."""
-    if not path.is_file():
+    if not path.exists():
         return []
-    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    lines = [line for line in read_text(path, MAX_RUN_FILE_BYTES, errors="replace").splitlines() if line.strip()]
     metrics = []
     for number, line in enumerate(lines, 1):
         try:
@@ -236,8 +242,13 @@ class Report:
 
 def prediction_error(predicted: float | None, measured: float | None) -> float | None:
     """predicted / measured - 1: the one convention of `launch`, `report` and the accuracy
-    benchmarks (+10% = predicted 10% above what was measured); None when either is missing."""
-    return predicted / measured - 1 if predicted is not None and measured else None
+    benchmarks (+10% = predicted 10% above what was measured); None when either is missing (or
+    the measurement is so close to 0 that the ratio is no number)."""
+    return _finite(predicted / measured - 1) if predicted is not None and measured else None
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 def row(term: str, predicted: float | None, measured: float | None, unit: str) -> dict:
@@ -255,11 +266,21 @@ def compare(run: RunData, cluster=None) -> Report:
             row("tokens/s", est.get("tokens_per_s"), summary.get("tokens_per_s"), "tokens_per_s")]
     time_s = est.get("time_s", {})
     comm = sum(time_s.get(k, 0.0) for k in COMM_KEYS)
-    rows.append(row("communication share of step", comm / step_pred if step_pred else None, None, "ratio"))
+    rows.append(row("communication share of step", _finite(comm / step_pred) if step_pred else None, None, "ratio"))
     rows += _phase_rows(time_s, run.last_segment_metrics, int(summary.get("warmup_steps", 1)))
     rows += _memory_rows(est, summary.get("ranks") or [])
+    _check_finite(rows, run)
     segments = [{k: s.get(k) for k in SEGMENT_KEYS} for s in run.segments]
     return Report(str(run.run_dir), run.plan.layout.short(), rows, _notes(run), dict(time_s), segments)
+
+
+def _check_finite(rows: list[dict], run: RunData) -> None:
+    """Every value of the table is a finite number: the bounds of the run files and of the plan's
+    estimate make a sum or mean past them impossible, so this names a broken bound, not bad input."""
+    for r in rows:
+        for key in ("predicted", "measured"):
+            value = r[key]
+            assert value is None or math.isfinite(value), f"{run.run_dir}: {r['term']} {key} is {value}"
 
 
 def _phase_rows(time_s: dict, metrics: list[dict], warmup: int) -> list[dict]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from plan3d.cost.params import total_params
 from plan3d.specs.catalog import load_model
@@ -274,3 +275,35 @@ def test_cli_writes_qkv_bias_and_prints_a_partial_bias_warning_on_stderr(tmp_pat
     assert code == 0 and "bias: false" in out and "qkv_bias: true" in out and "warning:" not in err
     code, out, err = run(capsys, "import-hf", str(write_config(tmp_path, LLAMA31_8B | {"attention_bias": True}, "b")))
     assert code == 0 and [line for line in err.splitlines() if line.startswith("warning:") and "attention output" in line]
+
+
+# ---- red team of issue 19: a folder name is data, never a line of the spec -----------------------
+INJECTING_FOLDER = "z\nmoe: {experts: 64, top_k: 8}\n#"
+
+
+def test_a_folder_name_cannot_add_a_section_to_the_spec(tmp_path, capsys):
+    folder = write_config(tmp_path, LLAMA3_8B, INJECTING_FOLDER).parent
+    out_path = tmp_path / "model.yaml"
+    for source in (folder, folder / "config.json"):
+        code, out, err = run(capsys, "import-hf", str(source), "-o", str(out_path))
+        assert code == 0, err
+        loaded = load_model(str(out_path))
+        assert loaded.moe is None and loaded.name == "z-moe-experts-64-top_k-8"
+        text = out_path.read_text()
+        header = text.split("\nname:")[0].splitlines()
+        assert header and all(line.startswith("# ") for line in header), text
+    code, out, _ = run(capsys, "import-hf", str(folder))  # printed, not written
+    assert code == 0 and "moe" not in yaml.safe_load(out)
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ("Meta-Llama-3-8B", "meta-llama-3-8b"),
+    ("org/My Model (v2)", "my-model-v2"),
+    ("::error::x", "error-x"),
+    ("..\n\x1b[31m", "31m"),
+    ("modèle", "mod-le"),
+])
+def test_default_name_keeps_only_safe_characters(tmp_path, raw, expected):
+    from plan3d.specs.hf import default_name
+
+    assert default_name(tmp_path / "config.json", {"_name_or_path": raw}) == expected

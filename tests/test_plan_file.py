@@ -71,3 +71,44 @@ def test_an_uneven_plan_round_trips_through_its_file(tmp_path, capsys):
     bad.write_text(job.read_text().replace("[4, 3]", "[4, \"3\"]"))
     code, _, err = run_cli(capsys, "check", bad)
     assert code == 2 and "pp_layers" in err
+
+
+# ---- red team of issue 19: saving never renames over a special file ------------------------------
+def test_saving_over_a_fifo_is_refused_and_leaves_it_a_fifo(tmp_path):
+    import os
+    import stat
+
+    from plan3d.errors import OutputError
+
+    plan = load_plan(str(_saved(tmp_path)))
+    for target in (tmp_path / "out.json", tmp_path / "tmp-in-the-way.json"):
+        fifo = target if target.name == "out.json" else target.with_suffix(".json.tmp")
+        os.mkfifo(fifo)
+        with pytest.raises(OutputError, match="FIFO"):
+            save_plan(plan, target)
+        assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    with pytest.raises(IsADirectoryError):
+        save_plan(plan, tmp_path)
+
+
+def test_recommend_out_onto_a_fifo_is_one_error_line(tmp_path, capsys):
+    import os
+    import stat
+
+    from cli_helpers import run_cli
+
+    fifo = tmp_path / "plan.json"
+    os.mkfifo(fifo)
+    code, out, err = run_cli(capsys, "recommend", "-c", "local-cpu", "-m", "tiny-gpt", "--global-batch", "16",
+                             "--out", fifo)
+    assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    assert "FIFO" in err and str(fifo) in err
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and not (tmp_path / "plan.json.tmp").exists()
+
+
+def _saved(tmp_path):
+    plan = build_plan(load_cluster("local-cpu"), load_model("tiny-gpt"), TrainingSpec(global_batch=16),
+                      Layout(tp=2, pp=2, dp=2))
+    path = tmp_path / "saved.json"
+    save_plan(plan, path)
+    return path

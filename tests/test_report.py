@@ -225,3 +225,77 @@ def test_a_damaged_segments_file_is_one_line_naming_the_field(tmp_path, capsys, 
     err = capsys.readouterr().err
     assert info.value.code == 2 and "segments.jsonl: segment 1" in err and field in err
     assert "Traceback" not in err
+
+
+# ---- red team of issue 19: every number report reads is finite and physical ----------------------
+def report_refuses(tmp_path, capsys, fragment: str) -> str:
+    with pytest.raises(SystemExit) as info:
+        main(["report", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert info.value.code == 2, (out, err)
+    assert "internal error" not in err and "Traceback" not in err and "inf" not in out
+    assert err.startswith("error: ") and fragment in err, err
+    return err
+
+
+def rewrite_metrics(tmp_path, edit):
+    path = tmp_path / "metrics.jsonl"
+    steps = [json.loads(line) for line in path.read_text().splitlines()]
+    edit(steps)
+    path.write_text("".join(json.dumps(s) + "\n" for s in steps))
+
+
+@pytest.mark.parametrize("step", [None, -1, "2", 1e13])
+def test_a_bad_step_number_is_one_error_line(tmp_path, capsys, step):
+    make_run(tmp_path)
+    write_segments(tmp_path, {"first_step": 1})
+    rewrite_metrics(tmp_path, lambda steps: steps[1].update(step=step))
+    report_refuses(tmp_path, capsys, "metrics.jsonl: line 2: step")
+
+
+@pytest.mark.parametrize("field, value", [("step_time_s", 1e308), ("step_time_s", 1e10), ("tokens_per_s", 1e300),
+                                          ("phases_s", {"forward_backward": 1.7e308})])
+def test_a_summary_value_past_its_physical_bound_is_refused(tmp_path, capsys, field, value):
+    make_run(tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    (tmp_path / "summary.json").write_text(json.dumps({**summary, field: value}))
+    report_refuses(tmp_path, capsys, f"summary.json: {field}")
+
+
+def test_a_summary_rank_with_exabytes_is_refused(tmp_path, capsys):
+    make_run(tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary["ranks"][3]["peak_memory_bytes"] = 1.7e308
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    report_refuses(tmp_path, capsys, "ranks.3.peak_memory_bytes")
+
+
+@pytest.mark.parametrize("edit", [lambda s: s.update(step_time_s=1.7e308),
+                                  lambda s: s.update(phases_s={"forward_backward": 1.7e308})])
+def test_metrics_past_their_physical_bound_are_refused(tmp_path, capsys, edit):
+    make_run(tmp_path, with_summary=False)
+    rewrite_metrics(tmp_path, lambda steps: [edit(s) for s in steps])
+    report_refuses(tmp_path, capsys, "metrics.jsonl: line 1")
+
+
+@pytest.mark.parametrize("key, path", [("step_time_s", ()), ("time_s", ("compute",)), ("memory_bytes", ("weights",)),
+                                       ("tokens_per_s", ())])
+def test_a_plan_estimate_past_its_bounds_is_refused_even_with_its_digest_recomputed(tmp_path, capsys, key, path):
+    from plan3d.plan import content_digest
+
+    make_run(tmp_path)
+    data = json.loads((tmp_path / "plan.json").read_text())
+    target = data["estimate"]
+    for part in (key, *path)[:-1]:
+        target = target[part]
+    target[(key, *path)[-1]] = 1e308
+    data["digest"] = content_digest(data)
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    report_refuses(tmp_path, capsys, f"estimate.{'.'.join((key, *path))}")
+
+
+def test_a_measurement_near_zero_gives_no_infinite_prediction_error():
+    from plan3d.report_run import prediction_error, row
+
+    assert prediction_error(1e9, 5e-324) is None and row("step time", 1e9, 5e-324, "s")["error"] is None
+    assert prediction_error(1.1, 1.0) == pytest.approx(0.1)

@@ -25,6 +25,10 @@ DEBUG_ENV = "PLAN3D_DEBUG"
 
 def main(argv: list[str] | None = None) -> None:
     from plan3d.errors import EXIT_BAD_INPUT, EXIT_FAILED, Plan3dError, os_error_message
+    from plan3d.render.units import printable
+
+    def say(text: str) -> None:  # every line on stderr escaped: a path or key from a file is one line
+        print(printable(text), file=sys.stderr)
 
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or bool(os.environ.get(DEBUG_ENV))
@@ -35,16 +39,16 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             raise
         for line in err.lines():
-            print(f"error: {line}", file=sys.stderr)
+            say(f"error: {line}")
         sys.exit(err.exit_code)
     except _usage_error_types() as err:  # typer/click: unknown option, bad value, missing argument
         if err.__class__.__name__ != "NoArgsIsHelpError":  # that one has printed the help already
-            print(f"error: {_usage_message(err)}", file=sys.stderr)
+            say(f"error: {_usage_message(err)}")
         sys.exit(getattr(err, "exit_code", EXIT_BAD_INPUT))
     except OSError as err:  # a path the user gave: missing folder, no permission, a directory
         if debug:
             raise
-        print(f"error: {os_error_message(err)}", file=sys.stderr)
+        say(f"error: {os_error_message(err)}")
         sys.exit(EXIT_BAD_INPUT)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -52,8 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as err:  # a bug: one line, the traceback on request
         if debug:
             raise
-        print(f"internal error: {err.__class__.__name__}: {err} (run with --debug for the traceback; "
-              "please report it)", file=sys.stderr)
+        say(f"internal error: {err.__class__.__name__}: {err} (run with --debug for the traceback; "
+            "please report it)")
         sys.exit(EXIT_FAILED)
     sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
 

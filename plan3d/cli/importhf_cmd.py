@@ -23,7 +23,7 @@ def import_hf_cmd(
 ) -> None:
     """Convert a Hugging Face config.json (Llama, Mistral, Qwen2, GPT-2, GPT-NeoX, OPT, BLOOM...) to a model spec."""
     from plan3d.cost.params import total_params
-    from plan3d.render.units import count
+    from plan3d.render.units import count, printable
     from plan3d.specs.hf import model_yaml, read_hf
 
     require_positive("seq_len", seq_len)
@@ -31,7 +31,7 @@ def import_hf_cmd(
     spec = imported.spec
     remarks = [f"note: {n}" for n in imported.notes] + [f"warning: {w}" for w in imported.warnings]
     for remark in remarks:  # stderr, so the YAML on stdout stays a clean file
-        print(remark, file=sys.stderr)
+        print(printable(remark), file=sys.stderr)
     text = model_yaml(spec, Path(config).name, remarks)
     if output is None:
         print(text, end="")
@@ -40,5 +40,5 @@ def import_hf_cmd(
         output.write_text(text)
     except OSError as err:
         raise SpecError(str(output), [f"cannot be written ({err.strerror}); choose another -o path"]) from err
-    print(f"wrote {output}: model {spec.name!r}, {count(total_params(spec))} parameters, "
+    print(f"wrote {printable(str(output))}: model {spec.name!r}, {count(total_params(spec))} parameters, "
           f"{spec.layers} layers, hidden {spec.hidden}")

@@ -7,13 +7,19 @@ from pathlib import Path
 from typing import Callable
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from plan3d.render.units import gib, ms
+from plan3d.render.units import gib, ms, printable
 
 TIME_LABELS = {"compute": "compute", "recompute": "recompute", "bubble": "pipeline bubble",
                "tp_comm": "TP comm", "pp_comm": "PP comm", "dp_comm": "DP comm (exposed)",
                "zero_comm": "ZeRO-3 gathers (exposed)", "optimizer": "optimizer step"}
+
+
+def _plain(text: str) -> str:
+    """Text from a run directory or a path, shown as written: one line, no rich markup."""
+    return escape(printable(text))
 
 
 def fmt(value, unit: str) -> str:
@@ -43,7 +49,7 @@ def _si(value: float, unit: str) -> str:
 
 
 def report_table(report) -> Table:
-    table = Table(title=f"measured vs predicted: {report.layout} ({report.run_dir})")
+    table = Table(title=f"measured vs predicted: {report.layout} ({_plain(report.run_dir)})")
     for name, justify in (("term", "left"), ("predicted", "right"), ("measured", "right"),
                           ("prediction error", "right")):
         table.add_column(name, justify=justify)
@@ -96,7 +102,7 @@ def segment_line(number: int, segment: dict) -> str:
 def print_segments(segments: list[dict], console: Console) -> None:
     console.print(f"[bold]{len(segments)} launches (segments)[/bold]")
     for number, segment in enumerate(segments, 1):
-        console.print(segment_line(number, segment), highlight=False)
+        console.print(_plain(segment_line(number, segment)), highlight=False)
 
 
 def print_report(report, console: Console | None = None) -> None:
@@ -107,7 +113,7 @@ def print_report(report, console: Console | None = None) -> None:
     if report.predicted_time_s:
         console.print(breakdown_table(report.predicted_time_s))
     for note in report.notes:
-        console.print(f"[dim]note: {note}[/dim]")
+        console.print(f"[dim]note: {_plain(note)}[/dim]")
 
 
 def print_calibration(rows: list[dict], spec: Path, measurements: Path | None, console: Console | None = None) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typing
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 # Generous but physical ranges, in the units of the field names (docs/specs.md, "Bounds").
 MEMORY_GIB = dict(ge=1e-3, le=1e6)  # 1 MiB .. ~1 PiB per device
@@ -23,6 +23,54 @@ OVERHEAD_S = dict(ge=0, le=1e3)
 BYTES_PER_ELEMENT = dict(ge=0, le=1e6)
 FLOPS = dict(ge=0, le=1e18)
 COUNT = dict(ge=1, le=1_000_000)
+
+
+NAME_MAX_CHARS = 200
+TEXT_MAX_CHARS = 2000
+
+
+def _one_line_problem(value: str, max_chars: int) -> str | None:
+    """Why `value` is not one line of printable text (a control character, a line or paragraph
+    separator, a zero-width format character, a non-ASCII space), or None."""
+    if len(value) > max_chars:
+        return f"is {len(value):,} characters long; at most {max_chars:,}"
+    bad = next((i for i, ch in enumerate(value) if not ch.isprintable()), None)
+    if bad is not None:
+        return (f"holds the control character {ascii(value[bad])} at position {bad}; "
+                "write one line of printable text")
+    return None
+
+
+def _check_name(value: str) -> str:
+    """A spec name: one line of printable text that starts with a letter or digit (so it can
+    neither begin an output line of its own, e.g. a GitHub `::error::` workflow command, nor
+    hide in whitespace). Unicode letters are welcome: 'Llama 3.1 (8B)', 'modèle-7b'."""
+    problem = _one_line_problem(value, NAME_MAX_CHARS)
+    if problem is None and not (value[:1].isalnum() and not value[-1:].isspace()):
+        problem = "must start with a letter or digit and not end with a space"
+    if problem:
+        raise ValueError(f"the name {_quoted(value)} {problem}, e.g. 'llama3-8b'")
+    return value
+
+
+def _check_text(value: str) -> str:
+    """Free text of a spec (description, source, fitted_on): one line of printable text."""
+    problem = _one_line_problem(value, TEXT_MAX_CHARS)
+    if problem:
+        raise ValueError(f"the text {_quoted(value)} {problem}")
+    return value
+
+
+def _quoted(value: str) -> str:
+    """`value` quoted for an error message, escaped and cut short."""
+    text = ascii(value) if not value.isprintable() else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# The one rule for every spec's `name` (model, GPU, cluster, network tier, engine) and for the
+# free text a spec carries; docs/specs.md, "Names and text".
+Name = typing.Annotated[str, AfterValidator(_check_name)]
+Text = typing.Annotated[str, AfterValidator(_check_text)]
 
 
 def bounded(default=..., bounds: dict | None = None, **kwargs):

@@ -17,8 +17,8 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
-from plan3d.specs.base import (EFFICIENCY, GBIT_PER_S, GBYTES_PER_S, LATENCY_US, FrozenModel, StrictModel,
-                               bounded)
+from plan3d.specs.base import (EFFICIENCY, GBIT_PER_S, GBYTES_PER_S, LATENCY_US, FrozenModel, Name, StrictModel,
+                               Text, bounded)
 from plan3d.specs.gpu import GPUSpec
 
 
@@ -78,7 +78,7 @@ class NetworkTier(StrictModel):
     defaults to the node; GB200 NVL72 sets 72); the outermost tier leaves it empty (the cluster).
     """
 
-    name: str
+    name: Name
     domain_gpus: PositiveInt | None = Field(None, le=MAX_NODES * MAX_GPUS_PER_NODE)
     bandwidth: Bandwidth
     latency_us: float = bounded(..., LATENCY_US)
@@ -101,7 +101,7 @@ class NetworkTier(StrictModel):
 class ResolvedTier(FrozenModel):
     """A tier in SI units with its domain size filled in."""
 
-    name: str
+    name: Name
     domain_gpus: int
     bandwidth_bytes_per_s: float
     latency_s: float
@@ -129,8 +129,8 @@ def _gpu_by_name_too(schema: dict) -> None:
 class ClusterSpec(StrictModel):
     model_config = ConfigDict(json_schema_extra=_gpu_by_name_too)
 
-    name: str
-    description: str = ""
+    name: Name
+    description: Text = ""
     nodes: PositiveInt = Field(le=MAX_NODES)
     gpus_per_node: PositiveInt = Field(le=MAX_GPUS_PER_NODE)
     cpu_cores_per_node: PositiveInt | None = Field(
@@ -138,7 +138,7 @@ class ClusterSpec(StrictModel):
         "a rank idle in the pipeline bubble hands its core to busy ones (plan3d calibrate writes it).")
     gpu: GPUSpec
     network: list[NetworkTier] = Field(min_length=1)
-    source: str = ""
+    source: Text = ""
 
     @field_validator("gpu", mode="before")
     @classmethod

@@ -23,7 +23,7 @@ from pydantic import Field, field_validator
 
 from plan3d.errors import LayoutError
 from plan3d.layout import DEFAULT_ORDER, Layout, parse_order
-from plan3d.specs.base import BYTES_PER_ELEMENT, EFFICIENCY, FRACTION, OVERHEAD_S, StrictModel, bounded
+from plan3d.specs.base import BYTES_PER_ELEMENT, EFFICIENCY, FRACTION, OVERHEAD_S, Name, StrictModel, Text, bounded
 from plan3d.specs.model import ModelSpec
 
 Recompute = Literal["none", "selective", "full"]
@@ -84,7 +84,7 @@ class RunsAs(StrictModel):
     tp_overlap_fraction: float = bounded(0.0, FRACTION, description="Share of the tensor-parallel "
                                        "collectives hidden behind the layer's GEMMs (Megatron-Core --tp-comm-overlap "
                                        "with Transformer Engine userbuffers); 0: blocking.")
-    fused: list[str] = Field(default_factory=list, description="Fused kernels (documentation).")
+    fused: list[Text] = Field(default_factory=list, description="Fused kernels (documentation).")
 
 
 class SoftwareEfficiency(StrictModel):
@@ -98,23 +98,23 @@ class SoftwareEfficiency(StrictModel):
     gemm_efficiency_scale: float = bounded(1.0, EFFICIENCY, description="The share of the GPU's GEMM ceiling "
                                          "(compute_efficiency.max_fraction) the engine's kernels reach: older "
                                          "PyTorch/cuBLAS, unfused bias adds and layout copies around its GEMMs.")
-    fitted_on: str = Field("", description="The data the values were fitted on (empty: not fitted).")
+    fitted_on: Text = Field("", description="The data the values were fitted on (empty: not fitted).")
     calibrated_zero: list[Literal[0, 1, 2, 3]] = Field(
         default_factory=list, description="ZeRO stages of the runs the values were fitted on; a layout with "
         "another stage is flagged as outside the validated region (empty: not stated).")
-    calibrated_gpus: list[str] = Field(default_factory=list, description="GPU specs (by name) of the runs the "
+    calibrated_gpus: list[Name] = Field(default_factory=list, description="GPU specs (by name) of the runs the "
                                        "values were fitted on; on other GPUs a prediction is flagged as outside "
                                        "the validated region.")
 
 
 class EngineSpec(StrictModel):
-    name: str
-    description: str = ""
-    version: str = Field("", description="The releases the profile describes.")
+    name: Name
+    description: Text = ""
+    version: Text = Field("", description="The releases the profile describes.")
     can_run: CanRun = CanRun()
     runs_as: RunsAs = RunsAs()
     efficiency: SoftwareEfficiency = SoftwareEfficiency()
-    source: str = ""
+    source: Text = ""
 
     def software_values(self) -> dict[str, float]:
         """The fitted values the engine sets (the rest come from the GPU spec)."""

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 
 from plan3d.specs.base import (BYTES_PER_ELEMENT, EFFICIENCY, FLOPS, FRACTION, MEMORY_GIB, OVERHEAD_S,
-                               TBYTES_PER_S, TFLOPS, StrictModel, bounded)
+                               TBYTES_PER_S, TFLOPS, Name, StrictModel, Text, bounded)
 
 GIB = 2**30
 Dtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
@@ -49,12 +49,12 @@ class ComputeEfficiency(StrictModel):
     micro_batch_overhead_s: float = bounded(0.0, OVERHEAD_S)
     dp_overlap_fraction: float = bounded(0.8, FRACTION)
     host_overlap: bool = True
-    fitted_on: str = Field("", description="The measured data these values were fitted on (empty: datasheet "
+    fitted_on: Text = Field("", description="The measured data these values were fitted on (empty: datasheet "
                            "defaults, not calibrated).")
 
 
 class GPUSpec(StrictModel):
-    name: str
+    name: Name
     memory_gib: float = bounded(..., MEMORY_GIB, description="Device memory in GiB (2^30 bytes).")
     peak_tflops: dict[Dtype, Annotated[float, Field(**TFLOPS)]] = Field(
         description="Dense (no sparsity) peak tensor throughput per dtype, in TFLOP/s (1e12); at least one of "
@@ -66,7 +66,7 @@ class GPUSpec(StrictModel):
         "allocator fragmentation. A property of the device and its software stack."
     )
     compute_efficiency: ComputeEfficiency = ComputeEfficiency()
-    source: str = ""
+    source: Text = ""
 
     @field_validator("peak_tflops")
     @classmethod

@@ -23,6 +23,7 @@ out; BLOOM's embedding LayerNorm and OPT's two extra learned positions are not c
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from typing import Any
 import yaml
 
 from plan3d.errors import SpecError, SpecNotFound
+from plan3d.render.units import printable
 from plan3d.specs.loader import read_mapping, validate
 from plan3d.specs.model import ModelSpec
 
@@ -138,7 +140,7 @@ def spec_fields(config: dict, source: str, name: str, seq_len: int | None = None
         del fields["head_dim"]  # the default: keep the spec minimal
     if _moe(config):
         fields["moe"] = _moe(config)
-    return {"name": name, **fields, "source": f"Hugging Face config.json, model_type {model_type}"}
+    return {"name": name, **fields, "source": f"Hugging Face config.json, model_type {printable(model_type)[:100]}"}
 
 
 def _context_limit(config: dict, defaults: dict) -> tuple[int | None, str]:
@@ -205,11 +207,21 @@ def bias_warning(config: dict, spec: ModelSpec) -> str | None:
             f"({spec.layers} layers x {count // spec.layers:,})")
 
 
+NAME_CHARS_MAX = 100
+
+
 def default_name(path: Path, config: dict) -> str:
-    """`_name_or_path` (its last part), else the folder holding config.json, else the model_type."""
+    """`_name_or_path` (its last part), else the folder holding config.json, else the model_type,
+    made a safe spec name: only [a-z0-9._-] (every other run of characters becomes one '-'),
+    starting and ending with a letter or digit; 'model' if nothing is left. A folder or config
+    value is data, never a line of the spec file."""
     named = str(config.get("_name_or_path") or "").rstrip("/").split("/")[-1]
     folder = path.resolve().parent.name if path.name == "config.json" else path.stem
-    return (named or folder or str(config.get("model_type", "model"))).lower()
+    for raw in (named, folder, str(config.get("model_type") or "")):
+        safe = re.sub(r"[^a-z0-9._-]+", "-", raw.lower())[:NAME_CHARS_MAX].strip("._-")
+        if safe:
+            return safe
+    return "model"
 
 
 def read_hf(path_str: str, name: str | None = None, seq_len: int | None = None) -> HfImport:
@@ -245,6 +257,6 @@ def import_hf(path_str: str, name: str | None = None, seq_len: int | None = None
 def model_yaml(spec: ModelSpec, origin: str, remarks: list[str] = ()) -> str:
     """The spec as a YAML file a user can edit, with a header naming where it came from and `remarks`."""
     body = yaml.safe_dump(spec.model_dump(exclude_none=True), sort_keys=False)
-    header = [f"# Imported by `plan3d import-hf` from {origin}; check it and cite the model card."]
-    header += [f"# {remark}" for remark in remarks]
+    header = [f"# Imported by `plan3d import-hf` from {printable(origin)}; check it and cite the model card."]
+    header += [f"# {printable(remark)}" for remark in remarks]  # escaped: a comment stays one line
     return "\n".join(header) + "\n" + body

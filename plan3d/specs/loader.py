@@ -7,6 +7,9 @@ The one validation boundary of every file a command reads (specs, jobs, plans, r
   integer with a leading zero (`040`, octal 32 in YAML 1.1, 40 in YAML 1.2) is refused as
   ambiguous; timestamps stay strings; a key given twice in one mapping is an error.
 - JSON: a key given twice, `NaN` and `Infinity` are errors.
+- Only a regular file is read (a FIFO, /dev/zero or a terminal would never end), and only up to
+  MAX_SPEC_BYTES (specs, jobs) or MAX_RUN_FILE_BYTES (plans and run-directory files, which list
+  every rank), checked before reading.
 - Whatever the syntax, the data must be JSON data (mappings with string keys, lists, strings,
   finite numbers, booleans, null), at most MAX_DEPTH levels deep and MAX_VALUES values in all.
 - Models are validated strictly (`validate`): no bool -> int, str -> int or float -> int coercion.
@@ -15,14 +18,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
 from pathlib import Path
 from typing import TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from plan3d.errors import SpecError, SpecNotFound
+from plan3d.errors import SpecError, SpecNotFound, special_file_kind
 
 M = TypeVar("M", bound=BaseModel)
 # pydantic's strict type errors, whose message gains the value given ('got True', 'got "2"')
@@ -31,6 +36,8 @@ STRICT_TYPE_ERRORS = ("int_type", "float_type", "bool_type", "string_type", "lit
 MAX_DEPTH = 32  # specs nest 5 levels, a plan 6; a bound that keeps a hostile file from recursing
 MAX_VALUES = 20_000_000  # keeps YAML aliases from expanding to billions of values (a plan of 131072 ranks holds ~3M)
 JSON_TYPES = (dict, list, str, int, float, bool, type(None))
+MAX_SPEC_BYTES = 16 * 2**20  # a spec or job file is a few kB; docs/specs.md, "Strict reading"
+MAX_RUN_FILE_BYTES = 256 * 2**20  # a plan of 131072 ranks is ~32 MiB, a run's metrics ~300 bytes a step
 
 
 class _SpecLoader(yaml.SafeLoader):
@@ -106,17 +113,53 @@ def loads_json(text: str):
     return json.loads(text, object_pairs_hook=_json_object, parse_constant=_json_constant)
 
 
-def read_mapping(path: Path) -> dict:
+def read_mapping(path: Path, max_bytes: int = MAX_SPEC_BYTES) -> dict:
     """Parse a YAML or JSON file into a mapping, or raise a one-line SpecError."""
     if not path.exists():
         raise SpecNotFound(f"{path}: no such file; give a path to a spec file or a bundled name (plan3d specs list)")
-    if path.is_dir():
-        raise SpecError(str(path), ["is a directory, not a spec file"])
+    return parse_mapping(read_text(path, max_bytes), str(path), json_only=path.suffix == ".json")
+
+
+def read_text(path: Path, max_bytes: int = MAX_SPEC_BYTES, errors: str = "strict") -> str:
+    """The text of `path` (UTF-8, universal newlines) if it is a regular file of at most
+    `max_bytes`; anything else (a directory, a FIFO, a device such as /dev/zero, a socket, a
+    larger file) is a one-line SpecError, raised before a byte is read (so nothing blocks)."""
     try:
-        text = path.read_text()
+        _check_regular(path, os.stat(path), max_bytes)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO swapped in meanwhile: no wait
+        with os.fdopen(fd, "rb") as file:
+            _check_regular(path, os.fstat(file.fileno()), max_bytes)
+            data = file.read(max_bytes + 1)
+        if len(data) > max_bytes:
+            raise SpecError(str(path), [_too_large(max_bytes)])
+        text = data.decode("utf-8", errors=errors)
     except (OSError, UnicodeDecodeError) as err:
         raise SpecError(str(path), [f"cannot be read ({err.__class__.__name__}: {err})"]) from err
-    return parse_mapping(text, str(path), json_only=path.suffix == ".json")
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def check_file(path: Path, max_bytes: int = MAX_SPEC_BYTES) -> None:
+    """Raise read_text's one-line SpecError if `path` (which exists) is no regular file of at most
+    `max_bytes`, for a reader elsewhere (the runtime's own jsonl readers), without reading it."""
+    try:
+        _check_regular(path, os.stat(path), max_bytes)
+    except OSError as err:
+        raise SpecError(str(path), [f"cannot be read ({err.__class__.__name__}: {err})"]) from err
+
+
+def _check_regular(path: Path, info: os.stat_result, max_bytes: int) -> None:
+    if stat.S_ISDIR(info.st_mode):
+        raise SpecError(str(path), ["is a directory, not a spec file"])
+    if not stat.S_ISREG(info.st_mode):
+        kind = special_file_kind(info.st_mode)
+        raise SpecError(str(path), [f"is {kind}, not a regular file; give the path of a file"])
+    if info.st_size > max_bytes:
+        raise SpecError(str(path), [_too_large(max_bytes, info.st_size)])
+
+
+def _too_large(max_bytes: int, size: int | None = None) -> str:
+    held = f" ({size:,} bytes)" if size is not None else ""
+    return f"is larger than {max_bytes // 2**20} MiB{held}, the most plan3d reads of such a file; is it the right file?"
 
 
 def parse_mapping(text: str, source: str, json_only: bool = False) -> dict:

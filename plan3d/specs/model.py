@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import Field, PositiveInt, model_validator
 
-from plan3d.specs.base import StrictModel
+from plan3d.specs.base import Name, StrictModel, Text
 
 
 class MoESpec(StrictModel):
@@ -24,7 +24,7 @@ class MoESpec(StrictModel):
 
 
 class ModelSpec(StrictModel):
-    name: str
+    name: Name
     layers: PositiveInt = Field(le=100_000)  # the bounds stop typos (1e30) long before real models
     hidden: PositiveInt = Field(le=10_000_000)
     heads: PositiveInt = Field(le=1_000_000)
@@ -45,7 +45,7 @@ class ModelSpec(StrictModel):
     default_global_batch: PositiveInt | None = Field(
         None, le=1_000_000_000, description="Global batch (sequences) it was trained with; used when none is given."
     )
-    source: str = ""
+    source: Text = ""
 
     @model_validator(mode="after")
     def _shapes_agree(self) -> "ModelSpec":

@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import Field, PositiveInt
 
-from plan3d.specs.base import MEMORY_GIB, StrictModel, bounded
+from plan3d.specs.base import MEMORY_GIB, StrictModel, Text, bounded
 
 
 class TrainingSpec(StrictModel):
@@ -20,4 +20,4 @@ class TrainingSpec(StrictModel):
     reserved_memory_gib: float | None = bounded(
         None, dict(MEMORY_GIB, ge=0), description="Overrides the GPU spec's reserved_memory_gib (memory no formula sees)."
     )
-    source: str = ""
+    source: Text = ""

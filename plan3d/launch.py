@@ -66,6 +66,32 @@ def runtime_problems(plan: Plan) -> list[str]:
     return problems
 
 
+def predicted_memory(plan: Plan) -> tuple[float, float, int]:
+    """(peak bytes of the fullest rank, usable bytes per rank, its pipeline rank): the plan's own
+    estimate, or the cost model's for plan3d's runtime when the plan carries none."""
+    est = plan.estimate
+    if not all(k in est for k in ("peak_memory_bytes", "capacity_bytes")):
+        from plan3d.cost.estimate import estimate
+        from plan3d.specs.catalog import RUNTIME_ENGINE, load_engine
+
+        est = estimate(plan.cluster, plan.model, plan.training, plan.layout, load_engine(RUNTIME_ENGINE)).to_dict()
+    return float(est["peak_memory_bytes"]), float(est["capacity_bytes"]), int(est.get("worst_pp_rank", 0))
+
+
+def memory_problem(plan: Plan) -> str | None:
+    """Why the plan's ranks would not fit in memory, or None. Per rank against the device memory of
+    the cluster spec less its reserve (a CPU cluster's spec gives each rank process its share of
+    host memory the same way; no spec holds a node's host memory as a whole)."""
+    peak, usable, worst = predicted_memory(plan)
+    if peak <= usable:
+        return None
+    gpu, gib = plan.cluster.gpu, 2**30
+    return (f"{plan.layout.short()} does not fit: the plan predicts {peak / gib:.1f} GiB on pipeline rank {worst} "
+            f"against {usable / gib:.1f} GiB usable of the {gpu.memory_gib:g} GiB per rank ({gpu.name}) of "
+            f"{plan.cluster.name}, so the ranks would exhaust memory; choose a layout that fits (plan3d recommend) "
+            "or pass --allow-oversubscribe to start it anyway")
+
+
 def node_layout(plan: Plan, nnodes: int, node_rank: int) -> int:
     """Ranks per node; raises when nnodes/node_rank cannot place the plan's world."""
     world, gpn = plan.layout.world_size, int(plan.rankmap["gpus_per_node"])

@@ -20,7 +20,7 @@ from a second generator over the same ranks with axes tp, ep, dp' = dp*cp/ep, pp
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cached_property, lru_cache
 
 import numpy as np
@@ -57,6 +57,20 @@ def _axis_groups(sizes: dict[str, int], axes: tuple[str, ...], names: tuple[str,
     return grid.transpose(fixed + varying).reshape(-1, group_size)
 
 
+# The dense group kinds and the axes each spans; `RankMap` adds "embedding", "ep" and "edp".
+DENSE_GROUPS = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",),
+                "dp_cp": ("cp", "dp"), "tp_cp": ("tp", "cp"), "mp": ("tp", "pp")}
+
+
+def group_shapes(layout: Layout) -> dict[str, tuple[int, int]]:
+    """(groups, members per group) of every group kind of `layout`'s rank map, without building it."""
+    world, sizes = layout.world_size, {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "pp": layout.pp}
+    members = {name: int(np.prod([sizes[a] for a in axes])) for name, axes in DENSE_GROUPS.items()}
+    members |= {"ep": layout.ep, "edp": layout.dp * layout.cp // layout.ep}
+    shapes = {name: (world // size, size) for name, size in members.items()}
+    return shapes | {"embedding": (world // layout.pp, 2 if layout.pp > 1 else 1)}  # first and last stage
+
+
 class RankMap:
     """Every rank's coordinates and placement, and the member lists of every group."""
 
@@ -82,11 +96,7 @@ class RankMap:
 
     @cached_property
     def _group_arrays(self) -> dict[str, np.ndarray]:
-        dense = {
-            "tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",),
-            "dp_cp": ("cp", "dp"), "tp_cp": ("tp", "cp"), "mp": ("tp", "pp"),
-        }
-        out = {name: _axis_groups(self._sizes, self._axes, axes) for name, axes in dense.items()}
+        out = {name: _axis_groups(self._sizes, self._axes, axes) for name, axes in DENSE_GROUPS.items()}
         out["embedding"] = self._embedding_groups(out["pp"])
         out.update(self._expert_groups())
         return out
@@ -112,10 +122,8 @@ class RankMap:
             size = self._sizes[axis]
             table[:, "tp cp ep dp pp".split().index(axis)] = (np.arange(self.world_size) // stride) % size
             stride *= size
-        ep_row = np.empty(self.world_size, dtype=np.int64)
-        for index, members in enumerate(self.group_array("ep")):
-            ep_row[members] = np.arange(len(members))
-        table[:, 2] = ep_row
+        ep_groups = self.group_array("ep")
+        table[ep_groups, 2] = np.arange(ep_groups.shape[1])  # a rank's ep coordinate: its place in its ep group
         return table
 
     def coords(self, rank: int) -> RankCoord:
@@ -124,8 +132,13 @@ class RankMap:
         tp, cp, ep, dp, pp = (int(v) for v in self._coord_table[rank])
         return RankCoord(rank, rank // self.gpus_per_node, rank % self.gpus_per_node, tp, cp, ep, dp, pp)
 
-    def all_coords(self) -> list[RankCoord]:
-        return [self.coords(r) for r in range(self.world_size)]
+    def all_coords(self, limit: int | None = None) -> list[RankCoord]:
+        """Coordinates of ranks 0, 1, ... (the first `limit` of them when given); one numpy pass,
+        not one `coords` call per rank (a million ranks: 1 s instead of 12 s)."""
+        count = self.world_size if limit is None else min(limit, self.world_size)
+        gpn, ranks = self.gpus_per_node, range(count)
+        rows = self._coord_table[:count].tolist()
+        return [RankCoord(r, r // gpn, r % gpn, tp, cp, ep, dp, pp) for r, (tp, cp, ep, dp, pp) in zip(ranks, rows)]
 
     def rank_of(self, tp: int = 0, pp: int = 0, dp: int = 0, cp: int = 0) -> int:
         coord = {"tp": tp, "cp": cp, "ep": 0, "dp": dp, "pp": pp}
@@ -213,3 +226,38 @@ def placement_warnings(rankmap: RankMap, tiers: list[ResolvedTier]) -> list[str]
             out.append(f"{name.upper()} group spans {nodes} nodes and runs over {tiers[tier].name!r} instead of "
                        f"{tiers[0].name!r}: keep {name} <= {tiers[0].domain_gpus} GPUs and {name} early in the order")
     return out
+
+
+def rankmap_json_values(layout: Layout) -> int:
+    """How many JSON values `plan3d.plan.rankmap_dict` of `layout` holds, counted as the plan loader
+    counts them (a list or mapping is one value plus its items), without building it.
+
+    One mapping of order, world size and GPUs per node; one mapping of 8 fields per rank; per group
+    kind, a list of world/size groups of `size` members."""
+    world, per_rank = layout.world_size, 1 + len(fields(RankCoord))
+    groups = sum(1 + count * (1 + size) for count, size in group_shapes(layout).values())
+    return 1 + 3 + (1 + world * per_rank) + (1 + groups)
+
+
+MAX_LISTED_RANKS = 131_072  # a listing of every rank (rankmap json/csv, a plan): the largest real clusters
+PLAN_OTHER_VALUES = 100_000  # what a plan holds besides its rank map (specs, estimate): a few hundred values
+
+
+def require_loadable_plan(layout: Layout) -> None:
+    """Refuse, before building it, a plan listing more than MAX_LISTED_RANKS ranks (131,072 ranks:
+    ~4 s to write, 45 MB) or one whose rank map the plan loader would refuse (it reads at most
+    `plan3d.specs.loader.MAX_VALUES` JSON values per file; 625,000 ranks take 23 s and 220 MB)."""
+    from plan3d.errors import LayoutError
+    from plan3d.specs.loader import MAX_VALUES
+
+    if layout.world_size > MAX_LISTED_RANKS:
+        raise LayoutError(f"--out: the plan of {layout.short()} would list {layout.world_size:,} ranks, more than a "
+                          f"plan lists (at most {MAX_LISTED_RANKS:,}, the largest real clusters); use fewer --nodes "
+                          "or drop --out and read the table")
+    values = rankmap_json_values(layout)
+    if values + PLAN_OTHER_VALUES > MAX_VALUES:
+        per_rank = values / layout.world_size
+        fits = int((MAX_VALUES - PLAN_OTHER_VALUES) / per_rank)
+        raise LayoutError(f"--out: the plan of {layout.short()} lists {layout.world_size:,} ranks ({values:,} values), "
+                          f"more than a plan file may hold ({MAX_VALUES:,} values), so emit and launch could not read "
+                          f"it; use fewer --nodes (about {fits:,} ranks fit) or drop --out")

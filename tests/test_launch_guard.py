@@ -119,3 +119,34 @@ def test_a_full_disk_is_diagnosed_from_the_launcher(tmp_path, monkeypatch):
         check_free_space(tmp_path)
     rank, message = diagnose(tmp_path, "", 8)
     assert rank is None and "no space left" in message and "--run-dir" in message
+
+
+def test_a_layout_that_does_not_fit_in_memory_is_refused_before_any_rank_starts(tmp_path, capsys):
+    """llama3-8b on 8 CPU processes of 2 GiB: ~196 GiB per rank predicted; a dry run is refused too."""
+    for dry in (["--dry-run"], []):
+        code, err = _launch(capsys, "-c", "local-cpu", "-m", "llama3-8b", "--dp", "8", "--run-dir", str(tmp_path / "r"),
+                            *dry)
+        assert code == 1 and len(err.strip().splitlines()) == 1, err
+        assert "does not fit" in err and "GiB" in err and "--allow-oversubscribe" in err
+        assert not (tmp_path / "r").exists()
+
+
+def test_allow_oversubscribe_starts_it_anyway(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["launch", "-c", "local-cpu", "-m", "llama3-8b", "--dp", "8", "--dry-run", "--allow-oversubscribe",
+              "--run-dir", str(tmp_path / "r")])
+    assert (info.value.code or 0) == 0 and "torch.distributed.run" in capsys.readouterr().out
+
+
+def test_the_memory_check_reads_the_plans_estimate_or_the_cost_model(tmp_path):
+    from plan3d.cli.launch_cmd import _plan_from_flags
+    from plan3d.launch import memory_problem
+
+    flags = dict(tp=2, pp=2, dp=2, micro_batch=1, vpp=1, zero=0, recompute="none", sequence_parallel=False,
+                 order="tp-cp-ep-dp-pp")
+    demo = _plan_from_flags("local-cpu", "tiny-gpt", None, None, None, None, None, flags)
+    assert memory_problem(demo) is None  # the demos fit
+    assert memory_problem(demo.model_copy(update={"estimate": {}})) is None  # no estimate: the cost model's
+    big = _plan_from_flags("local-cpu", "llama3-8b", None, None, None, None, None, flags)
+    assert "does not fit" in memory_problem(big)
+    assert "does not fit" in memory_problem(big.model_copy(update={"estimate": {}}))

@@ -20,6 +20,13 @@ from plan3d.render.units import json_text
 from plan3d.errors import LaunchError, SpecError
 
 DTYPE_OF = {"cpu": "fp32", "cuda": "bf16"}
+# Bounds of the sweep's numeric flags (issue 19): a sweep past them would run for days or exhaust memory.
+MAX_NPROC = 1_024  # ranks on one machine: more than any machine has cores or GPUs
+MAX_NNODES = 1_024  # machines: the command is started on each by hand
+MAX_SIZE = 1_024  # a --tp or --micro-batch value
+MAX_LIST = 16  # values in a --tp or --micro-batch list
+MAX_SWEEP_BYTES = 16 << 30  # largest collective message: 16 GiB, past any message a layer sends
+MAX_REPEATS = 10_000  # timings per measurement
 
 
 @app.command("calibrate")
@@ -28,21 +35,21 @@ def calibrate_command(
     model: Annotated[str, typer.Option("--model", "-m", help="Model whose layer shapes the GEMM sweep uses.")] = "tiny-gpt",
     backend: Annotated[str, typer.Option("--backend", help="auto, gloo or nccl.")] = "auto",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Spec to write (YAML).")] = None,
-    nproc: Annotated[Optional[int], typer.Option("--nproc", help="Ranks to run (default: one node).")] = None,
-    tps: Annotated[str, typer.Option("--tp", help="Tensor-parallel sizes of the GEMM sweep (comma list).")] = "1,2,4,8",
-    micro_batches: Annotated[str, typer.Option("--micro-batch", help="Micro-batch sizes (comma list).")] = "1,2,4,8",
-    max_bytes: Annotated[int, typer.Option("--max-bytes", help="Largest collective message.")] = 1 << 24,
-    repeats: Annotated[int, typer.Option("--repeats", help="Timings per measurement.")] = 3,
+    nproc: Annotated[Optional[int], typer.Option("--nproc", help="Ranks to run (default: one node; at most 1,024).")] = None,
+    tps: Annotated[str, typer.Option("--tp", help="Tensor-parallel sizes of the GEMM sweep (comma list of at most 16 values, each <= 1,024).")] = "1,2,4,8",
+    micro_batches: Annotated[str, typer.Option("--micro-batch", help="Micro-batch sizes (comma list of at most 16 values, each <= 1,024).")] = "1,2,4,8",
+    max_bytes: Annotated[int, typer.Option("--max-bytes", help="Largest collective message in bytes (4096 to 16 GiB).")] = 1 << 24,
+    repeats: Annotated[int, typer.Option("--repeats", help="Timings per measurement (1 to 10,000).")] = 3,
     statistic: Annotated[str, typer.Option("--statistic", help="median, or min (best of --repeats: "
                                             "rejects interference on a shared machine).")] = "median",
     from_run: Annotated[Optional[list[Path]], typer.Option("--from-run", help="Refit from a launch's run dir.")] = None,
     fit_overheads: Annotated[bool, typer.Option("--fit-overheads", help="With --from-run: also fit the per-layer "
                                                 "and per-micro-batch overheads (one knob per extra run).")] = False,
     run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="Where the sweep writes (default runs/).")] = None,
-    nnodes: Annotated[int, typer.Option("--nnodes", help="Machines taking part (run the command on each).")] = 1,
+    nnodes: Annotated[int, typer.Option("--nnodes", help="Machines taking part (run the command on each; at most 1,024).")] = 1,
     node_rank: Annotated[int, typer.Option("--node-rank", help="This machine's index, 0..nnodes-1.")] = 0,
-    master_addr: Annotated[str, typer.Option("--master-addr", help="Address of node 0.")] = "127.0.0.1",
-    master_port: Annotated[Optional[int], typer.Option("--master-port", help="Port on node 0 (same on every node).")] = None,
+    master_addr: Annotated[str, typer.Option("--master-addr", help="Address of node 0 (a host name, an IP address or one $VARIABLE).")] = "127.0.0.1",
+    master_port: Annotated[Optional[int], typer.Option("--master-port", help="Port on node 0, 1..65535 (same on every node).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the fit as JSON.")] = False,
 ) -> None:
     """Fit compute efficiency, memory bandwidth and per-tier bandwidth/latency on this machine."""
@@ -50,11 +57,13 @@ def calibrate_command(
         return _from_runs(from_run, out, json_out, fit_overheads)
     from plan3d.specs.catalog import load_cluster
 
-    _check_sweep_flags(nproc, nnodes, node_rank, max_bytes, repeats, statistic)
+    _check_sweep_flags(nproc, nnodes, node_rank, max_bytes, repeats, statistic,
+                       {"master_addr": master_addr, "master_port": master_port, "backend": backend})
     tp_sizes, micro_batch_sizes = _ints(tps, "--tp"), _ints(micro_batches, "--micro-batch")
     base = load_cluster(cluster)
-    device = _device(backend)
     per_node = nproc if nproc is not None else base.gpus_per_node  # --nproc 0 is an error, not the default
+    _check_world(per_node, nnodes)
+    device = _device(backend)
     # The ranks as they are placed: per_node on each of nnodes machines (the spec keeps its own size).
     placed = base.with_size(nodes=nnodes, gpus_per_node=per_node)
     world = per_node * nnodes
@@ -69,21 +78,35 @@ def calibrate_command(
 
 
 def _check_sweep_flags(nproc: int | None, nnodes: int, node_rank: int, max_bytes: int, repeats: int,
-                       statistic: str) -> None:
-    """Every nonsense value is bad input before a rank starts or a run directory is made."""
+                       statistic: str, rendezvous: dict) -> None:
+    """Every nonsense value is bad input before a rank starts or a run directory is made; the flags
+    `launch` shares (nodes, rendezvous, backend) are checked by launch's own rules (`plan3d.run_flags`)."""
     from plan3d.calibrate import message_sizes
+    from plan3d.run_flags import check_run_flags
 
     smallest = message_sizes(1 << 62)[0]
     problems = [f"--{name} must be {rule}, got {value}" for name, value, ok, rule in (
-        ("nproc", nproc, nproc is None or nproc >= 1, "a positive integer"),
-        ("nnodes", nnodes, nnodes >= 1, "a positive integer"),
-        ("node-rank", node_rank, 0 <= node_rank < max(nnodes, 1), f"in 0..{max(nnodes, 1) - 1}"),
-        ("max-bytes", max_bytes, max_bytes >= smallest, f"at least {smallest} (the smallest message measured)"),
-        ("repeats", repeats, repeats >= 1, "a positive integer"),
+        ("nproc", nproc, nproc is None or 1 <= nproc <= MAX_NPROC, f"in 1..{MAX_NPROC:,}"),
+        ("nnodes", nnodes, nnodes <= MAX_NNODES, f"at most {MAX_NNODES:,}"),
+        ("max-bytes", max_bytes, smallest <= max_bytes <= MAX_SWEEP_BYTES,
+         f"in {smallest}..{MAX_SWEEP_BYTES} (4 KiB, the smallest message measured, to 16 GiB)"),
+        ("repeats", repeats, 1 <= repeats <= MAX_REPEATS, f"in 1..{MAX_REPEATS:,}"),
         ("statistic", repr(statistic), statistic in ("median", "min"), "median or min"),
     ) if not ok]
+    try:
+        check_run_flags(nnodes=nnodes, node_rank=node_rank, **rendezvous)
+    except SpecError as err:
+        problems = err.problems + problems
     if problems:
         raise SpecError("command line", problems)
+
+
+def _check_world(per_node: int, nnodes: int) -> None:
+    from plan3d.rankmap import MAX_LISTED_RANKS
+
+    if per_node * nnodes > MAX_LISTED_RANKS:
+        raise SpecError("command line", [f"--nproc x --nnodes = {per_node * nnodes:,} ranks: at most "
+                                         f"{MAX_LISTED_RANKS:,}; calibrate on fewer machines"])
 
 
 def _ints(text: str, flag: str = "") -> list[int]:
@@ -93,6 +116,9 @@ def _ints(text: str, flag: str = "") -> list[int]:
         raise SpecError("command line", [f"{flag} {text!r}: give a comma-separated list of integers, e.g. 1,2,4"]) from None
     if not values or min(values) < 1:
         raise SpecError("command line", [f"{flag} {text!r}: give positive integers, e.g. 1,2,4"])
+    if len(values) > MAX_LIST or max(values) > MAX_SIZE:
+        raise SpecError("command line", [f"{flag} {text!r}: give at most {MAX_LIST} values, each at most {MAX_SIZE:,}, "
+                                         "e.g. 1,2,4"])
     return values
 
 

@@ -14,7 +14,7 @@ from plan3d.cli.app import app
 from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, GlobalBatchOpt, GpnOpt, MicroBatchOpt, ModelOpt,
                                NodesOpt, OrderOpt, PpOpt, RecomputeOpt, SeqLenOpt, SeqParallelOpt, TpOpt,
                                VppOpt, ZeroOpt, load_specs, make_layout)
-from plan3d.errors import LaunchError, Plan3dError
+from plan3d.errors import InfeasibleError, LaunchError, Plan3dError
 from plan3d.run_flags import check_run_flags
 
 PREVIOUS_RUN = ("metrics.jsonl", "segments.jsonl", "summary.json", "checkpoints", "errors", "logs")  # what --overwrite removes
@@ -131,9 +131,12 @@ def launch_command(
     sequence_parallel: SeqParallelOpt = False, order: OrderOpt = DEFAULT_ORDER,
     nodes: NodesOpt = None, gpus_per_node: GpnOpt = None,
     precision: Annotated[Optional[str], typer.Option("--precision", help="Default fp32 on CPU clusters, else bf16.")] = None,
+    allow_oversubscribe: Annotated[bool, typer.Option("--allow-oversubscribe", help="Start a layout whose predicted "
+                                                      "peak memory per rank exceeds the cluster's memory per rank "
+                                                      "(refused otherwise, a dry run too).")] = False,
 ) -> None:
     """Train a plan's layout with the bundled runtime; print measured against predicted."""
-    from plan3d.launch import checked_data
+    from plan3d.launch import checked_data, memory_problem
     from plan3d.plan import load_plan
 
     check_run_flags(steps=steps, nnodes=nnodes, node_rank=node_rank, save_every=save_every, timeout_s=timeout_s,
@@ -144,6 +147,9 @@ def launch_command(
         flags = dict(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, vpp=vpp, zero=zero, recompute=recompute,
                      sequence_parallel=sequence_parallel, order=order)
         plan = _plan_from_flags(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision, flags)
+    problem = None if allow_oversubscribe else memory_problem(plan)
+    if problem:
+        raise InfeasibleError(problem)
     run_path = Path(run_dir or _default_run_dir(plan, nnodes))
     resume_from = _checked_resume(run_path, run_dir, resume, resume_from, overwrite)
     data_path = checked_data(plan, data) if data else None

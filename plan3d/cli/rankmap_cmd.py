@@ -11,11 +11,15 @@ from plan3d.cli.app import app
 from plan3d.cli.common import ClusterOpt, GpnOpt, NodesOpt, OrderOpt, make_layout
 from plan3d.errors import LayoutError, SpecError
 from plan3d.layout import DEFAULT_ORDER, Layout
+from plan3d.rankmap import MAX_LISTED_RANKS
 from plan3d.specs.catalog import load_cluster, require_positive
 from plan3d.specs.cluster import ClusterSpec
 
 FORMATS = ("table", "json", "csv")
-MAX_RANKS = 1 << 20  # a picture or a JSON of a million ranks is already more than anyone reads
+# Budgets, in ranks, so that every output comes back in seconds (issue 19):
+MAX_RANKS = 1 << 20  # the table: a grid of the first nodes and one row per group kind (1 M ranks: ~1 s)
+# MAX_LISTED_RANKS (plan3d.rankmap): json/csv list every rank, as a plan does (json: ~5 s, 37 MB)
+MAX_SVG_RANKS = 4_096  # a picture of more nodes is unreadable (512 nodes of 8 GPUs is already 17,000 px tall)
 
 
 @app.command("rankmap")
@@ -29,8 +33,9 @@ def rankmap(
     order: OrderOpt = DEFAULT_ORDER,
     nodes: NodesOpt = None,
     gpus_per_node: GpnOpt = None,
-    fmt: Annotated[str, typer.Option("--format", help="table, json or csv.")] = "table",
-    svg: Annotated[Optional[Path], typer.Option("--svg", help="Also write an SVG picture here.")] = None,
+    fmt: Annotated[str, typer.Option("--format", help=(
+        "table (the first nodes and every group kind), json or csv (every rank: at most 131,072 ranks)."))] = "table",
+    svg: Annotated[Optional[Path], typer.Option("--svg", help="Also write an SVG picture here (at most 4,096 ranks).")] = None,
 ) -> None:
     """Rank <-> (tp, pp, dp) coordinates, node and GPU of every rank, every group and its tier."""
     from plan3d.plan import rankmap_dict
@@ -43,6 +48,7 @@ def rankmap(
     require_positive("gpus_per_node", gpus_per_node)
     spec = load_cluster(cluster, nodes, gpus_per_node)
     layout = _fit_layout(spec, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, order=order)
+    _require_budget(layout.world_size, fmt, svg is not None)
     rmap = rankmap_for(layout, spec.gpus_per_node)
     tiers = spec.tiers()
     facts, warnings, notes = placements(rmap, tiers), placement_warnings(rmap, tiers), _notes(spec, layout)
@@ -87,6 +93,18 @@ def _fit_layout(spec: ClusterSpec, dp: int | None, **degrees) -> Layout:
         raise LayoutError(f"{layout.world_size} ranks is more than a rank map shows (at most {MAX_RANKS}); "
                           "use fewer --nodes: the placement repeats node after node")
     return layout
+
+
+def _require_budget(world: int, fmt: str, svg: bool) -> None:
+    """Refuse, before building anything, an output larger than its budget (see MAX_LISTED_RANKS)."""
+    if fmt != "table" and world > MAX_LISTED_RANKS:
+        raise LayoutError(f"--format {fmt} lists every rank: {world:,} ranks is more than it writes (at most "
+                          f"{MAX_LISTED_RANKS:,}, the largest real clusters); use fewer --nodes (the placement repeats "
+                          "node after node) or the default --format table (the first nodes and every group kind)")
+    if svg and world > MAX_SVG_RANKS:
+        raise LayoutError(f"--svg draws every rank: {world:,} ranks is more than a readable picture (at most "
+                          f"{MAX_SVG_RANKS:,}); use fewer --nodes (the placement repeats node after node) or "
+                          "drop --svg and read the table's groups")
 
 
 def _example(spec: ClusterSpec, degrees: dict) -> str:

@@ -18,7 +18,9 @@ MinMfuOpt = Annotated[Optional[float], typer.Option("--min-mfu", help="Reject la
 MaxMemFracOpt = Annotated[Optional[float], typer.Option(
     "--max-memory-fraction", help="Reject layouts whose peak memory exceeds this fraction of the GPU's memory.")]
 ObjectiveOpt = Annotated[str, typer.Option("--objective", help="throughput (tokens/s), mfu or memory.")]
-TokensOpt = Annotated[Optional[float], typer.Option("--tokens", help="Token budget: also show the time to train it.")]
+MAX_TOKENS = 1e16  # far above any training run (Llama 3: 1.5e13 tokens); keeps days-to-train a sane number
+TokensOpt = Annotated[Optional[float], typer.Option(
+    "--tokens", help="Token budget: also show the time to train it (at most 1e16, far above any training run).")]
 
 
 def _opt(flag: str, text: str):
@@ -78,8 +80,9 @@ def recommend(
     engine_spec = load_engine_opt(engine, specs[0])
     space = search.engine_space(space, engine_spec)  # a knob the engine cannot run fails here, before the search
     thresholds = dict(_thresholds(min_mfu, max_memory_fraction), engine=engine_spec)
-    if tokens is not None and not 0 < tokens < float("inf"):  # nan fails this too
-        raise LayoutError(f"--tokens {tokens}: give the token budget as a positive number, e.g. 3e11")
+    if tokens is not None and not 0 < tokens <= MAX_TOKENS:  # nan and inf fail this too
+        raise LayoutError(f"--tokens {tokens:g}: give the token budget as a positive number up to {MAX_TOKENS:.0e} "
+                          "(far above any training run), e.g. 3e11")
     sweep = None
     if min_nodes is not None or max_nodes is not None:
         counts = search.node_counts(min_nodes or 1, max_nodes or specs[0].nodes)
@@ -190,8 +193,10 @@ def _no_fit(report, space, thresholds: dict, json_out: bool) -> None:
 def _write_plan(result, row: int, out: Path) -> None:
     from plan3d.cost.estimate import estimate
     from plan3d.plan import build_plan, save_plan
+    from plan3d.rankmap import require_loadable_plan
 
     layout = result.layout(row)
+    require_loadable_plan(layout)
     est = estimate(result.cluster, result.model, result.training, layout, result.engine)
     save_plan(build_plan(result.cluster, result.model, result.training, layout, est.to_dict(), result.engine), out)
 

@@ -28,12 +28,17 @@ def cell_label(coord: RankCoord, show_cp: bool, show_ep: bool, sep: str = " ") -
     return sep.join(parts)
 
 
-def _grid_rows(rankmap: RankMap) -> list[list[RankCoord | None]]:
-    """Coordinates per node and local GPU; None where the layout leaves a GPU idle."""
+def _node_count(rankmap: RankMap) -> int:
+    return -(-rankmap.world_size // rankmap.gpus_per_node)
+
+
+def _grid_rows(rankmap: RankMap, max_nodes: int | None = None) -> list[list[RankCoord | None]]:
+    """Coordinates per node and local GPU (the first `max_nodes` nodes when given); None where the
+    layout leaves a GPU idle."""
     gpn = rankmap.gpus_per_node
-    nodes = -(-rankmap.world_size // gpn)
+    nodes = _node_count(rankmap) if max_nodes is None else min(max_nodes, _node_count(rankmap))
     rows: list[list[RankCoord | None]] = [[None] * gpn for _ in range(nodes)]
-    for coord in rankmap.all_coords():
+    for coord in rankmap.all_coords(limit=nodes * gpn):
         rows[coord.node][coord.local_rank] = coord
     return rows
 
@@ -46,15 +51,15 @@ def grid_table(rankmap: RankMap, max_nodes: int = MAX_TABLE_NODES) -> Table:
     table.add_column("node", justify="right", style="bold", no_wrap=True, min_width=4)
     for gpu in range(rankmap.gpus_per_node):
         table.add_column(f"gpu{gpu}", justify="center", no_wrap=True)
-    rows = _grid_rows(rankmap)
-    for node, row in enumerate(rows[:max_nodes]):
+    rows, node_count = _grid_rows(rankmap, max_nodes), _node_count(rankmap)
+    for node, row in enumerate(rows):
         cells = [("idle" if c is None else
                   f"[{STAGE_STYLES[c.pp % len(STAGE_STYLES)]}]r{c.rank}\n{cell_label(c, layout.cp > 1, layout.ep > 1, '')}[/]")
                  for c in row]
         table.add_row(str(node), *cells)
-    if len(rows) > max_nodes:
+    if node_count > max_nodes:
         table.add_row("...", *[""] * rankmap.gpus_per_node)
-        table.caption = f"{len(rows) - max_nodes} more nodes not shown; use --format json or csv for every rank"
+        table.caption = f"{node_count - max_nodes} more nodes not shown; use --format json or csv for every rank"
     return table
 
 
@@ -76,7 +81,7 @@ def groups_table(rankmap: RankMap, facts: list[GroupPlacement]) -> Table:
     for fact in facts:
         if fact.name in trivial:
             continue
-        shown = rankmap.groups(fact.name)[:MAX_LISTED_GROUPS]
+        shown = rankmap.group_array(fact.name)[:MAX_LISTED_GROUPS].tolist()
         more = " ..." if fact.count > MAX_LISTED_GROUPS else ""
         table.add_row(fact.name, str(fact.size), str(fact.count), str(fact.nodes_spanned), fact.tier_name,
                       " ".join(group_text(g) for g in shown) + more)

@@ -279,6 +279,7 @@ def calibrated_name(base: str, machine: str) -> str:
     import re
 
     base = re.sub(r"-calibrated-.*$", "", base)
+    machine = re.sub(r"[^A-Za-z0-9._-]+", "-", machine).strip("-.") or "host"  # a spec name is one plain word
     return f"{base}-calibrated-{machine}-{datetime.date.today():%Y%m%d}"
 
 

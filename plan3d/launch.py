@@ -209,7 +209,11 @@ def prepare_run_dir(plan: Plan, run_dir: Path) -> Path:
 
 
 def _write_once(path: Path, text: str) -> None:
-    """Atomic write through a private temp name: several launchers may share one run directory."""
+    """Atomic write through a private temp name: several launchers may share one run directory.
+    A FIFO or device at `path` is refused, never read nor renamed over."""
+    from plan3d.errors import refuse_special_target
+
+    refuse_special_target(path)
     if path.exists() and path.read_text() == text:
         return
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")

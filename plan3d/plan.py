@@ -158,12 +158,22 @@ def load_plan(path_str: str) -> Plan:
     if not isinstance(digest, str) or not digest:
         raise SpecError(path_str, [f"digest: missing or empty, so the plan cannot be checked against edits; {RECREATE}"])
     plan = _validate_sections(data, path_str)
+    _require_plan_size(plan, path_str)
     if digest not in _accepted_digests(data, plan):
         raise SpecError(path_str, [f"digest does not match what the plan holds (edited by hand?); {RECREATE}"])
     problems = plan_problems(plan)
     if problems:
         raise SpecError(path_str, [f"{p}; {RECREATE}" for p in problems])
     return plan
+
+
+def _require_plan_size(plan: Plan, path_str: str) -> None:
+    """A plan of more ranks than `recommend --out` writes is refused before its rank map is re-derived."""
+    from plan3d.rankmap import MAX_PLAN_RANKS
+
+    if plan.layout.world_size > MAX_PLAN_RANKS:
+        raise SpecError(path_str, [f"layout: {plan.layout.world_size:,} ranks, more than a plan may list "
+                                   f"({MAX_PLAN_RANKS:,}); plan a smaller cluster"])
 
 
 def _validate_sections(data: dict, path_str: str) -> Plan:

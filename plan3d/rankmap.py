@@ -240,20 +240,21 @@ def rankmap_json_values(layout: Layout) -> int:
 
 
 MAX_LISTED_RANKS = 131_072  # a listing of every rank (rankmap json/csv, a plan): the largest real clusters
+MAX_PLAN_RANKS = 32_768  # a plan file is re-checked whole on every load: 16,384 ranks load in ~2 s, 131,072 in ~14 s
 PLAN_OTHER_VALUES = 100_000  # what a plan holds besides its rank map (specs, estimate): a few hundred values
 
 
 def require_loadable_plan(layout: Layout) -> None:
-    """Refuse, before building it, a plan listing more than MAX_LISTED_RANKS ranks (131,072 ranks:
-    ~4 s to write, 45 MB) or one whose rank map the plan loader would refuse (it reads at most
+    """Refuse, before building it, a plan listing more than MAX_PLAN_RANKS ranks (every load re-checks
+    the whole rank map: 16,384 ranks take ~2 s, 131,072 ~14 s) or one whose rank map the plan loader would refuse (it reads at most
     `plan3d.specs.loader.MAX_VALUES` JSON values per file; 625,000 ranks take 23 s and 220 MB)."""
     from plan3d.errors import LayoutError
     from plan3d.specs.loader import MAX_VALUES
 
-    if layout.world_size > MAX_LISTED_RANKS:
+    if layout.world_size > MAX_PLAN_RANKS:
         raise LayoutError(f"--out: the plan of {layout.short()} would list {layout.world_size:,} ranks, more than a "
-                          f"plan lists (at most {MAX_LISTED_RANKS:,}, the largest real clusters); use fewer --nodes "
-                          "or drop --out and read the table")
+                          f"plan lists (at most {MAX_PLAN_RANKS:,}, so that loading it stays within seconds); use "
+                          "fewer --nodes or drop --out and read the table")
     values = rankmap_json_values(layout)
     if values + PLAN_OTHER_VALUES > MAX_VALUES:
         per_rank = values / layout.world_size

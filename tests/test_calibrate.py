@@ -290,3 +290,14 @@ def test_unusable_fits_head_the_written_spec(tmp_path):
     write_calibrated_spec(base, {"gemm": []}, path, ["loopback p2p: relative RMS error 93% (worst 99%)"])
     assert "# WARNING: unusable fit, loopback p2p: relative RMS error 93%" in path.read_text()
     assert load_cluster(str(path)).name == base.name  # still a valid spec (marked, not broken)
+
+
+def test_a_calibrated_name_from_an_odd_host_name_is_a_valid_spec_name():
+    from pydantic import TypeAdapter
+
+    from plan3d.calibrate import calibrated_name
+    from plan3d.specs.base import Name
+
+    name = calibrated_name("local-cpu", "my host\n::error::x")
+    assert name.startswith("local-cpu-calibrated-my-host-error-x-")
+    assert TypeAdapter(Name).validate_python(name) == name

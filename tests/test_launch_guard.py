@@ -150,3 +150,16 @@ def test_the_memory_check_reads_the_plans_estimate_or_the_cost_model(tmp_path):
     big = _plan_from_flags("local-cpu", "llama3-8b", None, None, None, None, None, flags)
     assert "does not fit" in memory_problem(big)
     assert "does not fit" in memory_problem(big.model_copy(update={"estimate": {}}))
+
+
+def test_a_fifo_where_the_run_plan_goes_is_refused_not_read(tmp_path):
+    import os
+
+    from plan3d.errors import Plan3dError
+    from plan3d.launch import _write_once
+
+    fifo = tmp_path / "plan.json"
+    os.mkfifo(fifo)
+    with pytest.raises(Plan3dError):
+        _write_once(fifo, "{}")
+    assert fifo.is_fifo()

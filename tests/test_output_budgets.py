@@ -97,7 +97,7 @@ def test_a_plan_the_loader_would_refuse_is_not_written(capsys, monkeypatch, tmp_
     err = _refused_fast(capsys, monkeypatch, "recommend", "-c", "dgx-h100", "-m", "llama3-405b", "--nodes", "100000",
                         "--global-batch", "1000000000", "--out", tmp_path / "plan.json",
                         never_built=("plan3d.plan.build_plan",), within_s=30.0)  # the search itself takes ~3 s
-    assert "--out" in err and "131,072" in err and "--nodes" in err and not (tmp_path / "plan.json").exists()
+    assert "--out" in err and "32,768" in err and "--nodes" in err and not (tmp_path / "plan.json").exists()
 
 
 def test_the_plan_budget_is_the_loaders(monkeypatch):
@@ -107,7 +107,7 @@ def test_the_plan_budget_is_the_loaders(monkeypatch):
     from plan3d.specs.loader import MAX_VALUES
 
     layout = Layout(dp=100_000)
-    monkeypatch.setattr(rankmap, "MAX_LISTED_RANKS", 10**9)
+    monkeypatch.setattr(rankmap, "MAX_PLAN_RANKS", 10**9)
     rankmap.require_loadable_plan(layout)  # 2.6M values: fits
     monkeypatch.setattr("plan3d.specs.loader.MAX_VALUES", rankmap.rankmap_json_values(layout))
     with pytest.raises(LayoutError, match="more than a plan file may hold"):
@@ -160,3 +160,17 @@ def test_calibrate_bounds_every_numeric_flag(capsys, tmp_path, flags, needle):
     code, _, err = run_cli(capsys, "calibrate", "--run-dir", tmp_path / "run", *flags)
     assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_plan_file_over_the_plan_budget_is_refused_before_its_rank_map_is_checked(tmp_path, monkeypatch, capsys):
+    """A plan listing more ranks than recommend --out writes (a hand-made or older one) is refused on load."""
+    import plan3d.rankmap as rankmap
+    from plan3d.errors import SpecError
+    from plan3d.plan import load_plan
+
+    code, _, err = run_cli(capsys, "recommend", "-c", "local-cpu", "-m", "tiny-gpt", "--tp", "2", "--pp", "2", "--dp",
+                           "2", "--precision", "fp32", "--top", "1", "--out", tmp_path / "plan.json")
+    assert code == 0, err
+    monkeypatch.setattr(rankmap, "MAX_PLAN_RANKS", 4)
+    with pytest.raises(SpecError, match="more than a plan may list"):
+        load_plan(str(tmp_path / "plan.json"))

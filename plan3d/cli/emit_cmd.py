@@ -28,7 +28,9 @@ def _write(emitted, out: Path | None) -> None:
         sys.stdout.write(emitted.text)
         return
     out.write_text(emitted.text)
-    print(f"wrote {out}", file=sys.stderr)
+    from plan3d.render.units import printable
+
+    print(printable(f"wrote {out}"), file=sys.stderr)
 
 
 @emit_app.command("megatron")

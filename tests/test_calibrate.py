@@ -157,6 +157,7 @@ def test_refit_from_runs_recovers_a_throughput_scale():
 
 
 def test_worker_measures_on_two_gloo_ranks(tmp_path):
+    pytest.importorskip("torch", reason="measuring needs the runtime (pip install 'plan3d[runtime]')")
     from plan3d.runtime.calibrate_worker import run_local
 
     config = sweep_config(load_cluster("local-cpu"), load_model("tiny-gpt"), 32, 2, "cpu", [1], [1], [4096], 1)
@@ -171,6 +172,7 @@ def test_worker_measures_on_two_gloo_ranks(tmp_path):
 
 
 def test_cli_calibrate_writes_a_spec_that_estimate_reads(tmp_path, capsys):
+    pytest.importorskip("torch", reason="measuring needs the runtime (pip install 'plan3d[runtime]')")
     from plan3d.cli import main
 
     out = tmp_path / "not-yet" / "cpu.yaml"  # --out into a folder that does not exist yet

@@ -1,4 +1,5 @@
-"""A torch DeviceMesh built from the rank map's JSON holds the rank map's groups, for every rank.
+"""A torch DeviceMesh built from the rank map's JSON by the runtime's own `mesh_array` holds the
+rank map's groups, for every rank.
 
 One process plays each rank in turn on torch's in-process "fake" backend (no communication
 happens, groups are still created the way DeviceMesh creates them on a real run).
@@ -15,23 +16,17 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 
-def mesh_from_json(rankmap: dict, layout: Layout):
-    """[pp, dp, tp] tensor whose cell holds the rank the map places at those coordinates."""
-    mesh = torch.full((layout.pp, layout.dp, layout.tp), -1, dtype=torch.int64)
-    for r in rankmap["ranks"]:
-        mesh[r["pp"], r["dp"], r["tp"]] = r["rank"]
-    return mesh
-
-
 @pytest.mark.parametrize("tp, pp, dp", [(2, 2, 2), (4, 1, 2), (1, 3, 2), (2, 3, 1)])
 @pytest.mark.parametrize("order", ["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp", "dp-cp-ep-tp-pp"])
 def test_device_mesh_groups_equal_rankmap_groups(tp, pp, dp, order):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from plan3d.runtime.context import mesh_array  # the code the runtime uses, not a copy of it
+
     layout = Layout(tp=tp, pp=pp, dp=dp, order=order)
     rmap = RankMap(layout, gpus_per_node=4)
-    mesh = mesh_from_json(rankmap_dict(rmap), layout)
+    mesh = mesh_array(rankmap_dict(rmap), layout)
     assert (mesh >= 0).all()
     for rank in range(layout.world_size):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)

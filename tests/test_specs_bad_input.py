@@ -68,6 +68,14 @@ def test_misspelled_key_suggests_the_field(capsys, tmp_path):
     ("model", {"kv_heads": 5}, "heads=32 is not divisible by kv_heads=5"),
     ("model", {"hidden": 4000, "heads": 48, "kv_heads": None}, "hidden=4000 is not divisible by heads=48"),
     ("model", {"activation": "GeLU"}, "activation: Input should be"),
+    # huge numbers are refused by their bounds, at once
+    ("cluster", {"nodes": 10**30}, "nodes: Input should be less than or equal to"),
+    ("cluster", {"nodes": 1e30}, "nodes: 1e+30 is far too large"),
+    ("model", {"layers": 10**30}, "layers: Input should be less than or equal to"),
+    ("model", {"vocab": 1e300}, "vocab: 1e+300 is far too large"),
+    ("model", {"seq_len": 1.5}, "seq_len: Input should be a valid integer"),
+    ("cluster", {"network": [{**CLUSTER["network"][0], "latency_us": float("inf")}, CLUSTER["network"][1]]},
+     "network.0.latency_us: Input should be a finite number"),
 ])
 def test_bad_values(capsys, tmp_path, kind, changes, fragment):
     base = MODEL if kind == "model" else CLUSTER
@@ -106,20 +114,6 @@ def test_unknown_names_suggest_the_closest(capsys, tmp_path):
     assert_problems(*run(capsys, "specs", "show", "dgx-a100"), "did you mean")
     assert_problems(*show(capsys, tmp_path, "cluster", with_changes(CLUSTER, gpu="h100")),
                     "gpu: unknown gpu 'h100': did you mean")
-
-
-@pytest.mark.parametrize("kind, changes, fragment", [
-    ("cluster", {"nodes": 10**30}, "nodes: Input should be less than or equal to"),
-    ("cluster", {"nodes": 1e30}, "nodes: 1e+30 is far too large"),
-    ("model", {"layers": 10**30}, "layers: Input should be less than or equal to"),
-    ("model", {"vocab": 1e300}, "vocab: 1e+300 is far too large"),
-    ("model", {"seq_len": 1.5}, "seq_len: Input should be a valid integer"),
-    ("cluster", {"network": [{**CLUSTER["network"][0], "latency_us": float("inf")}, CLUSTER["network"][1]]},
-     "network.0.latency_us: Input should be a finite number"),
-])
-def test_huge_numbers_are_rejected_quickly(capsys, tmp_path, kind, changes, fragment):
-    base = MODEL if kind == "model" else CLUSTER
-    assert_problems(*show(capsys, tmp_path, kind, with_changes(base, **changes)), fragment)
 
 
 def test_yaml_exponent_without_a_dot_is_a_number(capsys, tmp_path):

@@ -74,13 +74,13 @@ def test_an_uneven_plan_round_trips_through_its_file(tmp_path, capsys):
 
 
 # ---- red team of issue 19: saving never renames over a special file ------------------------------
-def test_saving_over_a_fifo_is_refused_and_leaves_it_a_fifo(tmp_path):
+def test_saving_over_a_fifo_is_refused_and_leaves_it_a_fifo(plan_path, tmp_path):
     import os
     import stat
 
     from plan3d.errors import OutputError
 
-    plan = load_plan(str(_saved(tmp_path)))
+    plan = load_plan(str(plan_path))
     for target in (tmp_path / "out.json", tmp_path / "tmp-in-the-way.json"):
         fifo = target if target.name == "out.json" else target.with_suffix(".json.tmp")
         os.mkfifo(fifo)
@@ -104,11 +104,3 @@ def test_recommend_out_onto_a_fifo_is_one_error_line(tmp_path, capsys):
     assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
     assert "FIFO" in err and str(fifo) in err
     assert stat.S_ISFIFO(os.stat(fifo).st_mode) and not (tmp_path / "plan.json.tmp").exists()
-
-
-def _saved(tmp_path):
-    plan = build_plan(load_cluster("local-cpu"), load_model("tiny-gpt"), TrainingSpec(global_batch=16),
-                      Layout(tp=2, pp=2, dp=2))
-    path = tmp_path / "saved.json"
-    save_plan(plan, path)
-    return path

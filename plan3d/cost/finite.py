@@ -11,10 +11,9 @@ import math
 
 import numpy as np
 
+from plan3d.cost.core import TIME_KEYS
 from plan3d.errors import Plan3dError
 
-TIME_KEYS = ("compute", "recompute", "bubble", "tp_comm", "pp_comm", "overhead", "dp_comm", "zero_comm",
-             "optimizer")  # plan3d.cost.core.TIME_KEYS (not imported: core imports this module's users)
 # typical magnitudes, to rank how extreme a value is (|log10(value / typical)|)
 TYPICAL = {"latency_us": 10.0, "bandwidth_gbytes_per_s": 100.0, "efficiency": 0.8, "peak_tflops": 100.0,
            "hbm_tbytes_per_s": 2.0, "memory_gib": 80.0, "reserved_memory_gib": 2.0, "max_fraction": 0.7,

@@ -53,5 +53,5 @@ def check(
         print(json_text(render.check_dict(job_file, job, report)))
     else:
         render.print_check(job_file, job, report, fmt)
-    if not render.passes(report):
+    if not report.ok:
         raise typer.Exit(EXIT_FAILED)

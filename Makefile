@@ -3,8 +3,11 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+ENGINES_STAMP := $(VENV)/.engines
+MEGATRON_DIR := $(VENV)/megatron-core
+MEGATRON_CORE := megatron-core==0.19.2
 
-.PHONY: demo test venv clean
+.PHONY: demo test venv engines clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -16,6 +19,18 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# The engines tier (tests/engines): DeepSpeed (CPU, no ops built), torchtitan, shellcheck and
+# Megatron-Core. megatron-core 0.19 declares Python >= 3.12; on an older Python its wheel is
+# unpacked into $(MEGATRON_DIR), which the tests put on sys.path.
+$(ENGINES_STAMP): $(STAMP)
+	DS_BUILD_OPS=0 $(BIN)/pip install -q -e '.[runtime,dev,engines]'
+	if $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then :; else \
+	  $(BIN)/pip install -q --upgrade --target $(MEGATRON_DIR) --python-version 3.12 \
+	    --only-binary=:all: --no-deps '$(MEGATRON_CORE)'; fi
+	touch $(ENGINES_STAMP)
+
+engines: $(ENGINES_STAMP)
+
 demo: $(STAMP)
 	# 1. The seed example: the best layouts of GPT-3 175B on 512 A100-80GB.
 	$(BIN)/plan3d recommend --cluster dgx-a100-80g --model gpt3-175b --top 8
@@ -26,8 +41,8 @@ demo: $(STAMP)
 	$(BIN)/plan3d recommend --cluster local-cpu --model tiny-gpt --tp 2 --pp 2 --dp 2 --precision fp32 --top 3 --out runs/demo/plan.json
 	$(BIN)/plan3d launch runs/demo/plan.json --data python-docs --steps 20
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q
+test: $(STAMP) $(ENGINES_STAMP)
+	PLAN3D_REQUIRE_ENGINES=1 $(BIN)/python -m pytest -q
 
 clean:
 	rm -rf $(VENV) runs

@@ -86,7 +86,7 @@ def emit_torchrun_cmd(plan: PlanArg, out: OutOpt = None, master_addr: MasterAddr
                       master_port: MasterPortOpt = 29500, steps: StepsOpt = 100, run_dir: RunDirOpt = "runs/job",
                       timeout_s: TimeoutOpt = 300.0, data: DataOpt = None) -> None:
     """One torchrun command line per node (static rendezvous, so the rank map holds)."""
-    from plan3d.emit.megatron import Emitted
+    from plan3d.emit.common import Emitted
     from plan3d.emit.torchrun import torchrun_commands
     from plan3d.launch import worker_argv
     from plan3d.plan import load_plan
@@ -115,7 +115,7 @@ def emit_slurm_cmd(
     timeout_s: TimeoutOpt = 300.0, data: DataOpt = None,
 ) -> None:
     """An sbatch script: one `plan3d launch` per node, static rendezvous, the plan's placement."""
-    from plan3d.emit.megatron import Emitted
+    from plan3d.emit.common import Emitted
     from plan3d.emit.slurm import sbatch_script
     from plan3d.plan import load_plan
     from plan3d.run_flags import check_run_flags, check_script_flags

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from plan3d.render.units import json_text
 
-from plan3d.emit.megatron import Emitted, same_groups
+from plan3d.emit.common import Emitted, same_groups
 from plan3d.errors import InfeasibleError
 from plan3d.layout import Layout
 from plan3d.plan import Plan

@@ -15,32 +15,12 @@ middle stages differ, a plain ReLU MLP, ALiBi.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
+from plan3d.emit.common import Emitted, same_groups
 from plan3d.errors import InfeasibleError
 from plan3d.layout import Layout
 from plan3d.plan import Plan
 
 MEGATRON_ORDERS = {"tp-cp-ep-dp-pp": (), "tp-cp-ep-pp-dp": ("--use-tp-pp-dp-mapping",)}
-
-
-@dataclass
-class Emitted:
-    """What an emitter produced: the text to write, and notes for the user (stderr)."""
-
-    text: str
-    notes: list[str] = field(default_factory=list)
-
-
-def active_order(layout: Layout) -> str:
-    """The order string restricted to axes of size > 1: what actually decides the groups."""
-    sizes = {"tp": layout.tp, "cp": layout.cp, "ep": layout.ep, "dp": layout.dp, "pp": layout.pp}
-    return "-".join(a for a in layout.axes if sizes[a] > 1)
-
-
-def same_groups(layout: Layout, supported_order: str) -> bool:
-    """True when `layout.order` builds the same groups as `supported_order` for this layout."""
-    return active_order(layout) == active_order(layout.model_copy(update={"order": supported_order}))
 
 
 def megatron_args(plan: Plan) -> list[str]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from itertools import accumulate
 
-from plan3d.emit.megatron import Emitted, same_groups
+from plan3d.emit.common import Emitted, same_groups
 from plan3d.errors import InfeasibleError
 from plan3d.layout import Layout
 from plan3d.plan import Plan

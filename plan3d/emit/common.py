@@ -1,0 +1,50 @@
+"""What every emitter shares: the emitted text with notes, rank-order equivalence, the engine check.
+
+An emitter writes a plan in the words of one engine release range. What the engine can run is
+its engine profile's `can_run` (engine_specs/*.yaml, the same profile the time model reads), so
+the search, `estimate` and `emit` refuse the same layouts with the same sentence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from plan3d.errors import InfeasibleError
+from plan3d.layout import Layout
+from plan3d.plan import Plan
+from plan3d.specs.catalog import load_engine
+from plan3d.specs.engine import EngineSpec
+
+
+@dataclass
+class Emitted:
+    """What an emitter produced: the text to write, and notes for the user (stderr)."""
+
+    text: str
+    notes: list[str] = field(default_factory=list)
+
+
+def active_order(layout: Layout) -> str:
+    """The order string restricted to axes of size > 1: what actually decides the groups."""
+    sizes = {"tp": layout.tp, "cp": layout.cp, "ep": layout.ep, "dp": layout.dp, "pp": layout.pp}
+    return "-".join(a for a in layout.axes if sizes[a] > 1)
+
+
+def same_groups(layout: Layout, supported_order: str) -> bool:
+    """True when `layout.order` builds the same groups as `supported_order` for this layout."""
+    return active_order(layout) == active_order(layout.model_copy(update={"order": supported_order}))
+
+
+def target_engine(plan: Plan, profile: str, versions: str) -> tuple[EngineSpec, list[str]]:
+    """The engine profile an emitter writes for, after refusing what it cannot run.
+
+    Raises InfeasibleError naming the engine release range and every reason (each says what to
+    change). Returns the profile and a note when the plan was predicted for another engine."""
+    engine = load_engine(profile)
+    problems = engine.layout_problems(plan.layout)
+    if problems:
+        raise InfeasibleError(f"{profile} {versions} cannot run {plan.layout.short()}: " + "; ".join(problems))
+    notes = []
+    if plan.engine is not None and plan.engine.name != engine.name:
+        notes.append(f"the plan's predictions are for engine {plan.engine.name}; re-estimate with "
+                     f"--engine {engine.name} to predict this engine")
+    return engine, notes

@@ -189,19 +189,20 @@ def _poison(runner: "Runner") -> None:
 
 
 def _segment_record(runner: Runner, start_step: int) -> dict:
-    """What segments.jsonl keeps of this launch (runtime/history.py); timing comes from its steps."""
+    """What segments.jsonl keeps of this launch (runtime/history.py); timing comes from its steps.
+    Measurements and identities only: `plan3d report` predicts from the plan `plan_digest` names."""
     args, plan = runner.args, runner.plan
     return {"first_step": start_step + 1, "target_step": args.steps, "resumed_at_step": start_step,
             "resumed_from": str(args.resume_from) if args.resume_from else None,
             "layout": plan.layout.short(), "world_size": runner.ctx.world, "precision": runner.precision,
             "backend": dist.get_backend(), "warmup_steps": args.warmup_steps, "data": runner.data_record,
-            "predicted_step_time_s": _predicted(plan, runner.precision).get("step_time_s"),
-            "started_at": time.time()}
+            "plan_digest": plan.digest, "started_at": time.time()}
 
 
 def _summary(runner: Runner, records: list[dict], peaks: list, start_step: int) -> dict:
     """The whole run (every step of metrics.jsonl, every segment) and this launch's layout,
-    timing and memory (the layout of plan.json, which `plan3d report` predicts)."""
+    timing and memory: measurements only (plan3d/run/record.py); `plan3d report` pairs them with
+    the plan's predictions (plan3d/run/compare.py)."""
     args, plan = runner.args, runner.plan
     every = history.read_metrics(runner.run_dir)
     timed = records[args.warmup_steps:] or records
@@ -217,16 +218,7 @@ def _summary(runner: Runner, records: list[dict], peaks: list, start_step: int) 
         "segments": history.summarize_segments(history.read_segments(runner.run_dir), every),
         "ranks": peaks,
         "phases_s": {k: sum(r["phases_s"][k] for r in timed) / len(timed) for k in (timed[0]["phases_s"] if timed else {})},
-        "predicted": _predicted(plan, runner.precision),
     }
-
-
-def _predicted(plan, precision: str) -> dict:
-    """The plan's prediction for the precision this run trained in (CPU runs train in fp32)."""
-    from plan3d.report_run import estimate_as_run
-
-    est = estimate_as_run(plan, precision)
-    return {k: est[k] for k in ("step_time_s", "peak_memory_bytes", "memory_bytes", "time_s", "engine") if k in est}
 
 
 def train(args, run_dir: Path, rank: int, inject) -> None:

@@ -6,8 +6,10 @@ STAMP := $(VENV)/.installed
 ENGINES_STAMP := $(VENV)/.engines
 MEGATRON_DIR := $(VENV)/megatron-core
 MEGATRON_CORE := megatron-core==0.19.2
+CORE_VENV := .venv-core
+CORE_STAMP := $(CORE_VENV)/.installed
 
-.PHONY: demo test venv engines clean
+.PHONY: demo test test-core test-runtime venv engines clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -31,6 +33,13 @@ $(ENGINES_STAMP): $(STAMP)
 
 engines: $(ENGINES_STAMP)
 
+# The planner as `pip install plan3d` installs it: no torch (plus the dev extra's test tools).
+$(CORE_STAMP): pyproject.toml
+	$(PY) -m venv $(CORE_VENV)
+	$(CORE_VENV)/bin/pip install -q --upgrade pip
+	$(CORE_VENV)/bin/pip install -q -e '.[dev]'
+	touch $(CORE_STAMP)
+
 demo: $(STAMP)
 	# 1. The seed example: the best layouts of GPT-3 175B on 512 A100-80GB.
 	$(BIN)/plan3d recommend --cluster dgx-a100-80g --model gpt3-175b --top 8
@@ -41,8 +50,15 @@ demo: $(STAMP)
 	$(BIN)/plan3d recommend --cluster local-cpu --model tiny-gpt --tp 2 --pp 2 --dp 2 --precision fp32 --top 3 --out runs/demo/plan.json
 	$(BIN)/plan3d launch runs/demo/plan.json --data python-docs --steps 20
 
-test: $(STAMP) $(ENGINES_STAMP)
-	PLAN3D_REQUIRE_ENGINES=1 $(BIN)/python -m pytest -q
+# Every test, once, in three tiers (tests/conftest.py): the torch-free tier in a venv without
+# torch, then the runtime (torch, multi-process gloo) and engines tiers; a missing engine fails.
+test: test-core test-runtime
+
+test-core: $(CORE_STAMP)
+	PLAN3D_TORCH_FREE=1 $(CORE_VENV)/bin/python -m pytest -q -m "not runtime and not engines"
+
+test-runtime: $(STAMP) $(ENGINES_STAMP)
+	PLAN3D_REQUIRE_ENGINES=1 $(BIN)/python -m pytest -q -m "runtime or engines"
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(CORE_VENV) runs

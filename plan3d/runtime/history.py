@@ -1,4 +1,6 @@
-"""The history of a run directory across launches (torch-free: the ranks and `plan3d report` read it).
+"""The history of a run directory across launches: rank 0 appends and rewinds it (torch-free).
+
+The file formats and their readers are the run record's (plan3d/run/record.py), re-exported here.
 
 A run is trained by one or more launches, its segments: a first launch, then `--resume` (the same
 layout) or `--resume-from` (any layout: a reshard). Rank 0 appends one line to `segments.jsonl`
@@ -12,31 +14,21 @@ Worked example (killed at step 3 with a checkpoint at step 2, resumed to step 4)
   metrics.jsonl   steps 1, 2 (of segment 1; its step 3 was dropped), 3, 4 (of segment 2)
 
 A resume into a new run directory from another run's checkpoint (`--resume-from A/checkpoints/
-step_N --run-dir B`) first copies A's history up to step N into B, so B covers the whole run.
+step_N --run-dir B`) first copies A's history up to step N into B, with the plans its launches ran
+(plans/), so B covers the whole run.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
-SEGMENTS = "segments.jsonl"
-METRICS = "metrics.jsonl"
+from plan3d.run.record import (METRICS, SEGMENTS, is_digest, plan_path, read_lines, read_metrics, read_segments,
+                               segment_steps, summarize_segments)
 
-
-def _read_lines(path: Path) -> list[dict]:
-    """The JSON objects of a .jsonl file; a last line cut short by a killed run is left out."""
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
+__all__ = ["METRICS", "SEGMENTS", "read_metrics", "read_segments", "segment_steps", "summarize_segments",
+           "rewind", "start_segment", "source_run_dir", "inherit"]
 
 
 def _write_lines(path: Path, records: list[dict]) -> None:
@@ -44,16 +36,6 @@ def _write_lines(path: Path, records: list[dict]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in records))
     os.replace(tmp, path)
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    """Every step record of metrics.jsonl, in order."""
-    return [m for m in _read_lines(Path(run_dir) / METRICS) if isinstance(m.get("step"), int)]
-
-
-def read_segments(run_dir: Path) -> list[dict]:
-    """The segment records of a run directory, oldest first (none for a run from before segments)."""
-    return _read_lines(Path(run_dir) / SEGMENTS)
 
 
 def _until(records: list[dict], key: str, last_step: int) -> list[dict]:
@@ -66,7 +48,7 @@ def rewind(run_dir: Path, last_step: int) -> None:
     for name, key in ((METRICS, "step"), (SEGMENTS, "first_step")):
         path = run_dir / name
         if path.exists():
-            _write_lines(path, _until(_read_lines(path), key, last_step))
+            _write_lines(path, _until(read_lines(path), key, last_step))
 
 
 def start_segment(run_dir: Path, record: dict) -> None:
@@ -89,40 +71,23 @@ def source_run_dir(resume_from: str | Path | None) -> Path | None:
 
 def inherit(run_dir: Path, resume_from: str | Path | None, last_step: int) -> bool:
     """Copy the history of the run `resume_from` belongs to, up to `last_step`, into a run
-    directory that has none of its own (a resume into a new directory). True when copied."""
+    directory that has none of its own (a resume into a new directory), with the plans its
+    segments name. True when copied."""
     run_dir, source = Path(run_dir), source_run_dir(resume_from)
-    if source is None or source.resolve() == run_dir.resolve() or _read_lines(run_dir / METRICS):
+    if source is None or source.resolve() == run_dir.resolve() or read_lines(run_dir / METRICS):
         return False
-    steps = _until(_read_lines(source / METRICS), "step", last_step)
+    steps = _until(read_lines(source / METRICS), "step", last_step)
+    segments = _until(read_segments(source), "first_step", last_step)
     _write_lines(run_dir / METRICS, steps)
-    _write_lines(run_dir / SEGMENTS, _until(read_segments(source), "first_step", last_step))
+    _write_lines(run_dir / SEGMENTS, segments)
+    _copy_plans(source, run_dir, segments)
     return bool(steps)
 
 
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
-def segment_steps(segments: list[dict], metrics: list[dict], index: int) -> list[dict]:
-    """The step records of segment `index` (from its first step to the next segment's)."""
-    first = segments[index]["first_step"]
-    end = segments[index + 1]["first_step"] if index + 1 < len(segments) else float("inf")
-    return [m for m in metrics if first <= m.get("step", 0) < end]
-
-
-def summarize_segments(segments: list[dict], metrics: list[dict]) -> list[dict]:
-    """Each segment's record with its own steps and timing: `steps`, `last_step`, `step_time_s`
-    and `tokens_per_s` (means without its first `warmup_steps`), `train_time_s` (sum of its step
-    times), `final_loss`, and `ended`: completed (reached its --steps) or interrupted."""
-    out = []
-    for index, segment in enumerate(segments):
-        steps = segment_steps(segments, metrics, index)
-        timed = steps[int(segment.get("warmup_steps", 1)):] or steps
-        last = steps[-1]["step"] if steps else None
-        out.append({**segment, "steps": len(steps), "last_step": last,
-                    "step_time_s": _mean([m["step_time_s"] for m in timed]),
-                    "tokens_per_s": _mean([m["tokens_per_s"] for m in timed if "tokens_per_s" in m]),
-                    "train_time_s": sum(m["step_time_s"] for m in steps),
-                    "final_loss": steps[-1].get("loss") if steps else None,
-                    "ended": "completed" if last is not None and last == segment.get("target_step") else "interrupted"})
-    return out
+def _copy_plans(source: Path, run_dir: Path, segments: list[dict]) -> None:
+    """The plans (plans/DIGEST.json) of the inherited segments, where the source has them."""
+    for digest in {s.get("plan_digest") for s in segments if is_digest(s.get("plan_digest"))}:
+        plan, copy = plan_path(source, digest), plan_path(run_dir, digest)
+        if plan.is_file() and not copy.exists():
+            copy.parent.mkdir(exist_ok=True)
+            shutil.copyfile(plan, copy)

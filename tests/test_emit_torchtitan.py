@@ -1,41 +1,101 @@
-"""torchtitan job config: parsed back and checked against the plan."""
+"""torchtitan 0.3.x job (a config-function module): parsed back with `ast` and checked against the plan.
+
+These tests need no torchtitan; tests/engines/test_torchtitan_engine.py loads the same files with
+torchtitan's own ConfigManager and ParallelDims.
+"""
 from __future__ import annotations
 
-import tomllib
+import ast
 
 import pytest
 
 from emit_helpers import make_plan
 from plan3d.emit.torchtitan import emit_torchtitan
 from plan3d.errors import InfeasibleError
+from plan3d.specs.catalog import load_engine
 
 
-@pytest.mark.parametrize("tp,pp,dp,vpp,mb,zero,recompute", [
-    (2, 4, 4, 2, 1, 3, "full"), (8, 1, 4, 1, 2, 2, "selective"), (1, 1, 32, 1, 2, 0, "none"),
+def job_settings(text: str) -> dict:
+    """What the emitted `plan3d_job()` sets: ParallelismConfig/CompileConfig keywords, training
+    fields, the activation-checkpoint expression and the model_registry flavor (None: custom)."""
+    tree = ast.parse(text)
+    function = next(node for node in tree.body if isinstance(node, ast.FunctionDef))
+    out = {"training": {}, "flavor": None}
+    for node in ast.walk(function):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id in ("ParallelismConfig", "CompileConfig"):
+                out[node.func.id] = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+            if node.func.id == "model_registry":
+                out["flavor"] = ast.literal_eval(node.args[0])
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Attribute):
+            target = ast.unparse(node.targets[0])
+            if target.startswith("config.training."):
+                out["training"][target.rsplit(".", 1)[1]] = ast.literal_eval(node.value)
+            if target == "config.activation_checkpoint":
+                out["ac"] = ast.unparse(node.value)
+    return out
+
+
+@pytest.mark.parametrize("tp,pp,dp,vpp,mb,zero,recompute,sp", [
+    (2, 4, 4, 2, 1, 3, "full", True), (8, 1, 4, 1, 2, 2, "selective", True), (1, 1, 32, 1, 2, 0, "none", False),
+    (4, 2, 4, 1, 1, 0, "none", False),
 ])
-def test_torchtitan_values(tp, pp, dp, vpp, mb, zero, recompute):
+def test_torchtitan_values(tp, pp, dp, vpp, mb, zero, recompute, sp):
     plan = make_plan(tp=tp, pp=pp, dp=dp, vpp=vpp, micro_batch=mb, zero=zero, recompute=recompute,
-                     sequence_parallel=tp > 1)
-    toml = tomllib.loads(emit_torchtitan(plan).text)
-    par, train = toml["parallelism"], toml["training"]
+                     sequence_parallel=sp)
+    job = job_settings(emit_torchtitan(plan).text)
+    par, train = job["ParallelismConfig"], job["training"]
     assert par["tensor_parallel_degree"] == tp and par["pipeline_parallel_degree"] == pp
     assert par["data_parallel_shard_degree"] * par["data_parallel_replicate_degree"] == dp
     assert (par["data_parallel_shard_degree"] == dp) == (zero >= 2)
-    assert (par.get("fsdp_reshard_after_forward") == "never") == (zero == 2)
+    assert par["fsdp_reshard_after_forward"] == ("always" if zero == 3 else "never")
+    assert par["enable_sequence_parallel"] is sp
     assert train["global_batch_size"] == 64 and train["seq_len"] == plan.model.seq_len
-    assert toml["activation_checkpoint"]["mode"] == recompute
+    assert job["ac"] == {"none": "None", "selective": "SelectiveAC.Config()", "full": "FullAC.Config()"}[recompute]
+    assert job["flavor"] == "8B" and job["CompileConfig"] == {"enable": False}
     if pp > 1:
         assert par["pipeline_parallel_schedule"] == ("Interleaved1F1B" if vpp > 1 else "1F1B")
-        assert par["pipeline_parallel_layers_per_stage"] * pp * vpp == plan.model.layers
+        parts = par["module_fqns_per_model_part"]
+        assert len(parts) == pp * vpp and parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "lm_head"]
+        assert [len([m for m in p if m.startswith("layers.")]) for p in parts] == [32 // (pp * vpp)] * (pp * vpp)
         assert train["local_batch_size"] * dp == 64 and par["pipeline_parallel_microbatch_size"] == mb
+        assert train["disable_cuda_graphs"] is True
     else:
-        assert train["local_batch_size"] == mb
+        assert train["local_batch_size"] == mb and "disable_cuda_graphs" not in train
 
-def test_torchtitan_uneven_split_points_and_refusals():
+
+def test_torchtitan_uneven_split_is_explicit_module_names():
     plan = make_plan(pp=4, dp=8, zero=3, pp_layers=(7, 9, 9, 7))
-    par = tomllib.loads(emit_torchtitan(plan).text)["parallelism"]
-    assert par["pipeline_parallel_split_points"] == ["layers.7", "layers.16", "layers.25"]
-    with pytest.raises(InfeasibleError, match="ZeRO-1"):
-        emit_torchtitan(make_plan(dp=32, zero=1))
-    with pytest.raises(InfeasibleError, match="DDP"):
-        emit_torchtitan(make_plan(tp=2, dp=16, zero=0))
+    parts = job_settings(emit_torchtitan(plan).text)["ParallelismConfig"]["module_fqns_per_model_part"]
+    layer_ids = [[int(m.split(".")[1]) for m in part if m.startswith("layers.")] for part in parts]
+    assert [len(ids) for ids in layer_ids] == [7, 9, 9, 7]
+    assert sum(layer_ids, []) == list(range(32))  # every layer once, in order
+
+
+def test_torchtitan_compile_follows_the_plan_engine_or_the_flag():
+    plan = make_plan(tp=2, dp=16, zero=3, sequence_parallel=True)
+    compiled = plan.model_copy(update={"engine": load_engine("torchtitan-compile")})
+    assert job_settings(emit_torchtitan(compiled).text)["CompileConfig"] == {"enable": True}
+    assert job_settings(emit_torchtitan(plan, compile=True).text)["CompileConfig"] == {"enable": True}
+    assert job_settings(emit_torchtitan(compiled, compile=False).text)["CompileConfig"] == {"enable": False}
+
+
+def test_torchtitan_custom_llama_shapes_use_its_builder():
+    plan = make_plan(pp=2, dp=16, zero=2)
+    plan = plan.model_copy(update={"model": plan.model.model_copy(update={"name": "llama-28l", "layers": 28})})
+    emitted = emit_torchtitan(plan)
+    assert job_settings(emitted.text)["flavor"] is None and "n_layers=28" in emitted.text
+    assert any("no registered torchtitan llama3 flavor" in note for note in emitted.notes)
+
+
+@pytest.mark.parametrize("model,layout,precision,words", [
+    ("llama3-8b", dict(dp=32, zero=1), "bf16", "ZeRO-1"),
+    ("llama3-8b", dict(tp=2, pp=2, dp=8, zero=3, sequence_parallel=True, order="tp-cp-ep-pp-dp"), "bf16",
+     "places ranks only"),
+    ("llama3-8b", dict(dp=32, zero=3), "fp16", "bf16 or fp32"),
+    ("gpt3-175b", dict(tp=8, dp=4, zero=3, sequence_parallel=True), "bf16", "no decoder for gpt3-175b"),
+])
+def test_torchtitan_refusals_say_what_to_change(model, layout, precision, words):
+    with pytest.raises(InfeasibleError, match=words) as err:
+        emit_torchtitan(make_plan(model=model, precision=precision, **layout))
+    assert "0.3" in str(err.value)

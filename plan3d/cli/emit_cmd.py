@@ -51,13 +51,22 @@ def emit_deepspeed_cmd(plan: PlanArg, out: OutOpt = None) -> None:
     _write(emit_deepspeed(load_plan(plan)), out)
 
 
+CompileOpt = Annotated[Optional[bool], typer.Option(
+    "--compile/--no-compile", help="torch.compile each block (the torchtitan-compile profile); "
+    "default: as the plan's engine.")]
+
+
 @emit_app.command("torchtitan")
-def emit_torchtitan_cmd(plan: PlanArg, out: OutOpt = None) -> None:
-    """torchtitan TOML: the parallelism, training and activation_checkpoint sections."""
-    from plan3d.emit.torchtitan import emit_torchtitan
+def emit_torchtitan_cmd(plan: PlanArg, out: OutOpt = None, compile: CompileOpt = None) -> None:
+    """torchtitan 0.3.x job: a config function for `-m torchtitan.train --module FILE --config plan3d_job`."""
+    from plan3d.emit.torchtitan import DEFAULT_MODULE, emit_torchtitan
     from plan3d.plan import load_plan
 
-    _write(emit_torchtitan(load_plan(plan)), out)
+    module = out.stem if out is not None and out.suffix == ".py" else DEFAULT_MODULE
+    emitted = emit_torchtitan(load_plan(plan), compile=compile, module=module)
+    if out is not None and out.suffix != ".py":
+        emitted.notes.append(f"torchtitan imports the job as a Python module: name the file {module}.py")
+    _write(emitted, out)
 
 
 MasterAddrOpt = Annotated[str, typer.Option("--master-addr", help="Address of node 0 (a host name, or $VAR).")]

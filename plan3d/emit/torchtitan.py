@@ -1,129 +1,308 @@
-"""torchtitan TOML (`[parallelism]`, `[training]`, `[activation_checkpoint]`) for a plan.
+"""A torchtitan 0.3.x job for a plan: a Python config function its ConfigManager imports.
 
-Keys follow torchtitan's `torchtitan/config/job_config.py` (pytorch/torchtitan, 2025):
-`parallelism.data_parallel_replicate_degree` / `data_parallel_shard_degree` (FSDP2 shards, DDP/HSDP
-replicates), `fsdp_reshard_after_forward`, `tensor_parallel_degree`, `context_parallel_degree`,
-`pipeline_parallel_degree`, `pipeline_parallel_schedule`, `pipeline_parallel_layers_per_stage`,
-`pipeline_parallel_split_points`, `pipeline_parallel_microbatch_size`; `training.local_batch_size`
-(per data-parallel rank), `training.global_batch_size` (gradient accumulation when larger),
-`training.seq_len`, `training.mixed_precision_param`; `activation_checkpoint.mode`.
+torchtitan 0.3 reads no TOML job file. `torchtitan.train` builds its config with
+`ConfigManager.parse_args` (torchtitan/config/manager.py): `--module M --config F` imports module
+`M` (a registered model such as `llama3`, or any importable module: it tries `M.config_registry`,
+then `M` itself), calls `F()` for a `Trainer.Config`, then applies CLI overrides
+(`--training.steps 100`). The model (`Trainer.Config.model_spec`) is suppressed from the command
+line (trainer.py), so a plan's model shapes can only reach torchtitan through a config function:
+that is what this emitter writes. Run it as
 
-ZeRO maps onto FSDP2: ZeRO-3 is `data_parallel_shard_degree = dp` (reshard after forward),
-ZeRO-2 is the same with `fsdp_reshard_after_forward = "never"` (parameters stay gathered between
-forward and backward), ZeRO-0 is DDP (`data_parallel_replicate_degree = dp`, 1-D only).
-torchtitan's device mesh is (pp, dp_replicate, dp_shard, cp, tp), slowest first: plan3d order
-`tp-cp-dp-pp`. Not expressible (InfeasibleError, exit 1): ZeRO-1, DDP combined with tp/pp/cp,
-fp16, another rank order.
+    PYTHONPATH=<folder of the file> torchrun ... -m torchtitan.train --module <file stem> --config plan3d_job
+
+torchtitan 0.2.x (`--job.config_file` TOML, `JobConfig`) is a different format: this writes for
+0.3.x only (`torchtitan>=0.3,<0.4`, the `engines` extra).
+
+What the plan says, in 0.3.0's own names (torchtitan/config/configs.py, trainer.py,
+distributed/fsdp.py, distributed/pipeline_parallel.py):
+- data parallelism is FSDP2 over the mesh (pp, dp_replicate, dp_shard, cp, tp), pp slowest and
+  tp fastest (distributed/parallel_dims.py `build_mesh`), plan3d order `tp-cp-ep-dp-pp`.
+  ZeRO-3: `data_parallel_shard_degree = dp`, `fsdp_reshard_after_forward = "always"` (the
+  "default" policy does not reshard when a pipeline is on: `get_fsdp_reshard_after_forward_policy`);
+  ZeRO-2: shard degree dp, `"never"` (parameters stay gathered from forward to backward); ZeRO-0:
+  `data_parallel_replicate_degree = dp` (replication; composes with tp and pp in 0.3), `"never"`.
+  ZeRO-1 (optimizer states sharded, parameters and gradients replicated) has no setting.
+- `enable_sequence_parallel` = the plan's sequence parallelism (0.3 defaults it on).
+- the stage split is always explicit, `module_fqns_per_model_part`: stage k*pp + r on pipeline
+  rank r (`_get_pp_rank_to_stage_indices_mapping`, loop style), the embedding in the first stage
+  and the final norm and output head in the last, next to the plan's layer counts. (torchtitan's
+  own split counts the embedding and the head as one layer each, and `pipeline_parallel_layers_per_stage`
+  needs ceil((layers + 2) / per_stage) divisible by pp: an explicit split avoids both.)
+  `1F1B` with one stage per rank, `Interleaved1F1B` with vpp; `training.disable_cuda_graphs`
+  with pp > 1 (Trainer.Config refuses CUDA graphs with pipelining).
+- batch: with a pipeline `local_batch_size` = global / dp split into micro-batches of
+  `pipeline_parallel_microbatch_size`; without one `local_batch_size` = micro-batch and torchtitan
+  accumulates global / (local * dp) steps.
+- recompute: `FullAC`, `SelectiveAC` (per-op: saves matmul and attention outputs, recomputes
+  every second matmul) or none; attention is FlexAttention (`attn_backend="flex"`: one fused
+  kernel, scores never reach HBM; 0.3 refuses `sdpa` for language models,
+  models/common/config_utils.py `get_attention_config`).
+- the torchtitan-compile profile switches `compile.enable` on (model and loss).
+
+The model is a registered llama3 flavor when the shapes are one (models/llama3/__init__.py),
+otherwise the same builder with the plan's layers, width, heads, KV heads, FFN and vocabulary.
+Refused (InfeasibleError, exit 1) with what to change: what the profile cannot run
+(`target_engine`), a model that is not Llama-shaped (torchtitan 0.3 has no LayerNorm/GELU/learned
+position decoder), tied embeddings with pp > 1 and fp16 (0.3 raises on both), a head dimension
+other than hidden / heads, experts.
 """
 from __future__ import annotations
 
-from itertools import accumulate
+from dataclasses import dataclass
 
-from plan3d.emit.common import Emitted, same_groups
+from plan3d.emit.common import Emitted, target_engine
 from plan3d.errors import InfeasibleError
 from plan3d.layout import Layout
 from plan3d.plan import Plan
+from plan3d.specs.model import ModelSpec
 
-TORCHTITAN_ORDER = "tp-cp-ep-dp-pp"
+VERSIONS = "0.3.x"
+CONFIG_FUNCTION = "plan3d_job"
+DEFAULT_MODULE = "plan3d_job"
+ROPE_THETA = 500000  # every torchtitan 0.3 llama3 flavor (models/llama3/__init__.py); plan3d's model spec has none
+ROPE_MAX_SEQ_LEN = 131072  # the flavors' RoPE cache length
 
 
-def torchtitan_sections(plan: Plan) -> dict[str, dict]:
-    """The TOML sections as nested mappings."""
-    layout = plan.layout
+@dataclass(frozen=True)
+class Flavor:
+    """A registered torchtitan 0.3.0 llama3 flavor (models/llama3/__init__.py `llama3_configs`)."""
+
+    name: str
+    recipe: str  # the config_registry function whose data set, optimizer and schedule the job starts from
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    vocab: int
+    tied: bool = False
+
+
+FLAVORS = (
+    Flavor("1B", "llama3_8b", 16, 2048, 32, 8, 8192, 128256, tied=True),
+    Flavor("3B", "llama3_8b", 28, 3072, 24, 8, 8192, 128256, tied=True),
+    Flavor("8B", "llama3_8b", 32, 4096, 32, 8, 14336, 128256),
+    Flavor("70B", "llama3_70b", 80, 8192, 64, 8, 28672, 128256),
+    Flavor("405B", "llama3_405b", 126, 16384, 128, 8, 53248, 128256),
+)
+
+
+def emit_torchtitan(plan: Plan, compile: bool | None = None, module: str = DEFAULT_MODULE) -> Emitted:
+    """The config-function module for `plan`; `compile` None follows the plan's engine profile."""
+    if compile is None:
+        compile = plan.engine is not None and plan.engine.name == "torchtitan-compile"
+    profile = "torchtitan-compile" if compile else "torchtitan"
+    _, notes = target_engine(plan, profile, VERSIONS)
     _check_expressible(plan)
-    return {"parallelism": _parallelism(plan), "training": _training(plan),
-            "activation_checkpoint": _activation_checkpoint(layout)}
+    flavor = matching_flavor(plan.model)
+    notes += _notes(plan, flavor)
+    body = [_header(plan, profile, module), _imports(flavor), _function(plan, flavor, compile)]
+    return Emitted("\n".join(body), notes)
+
+
+def matching_flavor(model: ModelSpec) -> Flavor | None:
+    """The registered llama3 flavor with exactly the model's shapes, if any."""
+    shapes = (model.layers, model.hidden, model.heads, model.kv_heads_, model.ffn_hidden_, model.vocab,
+              model.tied_embeddings)
+    for flavor in FLAVORS:
+        if shapes == (flavor.layers, flavor.hidden, flavor.heads, flavor.kv_heads, flavor.ffn_hidden,
+                      flavor.vocab, flavor.tied):
+            return flavor
+    return None
 
 
 def _check_expressible(plan: Plan) -> None:
-    layout = plan.layout
-    if layout.zero == 1:
-        raise InfeasibleError("torchtitan has no ZeRO-1 (it shards with FSDP2: ZeRO-2/3, or replicates: "
-                              "ZeRO-0); re-plan with --zero 2 or 3, or emit megatron/deepspeed")
-    if layout.zero == 0 and (layout.tp > 1 or layout.pp > 1 or layout.cp > 1):
-        raise InfeasibleError("torchtitan's DDP (ZeRO-0) does not compose with tp/pp/cp; re-plan with --zero 2 or 3")
-    if plan.training.precision == "fp16":
-        raise InfeasibleError("torchtitan trains in bf16 or fp32 (mixed_precision_param); choose --precision bf16")
-    if not same_groups(layout, TORCHTITAN_ORDER):
-        raise InfeasibleError(f"torchtitan's mesh is (pp, dp, cp, tp), i.e. order {TORCHTITAN_ORDER!r}; "
-                              f"the plan has {layout.order!r}: re-plan with the default order")
+    model, layout = plan.model, plan.layout
+    llama_parts = {"activation": (model.activation, "swiglu"), "norm": (model.norm, "rmsnorm"),
+                   "position": (model.position, "rope"), "bias": (model.bias or model.qkv_bias_, False)}
+    unlike = [f"{key} {have}" for key, (have, want) in llama_parts.items() if have != want]
+    if unlike:
+        raise InfeasibleError(
+            f"torchtitan {VERSIONS} has no decoder for {model.name} ({', '.join(unlike)}): its llama3 builder is "
+            "SwiGLU / RMSNorm / RoPE without biases; emit megatron or deepspeed for this model")
+    if model.moe is not None or layout.ep > 1:
+        raise InfeasibleError(f"torchtitan {VERSIONS}'s llama3 is dense: plan {model.name} without experts "
+                              "(ep=1), or emit megatron")
+    if model.head_dim_ * model.heads != model.hidden:
+        raise InfeasibleError(f"torchtitan {VERSIONS}'s llama3 builder sets head dim = hidden / heads; "
+                              f"{model.name} has {model.head_dim_} x {model.heads} != {model.hidden}")
+    if model.tied_embeddings and layout.pp > 1:  # models/common/decoder.py update_from_config raises
+        raise InfeasibleError(f"torchtitan {VERSIONS} does not tie embeddings with pipeline parallelism "
+                              "('Weight tying is not supported with Pipeline Parallel'); re-plan with pp=1")
+    if plan.training.precision == "fp16":  # TrainingConfig.mixed_precision_param: "bfloat16" | "float32"
+        raise InfeasibleError(f"torchtitan {VERSIONS} trains in bf16 or fp32 (training.mixed_precision_param); "
+                              "re-plan with --precision bf16")
+    _check_schedule(plan)
 
 
-def _parallelism(plan: Plan) -> dict:
+def _check_schedule(plan: Plan) -> None:
+    """torch.distributed.pipelining's own limits on the micro-batch count (torch 2.x schedules.py)."""
     layout = plan.layout
-    section = {
-        "data_parallel_replicate_degree": layout.dp if layout.zero == 0 else 1,
-        "data_parallel_shard_degree": layout.dp if layout.zero >= 2 else 1,
+    if layout.pp == 1:
+        return
+    micro = layout.micro_batches(plan.training.global_batch)
+    if layout.vpp == 1 and micro < layout.pp:
+        raise InfeasibleError(f"torch's Schedule1F1B needs at least pp={layout.pp} micro-batches per step, the "
+                              f"plan has {micro}: raise the global batch or lower the micro-batch")
+    rounds = max(1, micro // layout.pp)
+    if layout.vpp > 1 and micro % rounds:
+        raise InfeasibleError(f"torch's ScheduleInterleaved1F1B needs the {micro} micro-batches to be a multiple "
+                              f"of {rounds} rounds (micro-batches // pp): make them a multiple of pp={layout.pp}")
+
+
+def _notes(plan: Plan, flavor: Flavor | None) -> list[str]:
+    notes = []
+    if flavor is None:
+        notes.append(f"{plan.model.name} is no registered torchtitan llama3 flavor: the job builds it with "
+                     f"torchtitan's llama3 builder (RoPE theta {ROPE_THETA}); point hf_assets_path at a tokenizer "
+                     f"with {plan.model.vocab} tokens")
+    if plan.training.precision == "fp8":
+        notes.append("fp8: add torchtitan's Float8LinearConverter to model_registry(converters=[...]) (needs torchao)")
+    if plan.layout.recompute == "selective":
+        notes.append("torchtitan's selective recompute is per-op (it saves matmul and attention outputs and "
+                     "recomputes every second matmul), not Megatron's attention-only recompute")
+    return notes
+
+
+def _header(plan: Plan, profile: str, module: str) -> str:
+    cluster, layout = plan.cluster, plan.layout
+    per_node = min(layout.world_size, cluster.gpus_per_node)
+    nodes = -(-layout.world_size // per_node)
+    return (
+        f'"""torchtitan {VERSIONS} job for plan3d plan {plan.digest} ({layout.short()}, profile {profile}).\n\n'
+        f"A config function torchtitan's ConfigManager imports; save this file as {module}.py and run on\n"
+        f"each of the {nodes} node(s):\n\n"
+        f"    PYTHONPATH=<folder of {module}.py>:$PYTHONPATH torchrun --nnodes {nodes} "
+        f"--nproc-per-node {per_node} \\\n"
+        f"        --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500 -m torchtitan.train \\\n"
+        f"        --module {module} --config {CONFIG_FUNCTION}\n\n"
+        "Data set, tokenizer (hf_assets_path), optimizer, steps and checkpoints come from torchtitan's\n"
+        "recipe named below: change them here or on the command line (e.g. --training.steps 100).\n"
+        '"""\n'
+    )
+
+
+def _imports(flavor: Flavor | None) -> str:
+    recipe = flavor.recipe if flavor else "llama3_8b"
+    lines = ["import dataclasses", ""] if flavor is None else []
+    lines += [
+        "from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss",
+        "from torchtitan.config import CompileConfig, ParallelismConfig",
+        "from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC",
+        "from torchtitan.models.common.config_utils import decoder_vocab_size",
+        f"from torchtitan.models.llama3.config_registry import {recipe} as recipe",
+        "from torchtitan.trainer import Trainer",
+    ]
+    if flavor:
+        lines.append("from torchtitan.models.llama3 import model_registry")
+    else:
+        lines += ["import torchtitan.models.llama3 as llama3",
+                  "from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm"]
+    return "\n".join(lines) + "\n"
+
+
+def _function(plan: Plan, flavor: Flavor | None, compile: bool) -> str:
+    model_lines = _flavor_model(flavor) if flavor else _custom_model(plan)
+    return (
+        f"\ndef {CONFIG_FUNCTION}() -> Trainer.Config:\n"
+        "    config = recipe()\n"
+        + "".join(f"    {line}\n" for line in model_lines)
+        + "    config.loss = ChunkedLossWrapper.Config(\n"
+        "        loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(config.model_spec)))\n"
+        + _call_block("config.parallelism = ParallelismConfig", parallelism_settings(plan))
+        + "".join(f"    config.training.{key} = {value!r}\n" for key, value in training_settings(plan).items())
+        + f"    config.activation_checkpoint = {_activation_checkpoint(plan.layout)}\n"
+        + f"    config.compile = CompileConfig(enable={compile!r})\n"
+        "    return config\n"
+    )
+
+
+def _call_block(target: str, kwargs: dict) -> str:
+    body = "".join(f"        {key}={_literal(value)},\n" for key, value in kwargs.items())
+    return f"    {target}(\n{body}    )\n"
+
+
+def _literal(value) -> str:
+    """A Python literal; a list of lists one inner list a line (the stage split)."""
+    if isinstance(value, list) and value and isinstance(value[0], list):
+        return "[\n" + "".join(f"            {inner!r},\n" for inner in value) + "        ]"
+    return repr(value)
+
+
+def _flavor_model(flavor: Flavor) -> list[str]:
+    return [f'config.model_spec = model_registry("{flavor.name}", attn_backend="flex")']
+
+
+def _custom_model(plan: Plan) -> list[str]:
+    """The plan's shapes through torchtitan 0.3.0's own llama3 builder (what its flavors call)."""
+    model = plan.model
+    seq = max(ROPE_MAX_SEQ_LEN, plan.training.seq_len or model.seq_len)
+    dim, vocab = model.hidden, model.vocab
+    return [
+        "model = llama3.Llama3Model.Config(",
+        f"    dim={dim}, vocab_size={vocab}, enable_weight_tying={model.tied_embeddings!r},",
+        f"    tok_embeddings=Embedding.Config(num_embeddings={vocab}, embedding_dim={dim}, "
+        "param_init=llama3._EMBEDDING_INIT),",
+        f"    norm=RMSNorm.Config(normalized_shape={dim}, param_init=llama3._NORM_INIT),",
+        f"    lm_head=Linear.Config(in_features={dim}, out_features={vocab}, "
+        f"param_init=llama3._output_linear_init({dim})),",
+        "    layers=llama3._build_llama3_layers(",
+        f"        n_layers={model.layers}, dim={dim}, n_heads={model.heads}, n_kv_heads={model.kv_heads_},",
+        f"        hidden_dim={model.ffn_hidden_}, fuse_qkv=True, attn_backend=\"flex\",",
+        f"        rope=ComplexRoPE.Config(dim={model.head_dim_}, max_seq_len={seq}, theta={ROPE_THETA}, "
+        "scaling=\"llama\"),",
+        "    ),",
+        ")",
+        f'config.model_spec = dataclasses.replace(llama3.model_registry("8B"), flavor="{model.name}", model=model)',
+    ]
+
+
+def parallelism_settings(plan: Plan) -> dict:
+    """`ParallelismConfig` keyword arguments (torchtitan/config/configs.py) for the plan's layout."""
+    layout = plan.layout
+    sharded = layout.zero >= 2
+    out = {
+        "data_parallel_replicate_degree": 1 if sharded else layout.dp,
+        "data_parallel_shard_degree": layout.dp if sharded else 1,
+        "fsdp_reshard_after_forward": "always" if layout.zero == 3 else "never",
         "tensor_parallel_degree": layout.tp,
+        "enable_sequence_parallel": layout.sequence_parallel,
         "context_parallel_degree": layout.cp,
         "pipeline_parallel_degree": layout.pp,
     }
-    if layout.zero == 2:
-        section["fsdp_reshard_after_forward"] = "never"
-    if layout.ep > 1:
-        section["expert_parallel_degree"] = layout.ep
     if layout.pp > 1:
-        section.update(_pipeline(plan, layout))
-    return section
-
-
-def _pipeline(plan: Plan, layout: Layout) -> dict:
-    split = layout.stage_layers(plan.model.layers)
-    out = {"pipeline_parallel_schedule": "Interleaved1F1B" if layout.vpp > 1 else "1F1B",
-           "pipeline_parallel_microbatch_size": layout.micro_batch}
-    if len(set(split)) == 1:
-        out["pipeline_parallel_layers_per_stage"] = split[0]
-    else:
-        out["pipeline_parallel_split_points"] = [f"layers.{n}" for n in list(accumulate(split))[:-1]]
+        out |= {"pipeline_parallel_schedule": "Interleaved1F1B" if layout.vpp > 1 else "1F1B",
+                "pipeline_parallel_microbatch_size": layout.micro_batch,
+                "module_fqns_per_model_part": stage_modules(layout, plan.model.layers)}
     return out
 
 
-def _training(plan: Plan) -> dict:
+def stage_modules(layout: Layout, layers: int) -> list[list[str]]:
+    """Module names per virtual stage: the plan's layer counts, embedding first, norm and head last."""
+    parts, first = [], 0
+    for count in layout.stage_layers(layers):
+        parts.append([f"layers.{i}" for i in range(first, first + count)])
+        first += count
+    parts[0].insert(0, "tok_embeddings")
+    parts[-1] += ["norm", "lm_head"]
+    return parts
+
+
+def training_settings(plan: Plan) -> dict:
+    """`config.training` values (TrainingConfig): batch, sequence, precision, CUDA graphs."""
     layout, training = plan.layout, plan.training
-    per_replica = training.global_batch // layout.dp
-    return {
-        # With a pipeline the local batch is split into micro-batches; without one, torchtitan
-        # accumulates gradients over global / (local * dp) steps.
-        "local_batch_size": per_replica if layout.pp > 1 else layout.micro_batch,
+    out = {
+        # with a pipeline the local batch is split into micro-batches; without one, torchtitan
+        # accumulates gradients over global / (local * dp) steps (trainer.py)
+        "local_batch_size": training.global_batch // layout.dp if layout.pp > 1 else layout.micro_batch,
         "global_batch_size": training.global_batch,
         "seq_len": training.seq_len or plan.model.seq_len,
         "mixed_precision_param": "float32" if training.precision == "fp32" else "bfloat16",
     }
+    if layout.pp > 1:
+        out["disable_cuda_graphs"] = True
+    return out
 
 
-def _activation_checkpoint(layout: Layout) -> dict:
-    if layout.recompute == "selective":
-        return {"mode": "selective", "selective_ac_option": "op"}
-    return {"mode": layout.recompute}
-
-
-def to_toml(sections: dict[str, dict]) -> str:
-    """Minimal TOML writer for flat sections of ints, strings, bools and lists of strings."""
-    out = []
-    for name, values in sections.items():
-        out.append(f"[{name}]")
-        out += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
-        out.append("")
-    return "\n".join(out)
-
-
-def _toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return str(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def emit_torchtitan(plan: Plan) -> Emitted:
-    layout = plan.layout
-    notes = []
-    if layout.tp > 1 and not layout.sequence_parallel:
-        notes.append("torchtitan's tensor parallel always shards norms along the sequence (sequence "
-                     "parallel): activation memory will be lower than this plan predicts")
-    if plan.training.precision == "fp8":
-        notes.append("fp8: add the float8 converter ([model] converters = [\"float8\"], needs torchao)")
-    header = f"# torchtitan sections for plan {plan.digest} ({layout.short()}); merge into your train config\n"
-    return Emitted(header + to_toml(torchtitan_sections(plan)), notes)
+def _activation_checkpoint(layout: Layout) -> str:
+    return {"none": "None", "selective": "SelectiveAC.Config()", "full": "FullAC.Config()"}[layout.recompute]

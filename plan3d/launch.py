@@ -30,6 +30,7 @@ from typing import Callable
 from plan3d.emit.torchrun import WORKER_MODULE, node_command
 from plan3d.errors import LaunchError, SpecError, os_error_message
 from plan3d.plan import Plan
+from plan3d.run.record import PLAN, is_digest, plan_path
 
 STOP_GRACE_S = 10.0
 AFTER_ERROR_S = 20.0
@@ -68,13 +69,12 @@ def runtime_problems(plan: Plan) -> list[str]:
 
 def predicted_memory(plan: Plan) -> tuple[float, float, int]:
     """(peak bytes of the fullest rank, usable bytes per rank, its pipeline rank): the plan's own
-    estimate, or the cost model's for plan3d's runtime when the plan carries none."""
+    estimate, or the prediction for plan3d's runtime (plan3d/run/compare.py) when it carries none."""
     est = plan.estimate
     if not all(k in est for k in ("peak_memory_bytes", "capacity_bytes")):
-        from plan3d.cost.estimate import estimate
-        from plan3d.specs.catalog import RUNTIME_ENGINE, load_engine
+        from plan3d.run.compare import predicted_for_run
 
-        est = estimate(plan.cluster, plan.model, plan.training, plan.layout, load_engine(RUNTIME_ENGINE)).to_dict()
+        est = predicted_for_run(plan)
     return float(est["peak_memory_bytes"]), float(est["capacity_bytes"]), int(est.get("worst_pp_rank", 0))
 
 
@@ -195,7 +195,8 @@ def worker_argv(run_dir: Path, steps: int, backend: str, extra) -> list[str]:
 
 
 def prepare_run_dir(plan: Plan, run_dir: Path) -> Path:
-    """Create the run directory, write plan.json, clear a previous attempt's errors."""
+    """Create the run directory, write plan.json (and plans/DIGEST.json, which keeps the plan of
+    every launch of the run for plan3d/run/compare.py), clear a previous attempt's errors."""
     run_dir.mkdir(parents=True, exist_ok=True)
     check_free_space(run_dir)
     (run_dir / "logs").mkdir(exist_ok=True)
@@ -203,8 +204,11 @@ def prepare_run_dir(plan: Plan, run_dir: Path) -> Path:
     for stale in errors.glob("*.json") if errors.exists() else ():
         stale.unlink()
     clean_interrupted_saves(run_dir)
-    plan_file = run_dir / "plan.json"
-    _write_once(plan_file, plan.model_dump_json(indent=1))
+    plan_file, text = run_dir / PLAN, plan.model_dump_json(indent=1)
+    _write_once(plan_file, text)
+    if is_digest(plan.digest):
+        plan_path(run_dir, plan.digest).parent.mkdir(exist_ok=True)
+        _write_once(plan_path(run_dir, plan.digest), text)
     return plan_file
 
 
@@ -500,15 +504,6 @@ def diagnose(run_dir: Path, launcher_log: str, world: int | None = None,
         return first["rank"], first["error"]
     tail = [line for line in launcher_log.splitlines() if line.strip()][-1:] or ["no output"]
     return None, f"torchrun failed: {tail[0][:300]} (see {run_dir / 'logs'})"
-
-
-def predicted_model_state(plan: Plan, precision: str) -> dict[int, float]:
-    """The memory model's model-state bytes per pipeline rank, for the precision the run used."""
-    from plan3d.cost.memory import model_state_bytes
-
-    training = plan.training.model_copy(update={"precision": precision})
-    return {pp: sum(model_state_bytes(plan.model, training, plan.layout, pp).values())
-            for pp in range(plan.layout.pp)}
 
 
 def read_summary(run_dir: Path) -> dict:

@@ -62,6 +62,8 @@ def test_overwrite_clears_the_previous_run_and_nothing_else(tmp_path):
     for name in ("metrics.jsonl", "summary.json", "notes.txt"):
         (tmp_path / name).write_text("x")
     (tmp_path / "checkpoints" / "step_00000001").mkdir(parents=True)
+    (tmp_path / "plans").mkdir()
+    (tmp_path / "plans" / "0123abcd.json").write_text("{}")
     _clear_previous_run(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 

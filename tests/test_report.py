@@ -9,7 +9,8 @@ from plan3d.cli import main
 from plan3d.cost.estimate import estimate
 from plan3d.layout import Layout
 from plan3d.plan import build_plan, save_plan
-from plan3d.report_run import compare, read_run
+from plan3d.run.compare import compare
+from plan3d.run.record import read_run
 from plan3d.specs.catalog import load_cluster, load_model
 from plan3d.specs.training import TrainingSpec
 
@@ -145,26 +146,40 @@ def test_a_bf16_plan_run_in_fp32_is_predicted_in_fp32(tmp_path):
     assert any("recomputed for fp32" in n for n in report.notes)
 
 
-def test_a_cpu_run_of_a_bf16_plan_is_predicted_in_fp32_in_the_launch_table_too():
-    from plan3d.render.launch import comparison_rows
-    from plan3d.report_run import estimate_as_run
+def test_launch_ends_with_the_table_of_report_predicted_for_what_the_run_did(tmp_path, capsys, monkeypatch):
+    """One renderer: the end of `plan3d launch` is `plan3d report`'s output, after the losses; a
+    CPU run of a bf16 plan is predicted in fp32 in both."""
+    from plan3d.cli.launch_cmd import _print_end
+    from plan3d.render.report import fmt
 
+    monkeypatch.setenv("COLUMNS", "200")
+    make_run(tmp_path)
     cluster, model = load_cluster("local-cpu"), load_model("tiny-gpt")
-    training, layout = TrainingSpec(global_batch=16, precision="bf16"), Layout(tp=2, pp=2, dp=2)
-    plan = build_plan(cluster, model, training, layout, estimate(cluster, model, training, layout).to_dict())
-    fp32 = estimate(cluster, model, training.model_copy(update={"precision": "fp32"}), layout).to_dict()
-    assert estimate_as_run(plan, "bf16") is plan.estimate
-    as_run = estimate_as_run(plan, "fp32")
-    assert as_run["step_time_s"] == pytest.approx(fp32["step_time_s"]) != pytest.approx(plan.estimate["step_time_s"])
-    summary = {"step_time_s": 0.3, "phases_s": {"forward_backward": 0.2, "grad_reduce": 0.05, "clip": 0.01,
-                                                "optimizer": 0.02, "loss": 0.02},
-               "predicted": {"step_time_s": as_run["step_time_s"], "time_s": as_run["time_s"]},
-               "ranks": [{"rank": 0, "pp": 0, "model_state_bytes": {"total": 1}, "peak_memory_bytes": 2}]}
-    rows = {name.strip(): (measured, predicted) for name, measured, predicted, _ in comparison_rows(summary, {0: 1})}
-    fb = rows["forward + backward (compute, bubble, TP/PP comm)"]
-    after = rows["after the backward (DP/ZeRO comm, clip, optimizer, loss)"]
-    assert fb[0] == pytest.approx(0.2) and after[0] == pytest.approx(0.1)
-    assert fb[1] + after[1] == pytest.approx(as_run["step_time_s"])
+    bf16, layout = TrainingSpec(global_batch=16, precision="bf16"), Layout(tp=2, pp=2, dp=2)
+    bf16_plan = build_plan(cluster, model, bf16, layout, estimate(cluster, model, bf16, layout).to_dict())
+    save_plan(bf16_plan, tmp_path / "plan.json")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary.update(losses=[5.5, 5.25, 5.125], first_step=1, steps=3)
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(SystemExit) as info:
+        main(["report", str(tmp_path)])
+    assert info.value.code in (0, None)
+    report_out = capsys.readouterr().out
+    _print_end(tmp_path)
+    launch_out = capsys.readouterr().out
+    assert launch_out.startswith("losses (steps 1..3): 5.5000, 5.2500, 5.1250\n") and launch_out.endswith(report_out)
+    fp32 = estimate(cluster, model, bf16.model_copy(update={"precision": "fp32"}), layout).to_dict()
+    assert fp32["step_time_s"] != pytest.approx(bf16_plan.estimate["step_time_s"])
+    assert f"step time | {fmt(fp32['step_time_s'], 's')}" in " ".join(report_out.replace("│", "|").split())
+
+
+def test_launch_without_a_summary_is_one_error_naming_the_logs(tmp_path):
+    from plan3d.cli.launch_cmd import _print_end
+    from plan3d.errors import LaunchError
+
+    make_run(tmp_path, with_summary=False)
+    with pytest.raises(LaunchError, match="without .*summary.json; see .*logs"):
+        _print_end(tmp_path)
 
 
 def write_segments(tmp_path, *segments):
@@ -295,7 +310,7 @@ def test_a_plan_estimate_past_its_bounds_is_refused_even_with_its_digest_recompu
 
 
 def test_a_measurement_near_zero_gives_no_infinite_prediction_error():
-    from plan3d.report_run import prediction_error, row
+    from plan3d.run.compare import prediction_error, row
 
     assert prediction_error(1e9, 5e-324) is None and row("step time", 1e9, 5e-324, "s")["error"] is None
     assert prediction_error(1.1, 1.0) == pytest.approx(0.1)

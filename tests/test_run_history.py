@@ -47,3 +47,17 @@ def test_segments_own_the_steps_up_to_the_next_one(tmp_path):
     assert (first["steps"], first["last_step"], first["ended"], first["step_time_s"]) == (3, 3, "interrupted", 2.5)
     assert (second["steps"], second["last_step"], second["ended"], second["step_time_s"]) == (3, 6, "completed", 5.0)
     assert second["final_loss"] == 4.0 and second["train_time_s"] == 15.0
+
+
+def test_an_inherited_history_brings_the_plans_its_launches_ran(tmp_path):
+    source, target = tmp_path / "a", tmp_path / "b"
+    (source / "checkpoints").mkdir(parents=True), target.mkdir()
+    (source / "plans").mkdir()
+    _steps(source, [1, 2, 3, 4])
+    for first, digest in ((1, "00aa"), (3, "00bb")):
+        (source / "plans" / f"{digest}.json").write_text(f'{{"plan": "{digest}"}}')
+        history.start_segment(source, {"first_step": first, "plan_digest": digest})
+    history.start_segment(source, {"first_step": 2, "plan_digest": "../../escape"})  # never a path
+    assert history.inherit(target, source / "checkpoints" / "step_00000002", 2)
+    assert sorted(p.name for p in (target / "plans").iterdir()) == ["00aa.json"]  # segment 3 came later
+    assert (target / "plans" / "00aa.json").read_text() == '{"plan": "00aa"}'

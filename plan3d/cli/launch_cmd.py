@@ -17,7 +17,8 @@ from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, GlobalBatchOpt, GpnOpt
 from plan3d.errors import InfeasibleError, LaunchError, Plan3dError
 from plan3d.run_flags import check_run_flags
 
-PREVIOUS_RUN = ("metrics.jsonl", "segments.jsonl", "summary.json", "checkpoints", "errors", "logs")  # what --overwrite removes
+PREVIOUS_RUN = ("metrics.jsonl", "segments.jsonl", "summary.json", "plans", "checkpoints", "errors",
+                "logs")  # what --overwrite removes
 PlanArg = Annotated[Optional[str], typer.Argument(help="Plan JSON (`plan3d recommend --out FILE`); omit to use the flags.")]
 
 
@@ -170,7 +171,7 @@ def launch_command(
 def _print_dry_run(plan, run_path, steps, backend, nnodes, master_addr, master_port, worker_args, timeout_s) -> None:
     from plan3d.emit.torchrun import torchrun_commands
     from plan3d.launch import LOOPBACK, nodes_needed, node_layout, worker_argv
-    from plan3d.report_run import engine_note
+    from plan3d.run.compare import engine_note
 
     if nnodes == 1 and master_addr in LOOPBACK:
         nnodes = nodes_needed(plan)  # simulated nodes on this machine, as launch() does
@@ -186,9 +187,8 @@ def _print_dry_run(plan, run_path, steps, backend, nnodes, master_addr, master_p
 
 
 def _launch_and_report(plan, run_path, steps, backend, nnodes, node_rank, master_addr, master_port, worker_args):
-    from plan3d.launch import launch, predicted_model_state, read_summary
-    from plan3d.render.launch import print_summary, progress_bar
-    from plan3d.report_run import engine_note
+    from plan3d.launch import launch
+    from plan3d.render.launch import progress_bar
 
     try:
         with progress_bar(steps) as on_progress:
@@ -204,7 +204,16 @@ def _launch_and_report(plan, run_path, steps, backend, nnodes, node_rank, master
     if node_rank != 0:
         print(f"node {node_rank} done; node 0 holds the summary in {run_path}")
         return
-    summary = read_summary(run_path)
-    note = engine_note(plan)
-    print_summary(summary, predicted_model_state(plan, summary["precision"]), str(run_path),
-                  notes=[note] if note else [])
+    _print_end(run_path)
+
+
+def _print_end(run_path: Path) -> None:
+    """What `plan3d report RUN_DIR` prints, after the run's losses: one table, one pairing."""
+    from plan3d.render.launch import print_launch_end
+    from plan3d.run.compare import compare
+    from plan3d.run.record import read_run
+
+    run = read_run(run_path)
+    if run.summary.get("incomplete"):
+        raise LaunchError(f"the run finished without {run_path / 'summary.json'}; see {run_path / 'logs'}")
+    print_launch_end(run.summary, compare(run), str(run_path))

@@ -1,13 +1,13 @@
 """`plan3d report RUN_DIR [--cluster SPEC] [--json] [--plot FILE]`: measured vs predicted per term."""
 from __future__ import annotations
 
-from plan3d.render.units import json_text
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from plan3d.cli.app import app
+from plan3d.render.units import json_text
 
 
 @app.command("report")
@@ -19,7 +19,8 @@ def report_command(
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a measured-vs-predicted picture (PNG/SVG/PDF).")] = None,
 ) -> None:
     """Show, per term, what the plan predicted and what the run measured."""
-    from plan3d.report_run import compare, read_run
+    from plan3d.run.compare import compare
+    from plan3d.run.record import read_run
 
     spec = None
     if cluster is not None:

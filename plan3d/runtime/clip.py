@@ -10,8 +10,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from plan3d.runtime.engine import DataParallel
 
-def clip_global_norm(dp_engine, max_norm: float) -> float:
+
+def clip_global_norm(dp_engine: DataParallel, max_norm: float) -> float:
     """Clip in place; return the global norm before clipping."""
     total = dp_engine.grad_sq_sum().reshape(1).float()
     dist.all_reduce(total)

@@ -15,7 +15,8 @@ from plan3d.runtime import history, memory
 from plan3d.runtime.clip import clip_global_norm
 from plan3d.runtime.context import build_context, check_placement
 from plan3d.runtime.data import replica_batch
-from plan3d.runtime.dp import collect_entries, make_dp, rebind_entries, shard_stages
+from plan3d.runtime.dp import make_dp, shard_stages
+from plan3d.runtime.engine import collect_entries, rebind_entries
 from plan3d.runtime.pipeline import build_stages, forward_backward, make_schedule
 from plan3d.tokens import map_tokens, token_file_record
 
@@ -97,11 +98,10 @@ class Runner:
             rebind_entries(entries, self.stages)
         self.seq = training.seq_len or self.plan.model.seq_len
         self.n_micro = layout.micro_batches(training.global_batch)
-        outside_grads = amp is not None and layout.zero < 3 and layout.pp > 1
         self.engine = make_dp(entries, self.ctx, layout.zero, training.optimizer, args.lr, amp,
-                              grad_divisor=self.n_micro if outside_grads else 1)
+                              pipeline_micro_batches=self.n_micro if layout.pp > 1 else 1)
         self.schedule = make_schedule(self.plan, self.ctx, self.stages, self.ids, self.seq, self.n_micro,
-                                      amp or torch.float32, scale_grads=not outside_grads)
+                                      amp or torch.float32, scale_grads=not self.engine.collects_grads)
         self.state_bytes: dict = {}
         self.tokens = map_tokens(args.data, self.seq + 1) if args.data else None  # checked by the launcher
         self.data_record = token_file_record(args.data) if args.data else SYNTHETIC

@@ -149,24 +149,31 @@ def test_launch_flags_with_an_impossible_layout_are_a_one_line_error(capsys):
 
 
 @pytest.mark.slow
-def test_cli_launch_prints_losses_and_measured_vs_predicted(capsys, tmp_path):
-    from plan3d.cli import main
-
-    with pytest.raises(SystemExit) as exit_info:
-        main(["launch", "--tp", "2", "--steps", "2", "--run-dir", str(tmp_path)])
-    assert exit_info.value.code in (0, None)
-    out = capsys.readouterr().out
-    assert "losses (steps 1..2)" in out and "measured vs predicted" in out and "model states" in out
-    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 2
-    assert (tmp_path / "logs" / "rank1.log").exists() and (tmp_path / "plan.json").exists()
-    # one convention with `plan3d report`: predicted / measured - 1 as a signed percentage
+def test_cli_launch_ends_with_the_table_of_report(capsys, tmp_path, monkeypatch):
+    """A real run of 4 ranks: `plan3d launch` ends with exactly what `plan3d report RUN_DIR` prints,
+    and summary.json holds measurements only."""
     import json
 
-    from plan3d.report_run import prediction_error
+    from plan3d.cli import main
 
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    error = prediction_error(summary["predicted"]["step_time_s"], summary["step_time_s"])
-    assert "prediction error" in out and f"{error:+.1%}" in out and "x\n" not in out
+    monkeypatch.setenv("COLUMNS", "200")
+    plan, run_dir = tmp_path / "plan.json", tmp_path / "run"
+    for argv in (["recommend", "--cluster", "local-cpu", "--model", "tiny-gpt", "--tp", "2", "--pp", "1", "--dp", "2",
+                  "--gpus-per-node", "4", "--precision", "fp32", "--top", "1", "--out", str(plan)],
+                 ["launch", str(plan), "--steps", "3", "--run-dir", str(run_dir)],
+                 ["report", str(run_dir)]):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code in (0, None), capsys.readouterr()
+        if argv[0] == "launch":
+            launched = capsys.readouterr().out
+    reported = capsys.readouterr().out
+    assert launched.startswith("losses (steps 1..3)") and launched.endswith(reported)
+    assert "measured vs predicted: tp2 pp1 dp2" in reported and "prediction error" in reported
+    assert (run_dir / "metrics.jsonl").read_text().count("\n") == 3 and (run_dir / "logs" / "rank3.log").exists()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert "predicted" not in summary and summary["world_size"] == 4
 
 
 @pytest.mark.gpu
@@ -216,3 +223,137 @@ def test_token_file_batches_are_the_global_windows_cut_over_dp():
     assert torch.equal(torch.cat([y for _, y in parts]), torch.from_numpy(full[:, 1:]))
     synthetic = replica_batch(5, 3, 8, 16, 256, 4, 0)[0]
     assert not torch.equal(synthetic, parts[0][0])
+
+
+def _one_rank_context():
+    """A ParallelContext of a single process (tp = pp = dp = 1): no process group is needed."""
+    from plan3d.runtime.context import ParallelContext
+    from plan3d.runtime.tp import TPInfo
+
+    sizes = {"pp": 1, "dp": 1, "tp": 1}
+    return ParallelContext(0, 1, None, {d: 0 for d in sizes}, torch.device("cpu"), TPInfo(1, 0, None, False),
+                           None, sizes)
+
+
+def _tiny_stage(layers: range, first: bool, last: bool, tied: bool = False):
+    from plan3d.runtime.model import Stage, init_stage
+    from plan3d.runtime.tp import TPInfo
+
+    model, tp = make_plan().model.model_copy(update={"tied_embeddings": tied}), TPInfo(1, 0, None, False)
+    stage = Stage(model, tp, layers, first=first, last=last)
+    init_stage(stage, tp, seed=3, layers=model.layers)
+    return stage
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flat_zero_engine_updates_like_plain_adam_on_one_rank(dtype, zero):
+    """The one flat-buffer ZeRO-1/2 engine: two steps with known gradients (each accumulated over
+    two backwards) give the fp32 weights and Adam moments of torch.optim.Adam on fp32 copies, and
+    bf16 parameters are those weights rounded; its model-state bytes are the memory model's
+    per-parameter figures (fp32 4 + 4 + 8, bf16 2 + 4 + 4 + 8)."""
+    from plan3d.runtime.engine import collect_entries
+    from plan3d.runtime.zero import FlatZeroDP
+
+    ctx, lr = _one_rank_context(), 1e-2
+    stage = _tiny_stage(range(0, 2), first=True, last=True)
+    entries = collect_entries([stage], ctx)
+    reference = {e.name: e.param.detach().clone().requires_grad_() for e in entries}
+    ref_opt = torch.optim.Adam(list(reference.values()), lr=lr)
+    engine = FlatZeroDP(entries, ctx, "adam", lr, zero, param_dtype=dtype)
+    assert all(e.param.dtype == dtype for e in entries)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        weights = {e.name: torch.randn(e.param.shape, generator=gen).to(dtype) for e in entries}
+        engine.zero_grad()
+        for _ in range(2):  # two micro-batches: the engine sums them in fp32
+            sum((e.param * weights[e.name]).sum() for e in entries).backward()
+        engine.reduce_grads()
+        assert all(e.param.grad is None for e in entries), "gradients live in the engine's fp32 buffer"
+        counted = sum((2 * weights[e.name].float()).pow(2).sum() for e in entries if e.counted)
+        torch.testing.assert_close(engine.grad_sq_sum(), counted, rtol=1e-6, atol=0)
+        engine.step()
+        for e in entries:
+            reference[e.name].grad = 2 * weights[e.name].float()
+        ref_opt.step()
+    state = engine.logical_state()
+    for e in entries:
+        want = reference[e.name].detach()
+        torch.testing.assert_close(state[e.name]["param"], want, rtol=1e-6, atol=1e-7)
+        assert torch.equal(e.param.detach(), state[e.name]["param"].to(dtype)), e.name
+        for moment in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state[e.name][moment], ref_opt.state[reference[e.name]][moment],
+                                       rtol=1e-6, atol=1e-9)
+    n = sum(e.param.numel() for e in entries)
+    master = 0 if dtype == torch.float32 else 4 * n
+    assert engine.state_bytes() == {"weights": dtype.itemsize * n, "gradients": 4 * n, "optimizer": master + 8 * n}
+
+
+def test_fsdp_rebinding_matches_parameters_by_name_not_position():
+    """After wrapping, each entry takes the parameter of its own (logical) name, whatever order
+    the stages list their parameters in; a stage set that lacks a name is refused."""
+    from plan3d.runtime.engine import collect_entries, rebind_entries
+
+    ctx = _one_rank_context()
+    old = [_tiny_stage(range(2, 4), first=False, last=False), _tiny_stage(range(4, 8), first=False, last=True, tied=True)]
+    entries = collect_entries(old, ctx)
+    assert [e.name for e in entries if e.tied_copy] == ["embed.tok.weight"]
+    new = [_tiny_stage(range(4, 8), first=False, last=True, tied=True), _tiny_stage(range(2, 4), first=False, last=False)]
+    rebind_entries(entries, new)
+    by_name = {n: p for n, p in new[1].named_parameters()} | {n: p for n, p in new[0].named_parameters()}
+    by_name["embed.tok.weight"] = by_name.pop("head.out.weight")
+    assert all(e.param is by_name[e.name] for e in entries)
+    with pytest.raises(RuntimeError, match="not the entries"):
+        rebind_entries(entries, new[:1])
+
+
+def _runtime_imports() -> dict[str, set[str]]:
+    """{module: runtime modules it imports, at any level (function-level imports included)}."""
+    import ast
+    from pathlib import Path
+
+    import plan3d.runtime
+
+    package = Path(plan3d.runtime.__file__).parent
+    graph = {}
+    for path in package.glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "plan3d.runtime":
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("plan3d.runtime."):
+                found.add(node.module.split(".")[2])
+            elif isinstance(node, ast.Import):
+                found |= {a.name.split(".")[2] for a in node.names if a.name.startswith("plan3d.runtime.")}
+        graph[path.stem] = found
+    return graph
+
+
+def test_runtime_modules_import_one_way_and_no_private_names():
+    """No import cycle inside plan3d/runtime (the data-parallel engines dp.py and zero.py, once
+    dp.py and mixed.py, imported each other), and no module takes another's private names."""
+    import ast
+    from pathlib import Path
+
+    import plan3d.runtime
+
+    graph = _runtime_imports()
+    assert {"dp", "zero", "engine"} <= set(graph) and "zero" in graph["dp"]
+    assert "dp" not in graph["zero"] and not graph["engine"] & {"dp", "zero", "optim"}
+
+    def cycle_from(module, path):
+        for nxt in sorted(graph.get(module, ())):
+            if nxt in path:
+                return path[path.index(nxt):] + [nxt]
+            found = cycle_from(nxt, path + [nxt])
+            if found:
+                return found
+        return None
+
+    cycles = [c for m in graph if (c := cycle_from(m, [m]))]
+    assert not cycles, f"import cycle: {' -> '.join(cycles[0])}"
+    private = [(p.name, a.name) for p in Path(plan3d.runtime.__file__).parent.glob("*.py")
+               for node in ast.walk(ast.parse(p.read_text()))
+               if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("plan3d.runtime")
+               for a in node.names if a.name.startswith("_")]
+    assert not private, private

@@ -44,7 +44,7 @@ def test_every_bundled_engine_estimates_a_layout_it_can_run(name):
     ("megatron-core", Layout(tp=2, pp=2, dp=2, zero=3), "ZeRO-3 with pipeline"),
     ("megatron-lm-2021", Layout(tp=2, pp=1, dp=4, zero=1), "ZeRO-1 without pipeline"),
     ("deepspeed", Layout(tp=2, pp=1, dp=4), "no tensor parallelism"),
-    ("torchtitan", Layout(tp=2, pp=1, dp=4), "sequence_parallel"),
+    ("torchtitan", Layout(tp=2, pp=2, dp=2, zero=1), "ZeRO-1 with pipeline"),
     ("torchtitan", Layout(tp=1, pp=1, dp=8, zero=1), "ZeRO-1"),
     ("torchtitan", Layout(tp=1, pp=2, dp=4, order="tp-cp-ep-pp-dp"), "places ranks only"),
 ])

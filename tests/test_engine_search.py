@@ -71,11 +71,11 @@ def test_the_zero_with_pp_rejections_are_counted_under_their_own_reason(case):
     assert result.stats()["rejected"][ZERO_PP_REASON] == refused
 
 
-def test_torchtitan_uses_sequence_parallelism_with_every_tp_and_no_zero1(case):
+def test_torchtitan_runs_tp_with_or_without_sequence_parallelism_and_no_zero1(case):
     result = search(*case, engine=load_engine("torchtitan"))
     lay = result.layouts
     assert (lay["tp"] > 1).any()
-    assert lay["sequence_parallel"][lay["tp"] > 1].all()
+    assert not lay["sequence_parallel"][lay["tp"] > 1].all()  # torchtitan 0.3: enable_sequence_parallel
     assert not (lay["zero"] == 1).any() and (lay["zero"] == 2).any()
     assert result.rejected.get(ENGINE_ZERO_PP_CODE, 0) == 0  # it runs every stage it has with pp
 
@@ -149,7 +149,7 @@ def test_recommend_default_engine_is_megatron_core_and_counts_no_refusal_without
     (["--engine", "deepspeed", "--tp", "2"], ["deepspeed", "tensor parallelism", "tp 1"]),
     (["--engine", "deepspeed", "--recompute", "selective"], ["deepspeed", "selective", "none, full"]),
     (["--engine", "megatron-deepspeed", "--sequence-parallel"], ["megatron-deepspeed", "sequence parallelism"]),
-    (["--engine", "torchtitan", "--tp", "2", "--no-sequence-parallel"], ["torchtitan", "sequence"]),
+    (["--engine", "torchtitan", "--zero", "1"], ["torchtitan", "ZeRO-1", "0/2/3"]),
     (["--engine", "megatron-deepspeed", "--order", "tp-cp-ep-pp-dp"], ["megatron-deepspeed", "tp-cp-ep-dp-pp"]),
     (["--engine", "megatron-lm-2021", "--uneven"], ["megatron-lm-2021", "--uneven", "evenly"]),
 ])

@@ -29,7 +29,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from plan3d.cost.comm import RING_TERMS
 from plan3d.errors import SpecError
+from plan3d.rankmap import innermost_tier
 from plan3d.specs.cluster import ClusterSpec
 from plan3d.specs.gpu import ComputeEfficiency
 
@@ -95,14 +97,11 @@ def fit_memory_bandwidth(samples: list[dict]) -> tuple[float, float]:
 
 # ---- network ----------------------------------------------------------------------------------
 def collective_terms(op: str, n: int, size_bytes: float) -> tuple[float, float]:
-    """(bytes on the wire per GPU, latency hops) of one collective, ring algorithms."""
-    if op == "all_reduce":
-        return 2 * (n - 1) / n * size_bytes, 2 * (n - 1)
-    if op in ("all_gather", "reduce_scatter"):
-        return (n - 1) / n * size_bytes, n - 1
-    if op == "p2p":
-        return size_bytes, 1
-    raise ValueError(f"unknown collective {op!r}")
+    """(bytes on the wire per GPU, latency hops) of one collective: the ring terms the cost model
+    prices (`plan3d.cost.comm.RING_TERMS`), so a fit and a prediction read the same volumes."""
+    if op not in RING_TERMS:
+        raise ValueError(f"unknown collective {op!r}")
+    return RING_TERMS[op](size_bytes, n)
 
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -489,14 +488,7 @@ def collective_groups(cluster: ClusterSpec, world_size: int) -> list[dict]:
     if nodes > 1:
         kinds.append([[node * g + r for node in range(nodes)] for r in range(g)])
     tiers = cluster.tiers()
-    return [{"tier": _tier_of(members, tiers), "members": members} for members in kinds]
-
-
-def _tier_of(groups: list[list[int]], tiers) -> int:
-    for index, tier in enumerate(tiers):
-        if all(len({r // tier.domain_gpus for r in members}) == 1 for members in groups):
-            return index
-    return len(tiers) - 1
+    return [{"tier": innermost_tier(members, tiers), "members": members} for members in kinds]
 
 
 def message_sizes(max_bytes: int, min_bytes: int = 4096) -> list[int]:

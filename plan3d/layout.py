@@ -3,12 +3,16 @@
 Validated twice, at two depths: on construction for what the layout alone can say (positive
 degrees, a well-formed order string), and by `layout_problems` against a model, a training spec
 and a GPU count (heads divisible by tp, enough micro-batches for 1F1B, ...). Every problem is a
-sentence that says what to change.
+sentence that says what to change. Those rules are one table, `LAYOUT_RULES`, that the search
+(`plan3d.search.shape_reasons`) evaluates over numpy arrays of layouts as reason codes.
 """
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable, Literal
+
+import numpy as np
 
 from pydantic import BeforeValidator, Field, PositiveInt, field_validator, model_validator
 
@@ -51,6 +55,18 @@ def _fill_default_slots(named: tuple[str, ...]) -> tuple[str, ...]:
 def full_order(order: str) -> str:
     """The order string with all five axes ('pp-dp' -> 'tp-cp-ep-pp-dp'); raise if malformed."""
     return "-".join(parse_order(order))
+
+
+def active_axes(order: str, sizes: dict[str, int]) -> tuple[str, ...]:
+    """The axes of `order` (first varies fastest) whose size in `sizes` exceeds 1: all that
+    decides the groups, since an axis of size 1 adds no stride."""
+    return tuple(axis for axis in parse_order(order) if sizes.get(axis, 1) > 1)
+
+
+def same_groups(order: str, other: str, sizes: dict[str, int]) -> bool:
+    """True when the two orders build the same groups for degrees `sizes`: they list the axes of
+    size > 1 in the same sequence (with pp = 1, tp-cp-ep-dp-pp and tp-cp-ep-pp-dp are one placement)."""
+    return active_axes(order, sizes) == active_axes(other, sizes)
 
 
 def _array_as_tuple(value):
@@ -106,6 +122,18 @@ class Layout(FrozenModel):
         return parse_order(self.order)
 
     @property
+    def degrees(self) -> dict[str, int]:
+        return {"tp": self.tp, "cp": self.cp, "ep": self.ep, "dp": self.dp, "pp": self.pp}
+
+    def active_order(self) -> str:
+        """The order restricted to axes of size > 1 ('' when every degree is 1)."""
+        return "-".join(active_axes(self.order, self.degrees))
+
+    def same_groups_as(self, order: str) -> bool:
+        """True when `order` builds the same groups as this layout's own order (`same_groups`)."""
+        return same_groups(self.order, order, self.degrees)
+
+    @property
     def schedule(self) -> str:
         return "interleaved-1f1b" if self.vpp > 1 else "1f1b"
 
@@ -139,61 +167,133 @@ def divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
-def layout_problems(layout: Layout, model: ModelSpec, training: TrainingSpec, world_size: int) -> list[str]:
-    """Every reason `layout` cannot run `model` with `training` on `world_size` GPUs."""
-    problems = []
-    if layout.world_size > world_size:
-        problems.append(
-            f"tp*pp*dp*cp = {layout.world_size} exceeds the cluster's {world_size} GPUs; "
-            f"choose degrees whose product is {world_size} (or fewer GPUs), or add nodes"
-        )
-    kv = model.kv_heads_
-    if model.heads % layout.tp or kv % layout.tp:
-        valid = [t for t in divisors(kv) if model.heads % t == 0]
-        problems.append(f"tp={layout.tp} does not divide {model.heads} heads / {kv} kv heads; valid tp: {_fmt(valid)}")
-    if model.ffn_hidden_ % layout.tp:
-        problems.append(f"tp={layout.tp} does not divide ffn_hidden={model.ffn_hidden_}")
-    problems += _pipeline_problems(layout, model)
-    problems += _batch_problems(layout, training)
-    seq = training.seq_len or model.seq_len
-    if (layout.sequence_parallel or layout.cp > 1) and seq % (layout.tp * layout.cp):
-        problems.append(f"sequence length {seq} is not divisible by tp*cp={layout.tp * layout.cp} (sequence parallel)")
-    return problems
+# ---- validity: one table of rules, read as sentences here and as reason codes by the search -----
+class RuleFacts:
+    """What the layout rules read: one layout's knobs as Python numbers (`RuleFacts.of`), or many
+    layouts' knobs as equal-length numpy arrays (`plan3d.search.shape_reasons`); the model and
+    training are shared.
+
+    Every rule's `fails` is one expression over these attributes using `&`, `|`, `%` and
+    comparisons only, so the same expression judges one layout and a whole array of them. A layout
+    with `pp_layers`, or a search row marked uneven (it carries `plan3d.search.balanced_split`),
+    is `uneven` and is not held to the even-split rules. Left out, `world_size` is the layout's own
+    GPU count and `split_sum` the layer count (the search's grid, where both hold by construction).
+    """
+
+    def __init__(self, model: ModelSpec, training: TrainingSpec, *, tp, pp, dp, micro_batch, vpp, sequence_parallel,
+                 uneven, cp=1, world_size=None, split_sum=None):
+        self.heads, self.kv_heads, self.ffn_hidden = model.heads, model.kv_heads_, model.ffn_hidden_
+        self.layers, self.batch, self.seq = model.layers, training.global_batch, training.seq_len or model.seq_len
+        self.tp, self.pp, self.dp, self.cp, self.mb, self.vpp = tp, pp, dp, cp, micro_batch, vpp
+        self.sp, self.uneven = sequence_parallel, uneven
+        self.even = ~uneven if isinstance(uneven, np.ndarray) else not uneven
+        self.chunks = pp * vpp
+        self.per_replica = self.batch // dp
+        self.micro_batches = self.per_replica // micro_batch
+        self.gpus = tp * pp * dp * cp
+        self.world_size = self.gpus if world_size is None else world_size
+        self.split_sum = self.layers if split_sum is None else split_sum
+
+    @classmethod
+    def of(cls, layout: Layout, model: ModelSpec, training: TrainingSpec, world_size: int) -> RuleFacts:
+        split = layout.pp_layers
+        return cls(model, training, tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp,
+                   micro_batch=layout.micro_batch, vpp=layout.vpp, sequence_parallel=layout.sequence_parallel,
+                   uneven=split is not None, world_size=world_size, split_sum=sum(split) if split else None)
 
 
-def _pipeline_problems(layout: Layout, model: ModelSpec) -> list[str]:
-    chunks = layout.pp * layout.vpp
-    if layout.pp_layers is not None:
-        if sum(layout.pp_layers) != model.layers:
-            return [f"pp_layers sum to {sum(layout.pp_layers)}, the model has {model.layers} layers"]
-        return []
-    if chunks > model.layers:
-        return [f"pp*vpp = {chunks} exceeds the model's {model.layers} layers; valid pp: {_fmt(divisors(model.layers))}"]
-    if model.layers % chunks:
-        valid = [p for p in divisors(model.layers) if p > 1 or layout.vpp == 1]
-        return [f"pp*vpp = {chunks} does not divide {model.layers} layers; valid pp*vpp: {_fmt(valid)} (or set pp_layers)"]
-    return []
+@dataclass(frozen=True)
+class LayoutRule:
+    """One reason a layout cannot run a model and batch.
 
+    `code`: the search's reason code (`plan3d.search.REASONS`), None for a rule its grid cannot
+    break (tp*pp*dp is the GPU count, uneven splits sum to the layers); `reason`: the search's
+    short text; `sentence`: the full one, with what to change. The rules of one `group` form a
+    chain: a layout gets the sentence of the first that fails and none of the later ones, which
+    assume the earlier hold."""
 
-def _batch_problems(layout: Layout, training: TrainingSpec) -> list[str]:
-    g, dp, mb = training.global_batch, layout.dp, layout.micro_batch
-    if g % dp:
-        return [f"global batch {g} is not divisible by dp={dp}; valid dp: {_fmt(divisors(g))}"]
-    per_replica = g // dp
-    if per_replica % mb:
-        return [f"micro-batch {mb} does not divide the per-replica batch {per_replica}; valid: {_fmt(divisors(per_replica))}"]
-    m = per_replica // mb
-    if layout.pp > 1 and m < layout.pp:
-        return [f"1F1B needs at least pp={layout.pp} micro-batches, got {m} (= {g} / ({mb} * dp {dp})); "
-                f"use micro-batch <= {max(1, per_replica // layout.pp)} or raise the global batch"]
-    if layout.vpp > 1 and m % layout.pp:
-        return [f"interleaved 1F1B needs micro-batches ({m}) to be a multiple of pp={layout.pp}"]
-    return []
+    code: int | None
+    group: str
+    reason: str
+    fails: Callable[[RuleFacts], Any]
+    sentence: Callable[[RuleFacts], str]
 
 
 def _fmt(values: list[int], limit: int = 12) -> str:
     shown = ", ".join(map(str, values[:limit]))
     return shown + (", ..." if len(values) > limit else "")
+
+
+def _too_many_gpus(x: RuleFacts) -> str:
+    return (f"tp*pp*dp*cp = {x.gpus} exceeds the cluster's {x.world_size} GPUs; "
+            f"choose degrees whose product is {x.world_size} (or fewer GPUs), or add nodes")
+
+
+def _heads_not_divided(x: RuleFacts) -> str:
+    valid = [t for t in divisors(x.kv_heads) if x.heads % t == 0]
+    return f"tp={x.tp} does not divide {x.heads} heads / {x.kv_heads} kv heads; valid tp: {_fmt(valid)}"
+
+
+def _layers_not_divided(x: RuleFacts) -> str:
+    valid = [p for p in divisors(x.layers) if p > 1 or x.vpp == 1]
+    return f"pp*vpp = {x.chunks} does not divide {x.layers} layers; valid pp*vpp: {_fmt(valid)} (or set pp_layers)"
+
+
+def _too_few_micro_batches(x: RuleFacts) -> str:
+    return (f"1F1B needs at least pp={x.pp} micro-batches, got {x.micro_batches} (= {x.batch} / ({x.mb} * dp {x.dp})); "
+            f"use micro-batch <= {max(1, x.per_replica // x.pp)} or raise the global batch")
+
+
+LAYOUT_RULES = (
+    LayoutRule(None, "world", "more GPUs than the cluster has", lambda x: x.gpus > x.world_size, _too_many_gpus),
+    LayoutRule(1, "heads", "tp does not divide the attention / KV heads",
+               lambda x: (x.heads % x.tp != 0) | (x.kv_heads % x.tp != 0), _heads_not_divided),
+    LayoutRule(2, "ffn", "tp does not divide the FFN hidden size", lambda x: x.ffn_hidden % x.tp != 0,
+               lambda x: f"tp={x.tp} does not divide ffn_hidden={x.ffn_hidden}"),
+    LayoutRule(None, "pipeline", "pp_layers do not sum to the layer count",
+               lambda x: x.uneven & (x.split_sum != x.layers),
+               lambda x: f"pp_layers sum to {x.split_sum}, the model has {x.layers} layers"),
+    LayoutRule(3, "pipeline", "pp*vpp exceeds the layer count", lambda x: x.even & (x.chunks > x.layers),
+               lambda x: f"pp*vpp = {x.chunks} exceeds the model's {x.layers} layers; "
+                         f"valid pp: {_fmt(divisors(x.layers))}"),
+    LayoutRule(4, "pipeline", "pp*vpp does not divide the layer count",
+               lambda x: x.even & (x.layers % x.chunks != 0), _layers_not_divided),
+    LayoutRule(5, "batch", "dp does not divide the global batch", lambda x: x.batch % x.dp != 0,
+               lambda x: f"global batch {x.batch} is not divisible by dp={x.dp}; valid dp: {_fmt(divisors(x.batch))}"),
+    LayoutRule(6, "batch", "micro-batch does not divide the per-replica batch", lambda x: x.per_replica % x.mb != 0,
+               lambda x: f"micro-batch {x.mb} does not divide the per-replica batch {x.per_replica}; "
+                         f"valid: {_fmt(divisors(x.per_replica))}"),
+    LayoutRule(7, "batch", "fewer micro-batches than pipeline stages (1F1B)",
+               lambda x: (x.pp > 1) & (x.micro_batches < x.pp), _too_few_micro_batches),
+    LayoutRule(8, "batch", "interleaved 1F1B: micro-batches not a multiple of pp",
+               lambda x: (x.vpp > 1) & (x.micro_batches % x.pp != 0),
+               lambda x: f"interleaved 1F1B needs micro-batches ({x.micro_batches}) to be a multiple of pp={x.pp}"),
+    LayoutRule(9, "sequence", "sequence length not divisible by tp (sequence parallel)",
+               lambda x: (x.sp | (x.cp > 1)) & (x.seq % (x.tp * x.cp) != 0),
+               lambda x: f"sequence length {x.seq} is not divisible by tp*cp={x.tp * x.cp} (sequence parallel)"),
+)
+SEARCHED_RULES = tuple(rule for rule in LAYOUT_RULES if rule.code is not None)  # what the search's grid can break
+
+
+def broken_rules(facts: RuleFacts) -> list[LayoutRule]:
+    """The rules one layout's facts fail, in table order, the first of each chain only."""
+    broken, groups = [], set()
+    for rule in LAYOUT_RULES:
+        if rule.group not in groups and rule.fails(facts):
+            broken.append(rule)
+            groups.add(rule.group)
+    return broken
+
+
+def layout_problems(layout: Layout, model: ModelSpec, training: TrainingSpec, world_size: int) -> list[str]:
+    """Every reason `layout` cannot run `model` with `training` on `world_size` GPUs (LAYOUT_RULES)."""
+    facts = RuleFacts.of(layout, model, training, world_size)
+    return [rule.sentence(facts) for rule in broken_rules(facts)]
+
+
+def problem_codes(layout: Layout, model: ModelSpec, training: TrainingSpec, world_size: int) -> list[int | None]:
+    """The rule codes behind `layout_problems`, one per sentence (None: a rule the search has no code for)."""
+    return [rule.code for rule in broken_rules(RuleFacts.of(layout, model, training, world_size))]
 
 
 def check_layout(layout: Layout, model: ModelSpec, training: TrainingSpec, world_size: int) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from plan3d.fit_rules import FitFacts, Thresholds, broken_fit_rules
 from plan3d.search import LAYOUT_KNOBS, SearchResult
 
 OBJECTIVES = ("throughput", "mfu", "memory")
@@ -237,21 +238,10 @@ class Finding:
 
 def fit_findings(est: dict, gpu_memory_bytes: float, min_mfu: float | None,
                  max_memory_fraction: float | None) -> list[Finding]:
-    """Errors for a layout that does not fit with headroom or misses a threshold (SI in, text out)."""
-    out = []
-    peak, capacity = est["peak_memory_bytes"], est["capacity_bytes"]
-    if not est["fits"]:
-        out.append(Finding("error", f"predicted peak memory {peak / 2**30:.1f} GiB per GPU exceeds the "
-                           f"{capacity / 2**30:.1f} GiB usable (GPU memory less headroom and reserve)",
-                           "lower memory: see the changes below, or run `plan3d recommend` for this job"))
-    if min_mfu is not None and est["mfu"] < min_mfu:
-        out.append(Finding("error", f"predicted MFU {est['mfu']:.1%} is below --min-mfu {min_mfu:.1%}",
-                           "use the recommended layout below, or lower the threshold"))
-    if max_memory_fraction is not None and peak / gpu_memory_bytes > max_memory_fraction:
-        out.append(Finding("error", f"predicted peak memory is {peak / gpu_memory_bytes:.1%} of the GPU's memory, "
-                           f"above --max-memory-fraction {max_memory_fraction:.1%}",
-                           "shard more (ZeRO, pp) or recompute; see the changes below"))
-    return out
+    """Errors for a layout that does not fit with headroom or misses a threshold (SI in, text out):
+    one per `plan3d.fit_rules.FIT_RULES` rule it fails, the rules the search applies."""
+    broken = broken_fit_rules(FitFacts.of(est, gpu_memory_bytes), Thresholds(min_mfu, max_memory_fraction))
+    return [Finding("error", sentence, rule.fix) for rule, sentence in broken]
 
 
 def suggestion_findings(items: list[Suggestion]) -> list[Finding]:

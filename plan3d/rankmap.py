@@ -71,6 +71,19 @@ def group_shapes(layout: Layout) -> dict[str, tuple[int, int]]:
     return shapes | {"embedding": (world // layout.pp, 2 if layout.pp > 1 else 1)}  # first and last stage
 
 
+def innermost_tier(groups, tiers) -> int:
+    """Index of the innermost of `tiers` (inner to outer) whose domains each hold a whole group:
+    rank r lies in domain r // domain_gpus of a tier. `groups`: equal-size rows of ranks. The
+    outermost tier when none does (it carries everything). The tier a rank map's group crosses and
+    the tier `plan3d calibrate` files a measured group under are this one rule."""
+    groups = np.asarray(groups)
+    for index, tier in enumerate(tiers):
+        domains = groups // tier.domain_gpus
+        if (domains.min(axis=1) == domains.max(axis=1)).all():
+            return index
+    return len(tiers) - 1
+
+
 class RankMap:
     """Every rank's coordinates and placement, and the member lists of every group."""
 
@@ -155,13 +168,8 @@ class RankMap:
         return int((np.diff(nodes, axis=1) != 0).sum(axis=1).max()) + 1
 
     def tier_index(self, name: str, tiers: list[ResolvedTier]) -> int:
-        """Index of the innermost tier whose domains each hold a whole group of `name`."""
-        groups = self.group_array(name)
-        for index, tier in enumerate(tiers):
-            domains = groups // tier.domain_gpus
-            if (domains.min(axis=1) == domains.max(axis=1)).all():
-                return index
-        return len(tiers) - 1
+        """Index of the innermost tier whose domains each hold a whole group of `name` (`innermost_tier`)."""
+        return innermost_tier(self.group_array(name), tiers)
 
     def warnings(self, tiers: list[ResolvedTier] | None = None) -> list[str]:
         """Placement warnings; with the cluster's tiers, only those that leave the fast domain

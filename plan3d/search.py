@@ -28,7 +28,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from plan3d.errors import LayoutError
-from plan3d.layout import DEFAULT_ORDER, Layout, divisors, full_order, parse_order
+from plan3d.fit_rules import FIT_RULES, FitFacts, Thresholds, fit_codes
+from plan3d.layout import DEFAULT_ORDER, SEARCHED_RULES, Layout, RuleFacts, divisors, full_order, same_groups
 from plan3d.specs.cluster import MAX_NODES, ClusterSpec
 from plan3d.specs.engine import EngineSpec
 from plan3d.specs.model import ModelSpec
@@ -39,25 +40,17 @@ DEFAULT_ORDERS = (DEFAULT_ORDER, "tp-cp-ep-pp-dp")
 SHAPE_KNOBS = ("tp", "pp", "dp", "micro_batch", "vpp", "sequence_parallel")
 LAYOUT_KNOBS = SHAPE_KNOBS + ("uneven", "zero", "recompute", "order")
 
-# (code, short reason); code 0 is "valid". Structural codes follow layout_problems' order.
+# (code, short reason); code 0 is "valid". Codes 1-9 are the layout rules (LAYOUT_RULES, in order),
+# 10-12 the fit rules (FIT_RULES), 13-15 the search's own.
 REASONS = {
-    1: "tp does not divide the attention / KV heads",
-    2: "tp does not divide the FFN hidden size",
-    3: "pp*vpp exceeds the layer count",
-    4: "pp*vpp does not divide the layer count",
-    5: "dp does not divide the global batch",
-    6: "micro-batch does not divide the per-replica batch",
-    7: "fewer micro-batches than pipeline stages (1F1B)",
-    8: "interleaved 1F1B: micro-batches not a multiple of pp",
-    9: "sequence length not divisible by tp (sequence parallel)",
-    10: "does not fit in GPU memory with headroom",
-    11: "below the --min-mfu threshold",
-    12: "above the --max-memory-fraction threshold",
+    **{rule.code: rule.reason for rule in SEARCHED_RULES},
+    **{rule.code: rule.reason for rule in FIT_RULES},
     13: "same rank placement as an earlier order (its differing axes have size 1)",
     14: "ZeRO with dp = 1 has nothing to shard (same as ZeRO-0)",
     15: "the engine cannot run this ZeRO stage with pipeline parallelism",
 }
-MEMORY_CODE, MFU_CODE, MEMORY_FRACTION_CODE, SAME_ORDER_CODE, ZERO_DP1_CODE = 10, 11, 12, 13, 14
+MEMORY_CODE, MFU_CODE, MEMORY_FRACTION_CODE = (rule.code for rule in FIT_RULES)
+SAME_ORDER_CODE, ZERO_DP1_CODE = 13, 14
 ENGINE_ZERO_PP_CODE = 15
 
 
@@ -190,29 +183,17 @@ def require_within_budget(layouts: dict[str, np.ndarray], cluster: ClusterSpec) 
 
 
 def shape_reasons(grid: dict[str, np.ndarray], model: ModelSpec, training: TrainingSpec) -> np.ndarray:
-    """First failing rule per shape (0: valid), the vectorised mirror of `layout_problems`.
+    """First failing rule per shape (0: valid): `plan3d.layout.LAYOUT_RULES`, the table behind
+    `layout_problems`, evaluated over the grid's arrays.
 
-    A shape marked `uneven` carries `balanced_split` as pp_layers, so the even-split rule skips it."""
-    tp, pp, dp, mb, vpp, sp = (grid[k] for k in SHAPE_KNOBS)
-    chunks = pp * vpp
-    g = training.global_batch
-    per_replica = g // dp
-    m = per_replica // mb
-    seq = training.seq_len or model.seq_len
-    rules = [
-        (model.heads % tp != 0) | (model.kv_heads_ % tp != 0),
-        model.ffn_hidden_ % tp != 0,
-        chunks > model.layers,
-        (model.layers % chunks != 0) & ~grid.get("uneven", np.zeros(len(tp), dtype=bool)),
-        g % dp != 0,
-        per_replica % mb != 0,
-        (pp > 1) & (m < pp),
-        (vpp > 1) & (m % pp != 0),
-        sp & (seq % tp != 0),
-    ]
-    codes = np.zeros(len(tp), dtype=np.int8)
-    for code, failed in enumerate(rules, start=1):
-        codes[(codes == 0) & failed] = code
+    A shape marked `uneven` carries `balanced_split` as pp_layers, so the even-split rules skip it."""
+    uneven = grid.get("uneven")
+    facts = RuleFacts(model, training, tp=grid["tp"], pp=grid["pp"], dp=grid["dp"], micro_batch=grid["micro_batch"],
+                      vpp=grid["vpp"], sequence_parallel=grid["sequence_parallel"],
+                      uneven=np.zeros(len(grid["tp"]), dtype=bool) if uneven is None else uneven)
+    codes = np.zeros(len(grid["tp"]), dtype=np.int8)
+    for rule in SEARCHED_RULES:
+        codes[(codes == 0) & rule.fails(facts)] = rule.code
     return codes
 
 
@@ -252,19 +233,14 @@ def expand_layouts(shapes: dict[str, np.ndarray], space: Space) -> dict[str, np.
 
 
 def same_placement(layouts: dict[str, np.ndarray], orders: tuple[str, ...]) -> np.ndarray:
-    """True where an earlier order of `orders` places every rank the same way for this shape.
-
-    Two orders give the same rank map when they list the axes of size > 1 in the same sequence
-    (e.g. with pp = 1, tp-cp-ep-dp-pp and tp-cp-ep-pp-dp are one placement).
-    """
+    """True where an earlier order of `orders` places every rank the same way for this shape
+    (`plan3d.layout.same_groups`, the rule the emitters apply too), looked up per row in a table
+    over which of tp, pp, dp exceed 1."""
     table = np.zeros((8, len(orders)), dtype=bool)  # [which of tp, pp, dp exceed 1, order]
     for pattern in range(8):
-        big = {axis for bit, axis in enumerate(("tp", "pp", "dp")) if pattern >> bit & 1}
-        seen = set()
+        sizes = {axis: 2 if pattern >> bit & 1 else 1 for bit, axis in enumerate(("tp", "pp", "dp"))}
         for i, order in enumerate(orders):
-            key = tuple(a for a in parse_order(order) if a in big)
-            table[pattern, i] = key in seen
-            seen.add(key)
+            table[pattern, i] = any(same_groups(order, earlier, sizes) for earlier in orders[:i])
     pattern = (layouts["tp"] > 1) * 1 + (layouts["pp"] > 1) * 2 + (layouts["dp"] > 1) * 4
     return table[pattern, layouts["order"]]
 
@@ -516,20 +492,11 @@ def search(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space
 
 def fit_reasons(metrics: dict[str, np.ndarray], n: int, min_mfu: float | None,
                 max_memory_fraction: float | None, gpu_memory_bytes: float) -> np.ndarray:
-    """Per evaluated layout: 0 feasible, else the first of memory, MFU, memory-fraction rules.
-
-    The memory fraction is peak memory over the GPU's whole memory."""
-    codes = np.zeros(n, dtype=np.int8)
+    """Per evaluated layout: 0 feasible, else the code of the first `plan3d.fit_rules.FIT_RULES`
+    rule it fails (memory, MFU, memory fraction; the fraction is of the GPU's whole memory)."""
     if not n:
-        return codes
-    codes[~np.asarray(metrics["fits"], dtype=bool)] = MEMORY_CODE
-    if min_mfu is not None:
-        codes[(codes == 0) & (metrics["mfu"] < min_mfu)] = MFU_CODE
-    if max_memory_fraction is not None:
-        fraction = metrics["peak_memory_bytes"] / gpu_memory_bytes
-        codes[(codes == 0) & (fraction > max_memory_fraction)] = MEMORY_FRACTION_CODE
-    return codes
-
+        return np.zeros(0, dtype=np.int8)
+    return fit_codes(FitFacts.of(metrics, gpu_memory_bytes), n, Thresholds(min_mfu, max_memory_fraction))
 
 
 # ---- cluster size: "how many nodes do I need" ---------------------------------------------------

@@ -105,3 +105,90 @@ def test_stage_layers_even_split():
 def test_short_names_the_order_only_when_it_is_not_the_default():
     assert "order" not in Layout(tp=2, dp=2).short()
     assert Layout(tp=2, dp=2, order="tp-cp-ep-pp-dp").short().endswith("order pp-dp")
+
+
+# ---- the rule table: one expression judges one layout and an array of them ----------------------
+def random_shapes(rng, n: int, layers: int) -> list[Layout]:
+    """Well-formed layouts with small degrees, some with an explicit (balanced) pp_layers split."""
+    from plan3d.search import balanced_split
+
+    out = []
+    while len(out) < n:
+        tp, pp, dp, mb, vpp = (int(v) for v in rng.integers(1, 9, size=5))
+        vpp = vpp if pp > 1 else 1
+        sp = bool(rng.integers(0, 2)) and tp > 1
+        split = balanced_split(layers, pp * vpp) if pp * vpp <= layers and rng.random() < 0.3 else None
+        out.append(Layout(tp=tp, pp=pp, dp=dp, micro_batch=mb, vpp=vpp, sequence_parallel=sp, pp_layers=split))
+    return out
+
+
+@pytest.mark.parametrize("model_name, batch, seq", [("gpt3-175b", 1536, None), ("tiny-gpt", 24, 30),
+                                                    ("llama3-8b", 64, 4096)])
+def test_every_rule_judges_an_array_as_it_judges_each_layout(model_name, batch, seq):
+    """The search reads LAYOUT_RULES over arrays (RuleFacts of arrays), layout_problems one layout at
+    a time (RuleFacts.of): each rule must give the same verdict both ways, row by row."""
+    import numpy as np
+
+    from plan3d.layout import LAYOUT_RULES, RuleFacts
+
+    model, training = load_model(model_name), TrainingSpec(global_batch=batch, seq_len=seq)
+    shapes = random_shapes(np.random.default_rng(13), 400, model.layers)
+    column = {k: np.array([getattr(lay, k) for lay in shapes]) for k in ("tp", "pp", "dp", "micro_batch", "vpp",
+                                                                         "sequence_parallel")}
+    uneven = np.array([lay.pp_layers is not None for lay in shapes])
+    arrays = RuleFacts(model, training, uneven=uneven, **column)
+    for rule in LAYOUT_RULES:
+        together = np.broadcast_to(rule.fails(arrays), (len(shapes),))
+        one_by_one = [bool(rule.fails(RuleFacts.of(lay, model, training, lay.world_size))) for lay in shapes]
+        assert together.tolist() == one_by_one, rule.reason
+    assert any(rule.fails(arrays).any() for rule in LAYOUT_RULES if rule.code), "the sample should break rules"
+
+
+def test_the_search_reasons_are_the_rule_table():
+    from plan3d.layout import LAYOUT_RULES
+    from plan3d.search import REASONS, shape_reasons
+
+    coded = [rule for rule in LAYOUT_RULES if rule.code is not None]
+    assert [rule.code for rule in coded] == list(range(1, len(coded) + 1))  # table order is the search's order
+    assert all(REASONS[rule.code] == rule.reason for rule in coded)
+    # a shape breaking rules 2 (ffn) and 5 (batch) carries the first, as layout_problems lists it first
+    import numpy as np
+
+    from plan3d.specs.model import ModelSpec
+
+    model = ModelSpec(name="odd-ffn", layers=4, hidden=64, heads=4, ffn_hidden=129, vocab=100, seq_len=32)
+    training = TrainingSpec(global_batch=9)
+    grid = {"tp": [2], "pp": [1], "dp": [2], "micro_batch": [1], "vpp": [1], "sequence_parallel": [False]}
+    assert shape_reasons({k: np.array(v) for k, v in grid.items()}, model, training).tolist() == [2]
+    sentences = layout_problems(Layout(tp=2, dp=2), model, training, 4)
+    assert [s.split()[0] for s in sentences] == ["tp=2", "global"]
+
+
+# ---- same placement: one rule for the search and the emitters --------------------------------------
+def test_same_groups_as_is_exactly_an_equal_rank_map():
+    """Layout.same_groups_as (the rule the search drops orders by and the emitters check) against the
+    truth: two orders are one placement exactly when every group of the rank map is the same."""
+    from plan3d.rankmap import RankMap
+
+    orders = ["-".join(p) for p in itertools.permutations(AXES)][::7]
+    for tp, cp, dp, pp in itertools.product((1, 2), (1, 2), (1, 3), (1, 2)):
+        shape = Layout(tp=tp, cp=cp, dp=dp, pp=pp)
+        groups = {o: tuple(tuple(map(tuple, RankMap(shape.model_copy(update={"order": o}), 8).groups(kind)))
+                           for kind in ("tp", "cp", "dp", "pp")) for o in orders}
+        for a, b in itertools.combinations(orders, 2):
+            assert shape.model_copy(update={"order": a}).same_groups_as(b) == (groups[a] == groups[b]), (shape, a, b)
+
+
+def test_the_search_drops_an_order_exactly_when_same_groups_as_says_so():
+    import numpy as np
+
+    from plan3d.search import same_placement
+
+    orders = tuple("-".join(p) for p in itertools.permutations(AXES))[::5]
+    rows = [(tp, pp, dp, i) for tp, pp, dp in itertools.product((1, 2), (1, 4), (1, 3)) for i in range(len(orders))]
+    layouts = {k: np.array(v) for k, v in zip(("tp", "pp", "dp", "order"), zip(*rows))}
+    dropped = same_placement(layouts, orders)
+    for (tp, pp, dp, i), drop in zip(rows, dropped):
+        layout = Layout(tp=tp, pp=pp, dp=dp, order=orders[i])
+        assert drop == any(layout.same_groups_as(earlier) for earlier in orders[:i]), layout.short()
+    assert 0 < dropped.sum() < len(rows)

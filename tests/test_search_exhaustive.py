@@ -16,7 +16,7 @@ from plan3d.rankmap import rankmap_for
 from plan3d.search import RECOMPUTE, SearchResult, Space, balanced_split, layout_row, search
 from plan3d.specs.catalog import load_cluster, load_model
 from plan3d.specs.training import TrainingSpec
-from test_search_space import code_of
+from test_search_space import first_code
 
 SPACE = Space(max_micro_batch=3, max_vpp=3)
 UNEVEN = Space(max_micro_batch=2, max_vpp=3, uneven=True)
@@ -50,12 +50,13 @@ def exhaustive(cluster, model, training, space: Space):
             except ValueError:
                 continue  # not a layout at all (vpp without pp, sp without tp): not counted
             considered += 1
-            problems = layout_problems(layout, model, training, world)
-            if space.uneven and problems and code_of(problems[0]) == 4:
+            code = first_code(layout, model, training, world)
+            if space.uneven and code == 4:
                 layout = Layout(**(layout.model_dump() | {"pp_layers": balanced_split(model.layers, pp * vpp)}))
-                problems = layout_problems(layout, model, training, world)
-            if problems:
-                rejected[code_of(problems[0])] = rejected.get(code_of(problems[0]), 0) + 1
+                code = first_code(layout, model, training, world)
+            if code:
+                assert layout_problems(layout, model, training, world)  # a code comes with its sentence
+                rejected[code] = rejected.get(code, 0) + 1
                 continue
             where = placement(layout, cluster.gpus_per_node)
             if where in seen:

@@ -77,24 +77,50 @@ def layout_links(tp: int, pp: int, dp: int, order: str, tiers: tuple[ResolvedTie
     return links
 
 
+# ---- ring volumes: (bytes on the wire per GPU, latency hops); the cost model prices them below and
+# `plan3d calibrate` fits bandwidth and latency to them (`plan3d.calibrate.collective_terms`) --------
+def all_reduce_terms(size_bytes, n):
+    """Ring all-reduce of `size_bytes` over `n` ranks: reduce-scatter then all-gather."""
+    return 2 * (n - 1) / n * size_bytes, 2 * (n - 1)
+
+
+def all_gather_terms(size_bytes, n):
+    """Ring all-gather whose gathered result is `size_bytes` (or reduce-scatter of that input)."""
+    return (n - 1) / n * size_bytes, n - 1
+
+
+def p2p_terms(size_bytes, n=2):
+    """One point-to-point send of `size_bytes` (`n` is not read: a send has two ends)."""
+    return size_bytes, 1
+
+
+RING_TERMS = {"all_reduce": all_reduce_terms, "all_gather": all_gather_terms, "reduce_scatter": all_gather_terms,
+              "p2p": p2p_terms}
+
+
+def _seconds(terms, bytes_per_s, latency_s):
+    volume, hops = terms
+    return volume / bytes_per_s + hops * latency_s
+
+
 def all_reduce_s(size_bytes, n, bytes_per_s, latency_s):
     """Ring all-reduce of `size_bytes` over `n` ranks (zero for n = 1)."""
-    return 2 * (n - 1) / n * size_bytes / bytes_per_s + 2 * (n - 1) * latency_s
+    return _seconds(all_reduce_terms(size_bytes, n), bytes_per_s, latency_s)
 
 
 def all_gather_s(size_bytes, n, bytes_per_s, latency_s):
     """Ring all-gather (or reduce-scatter) whose gathered result is `size_bytes`."""
-    return (n - 1) / n * size_bytes / bytes_per_s + (n - 1) * latency_s
+    return _seconds(all_gather_terms(size_bytes, n), bytes_per_s, latency_s)
 
 
 def p2p_s(size_bytes, bytes_per_s, latency_s):
     """One point-to-point send of `size_bytes`."""
-    return size_bytes / bytes_per_s + latency_s
+    return _seconds(p2p_terms(size_bytes), bytes_per_s, latency_s)
 
 
 def reduce_scatter_s(size_bytes, n, bytes_per_s, latency_s):
     """Ring reduce-scatter of a `size_bytes` input: the all-gather's volume and hops."""
-    return all_gather_s(size_bytes, n, bytes_per_s, latency_s)
+    return _seconds(RING_TERMS["reduce_scatter"](size_bytes, n), bytes_per_s, latency_s)
 
 
 COST_OF = {"all_reduce": all_reduce_s, "all_gather": all_gather_s, "reduce_scatter": reduce_scatter_s}

@@ -19,18 +19,47 @@ def test_deepspeed_values(tp, pp, dp, mb, zero, precision):
     config = json.loads(emitted.text)
     assert config["zero_optimization"]["stage"] == zero
     assert config["train_micro_batch_size_per_gpu"] == mb
-    # DeepSpeed's own invariant: batch = micro * accumulation * data-parallel size.
-    assert config["train_batch_size"] == mb * config["gradient_accumulation_steps"] * dp == 64
+    # DeepSpeed's own invariant: batch = micro * accumulation * data-parallel size; with AutoTP it
+    # divides by the whole world (no mpu), so the key is left for DeepSpeed to derive.
+    assert mb * config["gradient_accumulation_steps"] * dp == 64
+    assert config.get("train_batch_size", 64 if tp > 1 else None) == 64
     assert config["bf16"]["enabled"] == (precision == "bf16")
     assert config["fp16"]["enabled"] == (precision == "fp16")
     assert config.get("tensor_parallel", {"autotp_size": 1})["autotp_size"] == tp
     assert any("PipelineModule(num_stages=4" in n for n in emitted.notes) == (pp == 4)
 
+@pytest.mark.parametrize("precision,zero,accum", [
+    ("bf16", 0, "bf16"), ("bf16", 1, "fp32"), ("bf16", 3, "fp32"), ("fp16", 0, "fp16"), ("fp16", 2, "fp32"),
+    ("fp32", 0, "fp32"),
+])
+def test_deepspeed_accumulates_in_fp32_only_where_it_can(precision, zero, accum):
+    """DeepSpeed 0.19 refuses half-precision parameters with fp32 accumulation without ZeRO."""
+    emitted = emit_deepspeed(make_plan(dp=32, zero=zero, precision=precision))
+    assert json.loads(emitted.text)["data_types"]["grad_accum_dtype"] == accum
+    assert any("4-byte fp32 gradients" in n for n in emitted.notes) == (accum != "fp32")
+
+
+def test_deepspeed_overlaps_the_reduction_where_its_optimizer_can():
+    config = json.loads(emit_deepspeed(make_plan(dp=32, zero=2)).text)
+    assert config["zero_optimization"]["overlap_comm"] is True
+    piped = emit_deepspeed(make_plan(pp=4, dp=8, zero=1))
+    assert "overlap_comm" not in json.loads(piped.text)["zero_optimization"]
+    assert any("assumes it overlapped" in n for n in piped.notes)
+
+
 @pytest.mark.parametrize("layout,needle", [
-    ({"pp": 4, "dp": 8, "zero": 2}, "ZeRO-0/1"),
-    ({"tp": 4, "dp": 8, "zero": 3}, "AutoTP"),
-    ({"pp": 2, "dp": 16, "order": "tp-cp-ep-pp-dp"}, "rank order"),
+    ({"pp": 4, "dp": 8, "zero": 2}, "ZeRO-2 with pipeline"),
+    ({"tp": 2, "pp": 2, "dp": 8, "zero": 1}, "AutoTP"),
+    ({"tp": 4, "dp": 8, "sequence_parallel": True}, "no sequence parallelism"),
+    ({"pp": 2, "dp": 16, "order": "tp-cp-ep-pp-dp"}, "places ranks only as"),
 ])
 def test_deepspeed_refuses(layout, needle):
-    with pytest.raises(InfeasibleError, match=needle):
+    with pytest.raises(InfeasibleError, match=needle) as refused:
         emit_deepspeed(make_plan(**layout))
+    assert "deepspeed-0.19" in str(refused.value)
+
+
+def test_deepspeed_runs_autotp_with_zero3():
+    """DeepSpeed 0.19 runs AutoTP with ZeRO-3 (runtime/engine.py _configure_tensor_parallel_states)."""
+    config = json.loads(emit_deepspeed(make_plan(tp=4, dp=8, zero=3)).text)
+    assert config["tensor_parallel"]["autotp_size"] == 4 and config["zero_optimization"]["stage"] == 3

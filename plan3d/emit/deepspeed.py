@@ -1,75 +1,120 @@
-"""DeepSpeed `ds_config.json` for a plan.
+"""DeepSpeed `ds_config.json` for a plan, in the words of DeepSpeed 0.19 (checked against 0.19.8).
 
-Keys follow the DeepSpeed configuration reference (deepspeed.ai/docs/config-json):
-`train_batch_size` = `train_micro_batch_size_per_gpu` * `gradient_accumulation_steps` * data-parallel
-size, `zero_optimization.stage`, `bf16.enabled` / `fp16.enabled`, and `tensor_parallel.autotp_size`
-(AutoTP training, DeepSpeed >= 0.16.4). Pipeline parallelism in DeepSpeed is a `PipelineModule`
-(`num_stages`) built in user code, not a config key; its topology (`PipeDataParallelTopology`,
-axes pipe then data, data fastest) matches plan3d's default order. Settings that live in user
-code (the pipeline degree, activation checkpointing) come back as notes, never as config keys.
+The engine profile is `deepspeed-0.19` (engine_specs/deepspeed-0.19.yaml); the `deepspeed` profile
+describes DeepSpeed 0.3-0.5 of the 2021 published runs and is not what this emitter writes for.
+Keys follow the configuration reference (deepspeed.ai/docs/config-json) and 0.19.8's own code:
 
-What DeepSpeed cannot express raises `InfeasibleError` (exit 1): pipeline parallelism with ZeRO-2/3
-(`PipelineEngine` supports ZeRO-0/1 only), AutoTP together with ZeRO-3 or with a pipeline,
-context parallelism, sequence parallelism, virtual pipeline stages, or a rank order its
-topologies cannot build.
+- Batch: `DeepSpeedConfig._batch_assertion` (runtime/config.py) checks `train_batch_size ==
+  micro * gradient_accumulation_steps * world_size`, where world_size is the mpu's data-parallel
+  size when `deepspeed.initialize` has one (a PipelineModule brings its grid, whose data-parallel
+  size is dp), else the whole world (`dist.get_world_size()`, runtime/config.py `__init__`).
+  AutoTP training passes no mpu (deepspeed/__init__.py `initialize`), so the world is tp x dp and a
+  train_batch_size of the plan's global batch fails; with tp > 1 the config leaves
+  train_batch_size out and DeepSpeed derives it (`_set_batch_related_parameters`) for whichever
+  world it sees. The tensor-parallel ranks see the same samples, so the distinct samples per step
+  stay micro x accumulation x dp = the plan's global batch.
+- Gradient accumulation dtype: `DeepSpeedEngine._do_optimizer_sanity_check` (runtime/engine.py)
+  accepts bf16/fp16 parameters with fp32 accumulation only with ZeRO >= 1 (ZeRO-1 bf16 goes to
+  BF16_Optimizer with fp32 accumulation buffers; ZeRO-2/3 keep fp32 gradient partitions); without
+  ZeRO only equal dtypes pass ("unsupported mix of model_dtype=... and grad_accum_dtype=...").
+- Overlap: `zero_optimization.overlap_comm` defaults to on for ZeRO-3 only (runtime/zero/config.py
+  `overlap_comm_valid`); the time model assumes overlapped gradient reduction, so it is switched
+  on for ZeRO 1-3 without a pipeline (a PipelineModule turns it off, runtime/engine.py
+  `_configure_zero_optimizer`).
+- AutoTP: `tensor_parallel.autotp_size` (AutoTP training), with ZeRO 0-3.
+
+Settings that live in user code (the pipeline, activation checkpointing) come back as notes.
+What DeepSpeed 0.19 cannot run raises `InfeasibleError` (exit 1): the profile's refusals
+(`target_engine`) and AutoTP together with a pipeline: AutoTP builds a 2-D (data, tensor) mesh of
+the whole world with dp = world // tp and no pipeline axis (utils/groups.py `_init_tp_mesh_device`),
+which PipelineEngine's `assert self.dp_world_size == self.grid.data_parallel_size`
+(runtime/pipe/engine.py) rejects.
 """
 from __future__ import annotations
 
 from plan3d.render.units import json_text
 
-from plan3d.emit.common import Emitted, same_groups
+from plan3d.emit.common import Emitted, target_engine
 from plan3d.errors import InfeasibleError
-from plan3d.layout import Layout
 from plan3d.plan import Plan
 
-DEEPSPEED_ORDER = "tp-cp-ep-dp-pp"  # AutoTP: adjacent ranks; PipeDataParallelTopology: data fastest
+PROFILE = "deepspeed-0.19"
+VERSIONS = "0.19"
+HALF = {"bf16": "bf16", "fp8": "bf16", "fp16": "fp16"}  # DeepSpeed's model dtype per plan precision
+
+
+def model_dtype(plan: Plan) -> str:
+    """The parameter dtype DeepSpeed trains in: bf16 (also under fp8: TE's fp8 GEMMs live in user code), fp16, fp32."""
+    return HALF.get(plan.training.precision, "fp32")
+
+
+def grad_accum_dtype(plan: Plan) -> str:
+    """fp32 where the plan keeps fp32 gradients and DeepSpeed can (ZeRO >= 1), else the model dtype."""
+    if plan.training.fp32_grad_accum and plan.layout.zero >= 1:
+        return "fp32"
+    return model_dtype(plan)
 
 
 def ds_config(plan: Plan) -> dict:
-    """The ds_config mapping: batch sizes, ZeRO stage, precision, AutoTP size."""
+    """The ds_config mapping: batch sizes, ZeRO stage and overlap, precision, accumulation dtype, AutoTP size."""
     layout = plan.layout
-    _check_expressible(layout)
-    steps = layout.micro_batches(plan.training.global_batch)
-    config = {
-        "train_batch_size": plan.training.global_batch,
-        "train_micro_batch_size_per_gpu": layout.micro_batch,
-        "gradient_accumulation_steps": steps,
-        "zero_optimization": {"stage": layout.zero},
-        "bf16": {"enabled": plan.training.precision in ("bf16", "fp8")},
-        "fp16": {"enabled": plan.training.precision == "fp16"},
-    }
+    _refuse_autotp_with_pipeline(plan)
+    config = {"train_micro_batch_size_per_gpu": layout.micro_batch,
+              "gradient_accumulation_steps": layout.micro_batches(plan.training.global_batch)}
+    if layout.tp == 1:
+        config = {"train_batch_size": plan.training.global_batch, **config}
+    zero = {"stage": layout.zero}
+    if layout.zero >= 1 and layout.pp == 1:
+        zero["overlap_comm"] = True
+    config["zero_optimization"] = zero
+    dtype = model_dtype(plan)
+    config["bf16"] = {"enabled": dtype == "bf16"}
+    config["fp16"] = {"enabled": dtype == "fp16"}
+    config["data_types"] = {"grad_accum_dtype": grad_accum_dtype(plan)}
     if layout.tp > 1:
         config["tensor_parallel"] = {"autotp_size": layout.tp}
-    if plan.training.fp32_grad_accum and plan.training.precision in ("bf16", "fp8"):
-        config["data_types"] = {"grad_accum_dtype": "fp32"}
     return config
 
 
-def _check_expressible(layout: Layout) -> None:
-    if layout.pp > 1 and layout.zero > 1:
-        raise InfeasibleError(f"DeepSpeed's pipeline engine supports ZeRO-0/1 only, the plan has pp={layout.pp} "
-                              f"with ZeRO-{layout.zero}; use --zero 1 or emit megatron/torchtitan")
-    if layout.tp > 1 and (layout.pp > 1 or layout.zero == 3):
-        raise InfeasibleError("DeepSpeed AutoTP does not combine with a pipeline or ZeRO-3; "
-                              "use Megatron-DeepSpeed (emit megatron) or torchtitan")
-    if layout.cp > 1 or layout.vpp > 1 or layout.sequence_parallel:
-        raise InfeasibleError("DeepSpeed's config has no context parallelism, Megatron-style sequence "
-                              "parallelism or interleaved pipeline; set cp=1, vpp=1, no sequence_parallel, "
-                              "or emit megatron")
-    if not same_groups(layout, DEEPSPEED_ORDER):
-        raise InfeasibleError(f"DeepSpeed builds rank order {DEEPSPEED_ORDER!r} only (tp adjacent, data "
-                              f"before pipe); the plan has {layout.order!r}: re-plan with the default order")
+def _refuse_autotp_with_pipeline(plan: Plan) -> None:
+    layout = plan.layout
+    if layout.tp > 1 and layout.pp > 1:
+        raise InfeasibleError(f"{PROFILE} {VERSIONS} cannot run {layout.short()}: AutoTP builds a data x tensor "
+                              "mesh without a pipeline axis (deepspeed/utils/groups.py), so tp > 1 needs pp=1; "
+                              "use tp=1 with a pipeline, or emit megatron / torchtitan")
+
+
+def _notes(plan: Plan) -> list[str]:
+    layout, training = plan.layout, plan.training
+    notes = []
+    if layout.tp > 1:
+        notes.append(f"train_batch_size is left to DeepSpeed: AutoTP's deepspeed.initialize checks it against the "
+                     f"whole world (tp x dp = {layout.tp * layout.dp}), so it reports "
+                     f"{plan.training.global_batch * layout.tp}; the tp ranks share samples, the step still "
+                     f"trains on {plan.training.global_batch} (micro x accumulation x dp)")
+    if training.fp32_grad_accum and model_dtype(plan) != "fp32" and layout.zero == 0:
+        notes.append(f"DeepSpeed keeps {model_dtype(plan)} gradients without ZeRO (it refuses fp32 accumulation "
+                     f"of {model_dtype(plan)} parameters at ZeRO-0): the plan budgets 4-byte fp32 gradients, "
+                     "DeepSpeed uses 2 bytes per parameter and accumulates micro-batches in half precision; "
+                     "use ZeRO-1 to keep fp32 accumulation")
+    if training.precision == "fp8":
+        notes.append("fp8: DeepSpeed's config trains in bf16; fp8 GEMMs come from Transformer Engine in your model code")
+    if layout.pp > 1:
+        notes.append(f"build the model as deepspeed.pipe.PipelineModule(num_stages={layout.pp}, "
+                     f"partition_method='uniform'); pipeline degree is not a config key; DeepSpeed's pipeline "
+                     "reduces gradients after the schedule (no overlap_comm), the time model assumes it overlapped")
+    elif layout.zero == 0 or (layout.zero == 1 and grad_accum_dtype(plan) == "fp32" and model_dtype(plan) == "bf16"):
+        optimizer = "without ZeRO" if layout.zero == 0 else "at ZeRO-1 with bf16 and fp32 accumulation (BF16_Optimizer)"
+        notes.append(f"DeepSpeed all-reduces gradients after the last backward {optimizer}; the time model "
+                     "assumes the reduction overlapped with the backward: expect the step to take longer")
+    if layout.recompute != "none":
+        notes.append(f"recompute={layout.recompute}: wrap layers with deepspeed.checkpointing.checkpoint "
+                     "(or activation_checkpoint_interval=1 in PipelineModule); DeepSpeed has no config switch")
+    return notes
 
 
 def emit_deepspeed(plan: Plan) -> Emitted:
     """The config as JSON, with the settings that live in user code as notes."""
-    layout = plan.layout
+    _, notes = target_engine(plan, PROFILE, VERSIONS)
     text = json_text(ds_config(plan), indent=2) + "\n"
-    notes = []
-    if layout.pp > 1:
-        notes.append(f"build the model as deepspeed.pipe.PipelineModule(num_stages={layout.pp}, "
-                     f"partition_method='uniform'); pipeline degree is not a config key")
-    if layout.recompute != "none":
-        notes.append(f"recompute={layout.recompute}: wrap layers with deepspeed.checkpointing.checkpoint "
-                     "(or activation_checkpoint_interval=1 in PipelineModule); DeepSpeed has no config switch")
-    return Emitted(text, notes)
+    return Emitted(text, notes + _notes(plan))

@@ -6,6 +6,10 @@ The CLI maps each error type to one exit code in one place (`plan3d.cli`).
 """
 from __future__ import annotations
 
+import errno
+import os
+import stat
+
 EXIT_OK = 0
 EXIT_FAILED = 1  # no feasible layout, check failed, a rank crashed
 EXIT_BAD_INPUT = 2  # malformed spec, impossible layout, missing file
@@ -50,6 +54,11 @@ class InfeasibleError(Plan3dError):
     exit_code = EXIT_FAILED
 
 
+class NonFinitePrediction(Plan3dError):
+    """A prediction that is not a finite, non-negative number: the inputs are not physical
+    (raised by plan3d.cost.finite, and by render.units.json_text for any output)."""
+
+
 class LaunchError(Plan3dError):
     """A launched job failed (a rank crashed, a placement mismatch, a timeout)."""
 
@@ -58,8 +67,6 @@ class LaunchError(Plan3dError):
 
 def os_error_message(err: OSError) -> str:
     """One line for a file the user named that cannot be read or written, saying what to change."""
-    import errno
-
     path = err.filename or "a file"
     advice = {errno.ENOENT: "no such file or folder; check the path (the folder of an output must exist)",
               errno.EACCES: "permission denied; choose a path you may read/write",
@@ -74,10 +81,6 @@ def refuse_special_target(path) -> None:
     """Refuse to write (by a temp file renamed over it) to a path that exists and is no regular
     file: a rename would replace a device (/dev/full), a FIFO or a socket with a plain file.
     A directory keeps its own message (`os_error_message`, EISDIR)."""
-    import errno
-    import os
-    import stat
-
     try:
         mode = os.stat(path).st_mode
     except OSError:  # nothing there yet (or a dangling link, which the rename replaces); else the write reports it
@@ -91,8 +94,6 @@ def refuse_special_target(path) -> None:
 
 def special_file_kind(mode: int) -> str:
     """'a FIFO (named pipe)', 'a device', 'a socket' ... for an `st_mode` that is no regular file."""
-    import stat
-
     if stat.S_ISFIFO(mode):
         return "a FIFO (named pipe)"
     if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):

@@ -97,7 +97,7 @@ def test_schema_is_valid_json_schema_and_accepts_bundled_files(capsys):
 
 
 def test_job_file_resolves_names_and_relative_paths(tmp_path):
-    from plan3d.specs.job import load_job
+    from plan3d.job import load_job
 
     model_file = tmp_path / "mine.yaml"
     model_file.write_text(yaml.safe_dump(catalog.load_model("tiny-gpt").model_dump(mode="json")))

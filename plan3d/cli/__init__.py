@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import sys
 
+import typer
+
 from plan3d.cli.app import app
 from plan3d.cli import specs_cmd  # noqa: F401  (registers commands)
 from plan3d.cli import importhf_cmd  # noqa: F401
@@ -19,14 +21,19 @@ from plan3d.cli import launch_cmd  # noqa: F401
 from plan3d.cli import report_cmd  # noqa: F401
 from plan3d.cli import calibrate_cmd  # noqa: F401
 from plan3d.cli import emit_cmd  # noqa: F401
+from plan3d.errors import EXIT_BAD_INPUT, EXIT_FAILED, Plan3dError, os_error_message
+from plan3d.render.units import printable
 
 DEBUG_ENV = "PLAN3D_DEBUG"
 
 
-def main(argv: list[str] | None = None) -> None:
-    from plan3d.errors import EXIT_BAD_INPUT, EXIT_FAILED, Plan3dError, os_error_message
-    from plan3d.render.units import printable
+# typer's usage errors: unknown option, bad value, missing argument. typer >= 0.27.2 (which vendors
+# click since 0.26) derives every one of them from the public typer.TyperException (typer PR #1942);
+# Abort is apart. pyproject.toml pins typer to that range.
+USAGE_ERRORS = (typer.TyperException, typer.Abort)
 
+
+def main(argv: list[str] | None = None) -> None:
     def say(text: str) -> None:  # every line on stderr escaped: a path or key from a file is one line
         print(printable(text), file=sys.stderr)
 
@@ -41,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
         for line in err.lines():
             say(f"error: {line}")
         sys.exit(err.exit_code)
-    except _usage_error_types() as err:  # typer/click: unknown option, bad value, missing argument
+    except USAGE_ERRORS as err:
         if err.__class__.__name__ != "NoArgsIsHelpError":  # that one has printed the help already
             say(f"error: {_usage_message(err)}")
         sys.exit(getattr(err, "exit_code", EXIT_BAD_INPUT))
@@ -60,17 +67,6 @@ def main(argv: list[str] | None = None) -> None:
             "please report it)")
         sys.exit(EXIT_FAILED)
     sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
-
-
-def _usage_error_types() -> tuple[type[BaseException], ...]:
-    """click's ClickException (typer >= 0.24 vendors click as typer._click) and typer's Abort."""
-    import typer
-
-    try:
-        from typer._click.exceptions import ClickException
-    except ImportError:
-        from click.exceptions import ClickException
-    return (ClickException, typer.Abort)
 
 
 def _usage_message(err: BaseException) -> str:

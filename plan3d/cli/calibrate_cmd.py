@@ -9,15 +9,28 @@ Two modes:
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from plan3d.calibrate import (calibrated_cluster, fit_measurements, fit_quality, message_sizes, refit_from_runs, row,
+                              stamped, summary_rows, sweep_config, this_machine, unusable_fits, write_calibrated_spec)
 from plan3d.cli.app import app
-from plan3d.render.units import json_text
+from plan3d.cost.estimate import estimate
 from plan3d.errors import LaunchError, SpecError
+from plan3d.launch import launch
+from plan3d.layout import Layout
+from plan3d.plan import build_plan
+from plan3d.rankmap import MAX_LISTED_RANKS
+from plan3d.render.report import print_calibration, progress_while
+from plan3d.render.units import json_text
+from plan3d.report_run import read_run
+from plan3d.run_flags import check_run_flags
+from plan3d.specs.catalog import load_cluster, load_model
+from plan3d.specs.training import TrainingSpec
 
 DTYPE_OF = {"cpu": "fp32", "cuda": "bf16"}
 # Bounds of the sweep's numeric flags (issue 19): a sweep past them would run for days or exhaust memory.
@@ -55,8 +68,6 @@ def calibrate_command(
     """Fit compute efficiency, memory bandwidth and per-tier bandwidth/latency on this machine."""
     if from_run:
         return _from_runs(from_run, out, json_out, fit_overheads)
-    from plan3d.specs.catalog import load_cluster
-
     _check_sweep_flags(nproc, nnodes, node_rank, max_bytes, repeats, statistic,
                        {"master_addr": master_addr, "master_port": master_port, "backend": backend})
     tp_sizes, micro_batch_sizes = _ints(tps, "--tp"), _ints(micro_batches, "--micro-batch")
@@ -81,9 +92,6 @@ def _check_sweep_flags(nproc: int | None, nnodes: int, node_rank: int, max_bytes
                        statistic: str, rendezvous: dict) -> None:
     """Every nonsense value is bad input before a rank starts or a run directory is made; the flags
     `launch` shares (nodes, rendezvous, backend) are checked by launch's own rules (`plan3d.run_flags`)."""
-    from plan3d.calibrate import message_sizes
-    from plan3d.run_flags import check_run_flags
-
     smallest = message_sizes(1 << 62)[0]
     problems = [f"--{name} must be {rule}, got {value}" for name, value, ok, rule in (
         ("nproc", nproc, nproc is None or 1 <= nproc <= MAX_NPROC, f"in 1..{MAX_NPROC:,}"),
@@ -102,8 +110,6 @@ def _check_sweep_flags(nproc: int | None, nnodes: int, node_rank: int, max_bytes
 
 
 def _check_world(per_node: int, nnodes: int) -> None:
-    from plan3d.rankmap import MAX_LISTED_RANKS
-
     if per_node * nnodes > MAX_LISTED_RANKS:
         raise SpecError("command line", [f"--nproc x --nnodes = {per_node * nnodes:,} ranks: at most "
                                          f"{MAX_LISTED_RANKS:,}; calibrate on fewer machines"])
@@ -127,7 +133,7 @@ def _device(backend: str) -> str:
         raise SpecError("command line", [f"--backend {backend!r}: use auto, gloo or nccl"])
     if backend == "gloo":
         return "cpu"
-    import torch
+    import torch  # lazy: only a measuring run needs torch (the planner installs without it)
 
     if torch.cuda.is_available():
         return "cuda"
@@ -138,10 +144,6 @@ def _device(backend: str) -> str:
 
 def _measure(cluster, model_name, device, backend, world, run_dir, tps, mbs, max_bytes, repeats, nodes,
              statistic) -> dict | None:
-    from plan3d.calibrate import message_sizes, sweep_config
-    from plan3d.render.report import progress_while
-    from plan3d.specs.catalog import load_model
-
     model = load_model(model_name)
     config = sweep_config(cluster, model, model.seq_len, world, device, tps, mbs, message_sizes(max_bytes), repeats)
     config["statistic"] = statistic
@@ -158,11 +160,6 @@ def _measure(cluster, model_name, device, backend, world, run_dir, tps, mbs, max
 def _run_sweep(cluster, model, config: dict, world: int, run_dir: Path, backend: str, nodes: dict) -> None:
     """Through the same launcher as training: a plan of `world` data-parallel ranks carries the
     placement; the calibration worker replaces the training worker."""
-    from plan3d.launch import launch
-    from plan3d.layout import Layout
-    from plan3d.plan import build_plan
-    from plan3d.specs.training import TrainingSpec
-
     plan = build_plan(cluster, model, TrainingSpec(global_batch=world), Layout(dp=world))
     result = launch(plan, None, run_dir, steps=0, backend=backend, nnodes=nodes["nnodes"],
                     node_rank=nodes["node_rank"], master_addr=nodes["master_addr"], master_port=nodes["master_port"],
@@ -175,11 +172,6 @@ def _run_sweep(cluster, model, config: dict, world: int, run_dir: Path, backend:
 
 def _fit_and_write(base, raw: dict, dtype: str, out: Path, json_out: bool) -> None:
     """Fit, judge each fit, write the spec; unusable fits are marked in the spec and warned about."""
-    import sys
-
-    from plan3d.calibrate import (calibrated_cluster, fit_measurements, fit_quality, summary_rows, this_machine,
-                                  unusable_fits, write_calibrated_spec)
-
     fit = fit_measurements(base, raw, dtype)
     quality = fit_quality(fit, [t.name for t in base.tiers()])
     unusable = unusable_fits(quality)
@@ -202,17 +194,11 @@ def _show(rows: list[dict], out: Path, measurements: Path | None, json_out: bool
         print(json_text({"schema_version": 1, "spec": str(out),
                          "measurements": str(measurements) if measurements else None, "rows": rows, **(extra or {})}))
         return
-    from plan3d.render.report import print_calibration
-
     print_calibration(rows, out, measurements)
 
 
 def _from_runs(run_dirs: list[Path], out: Optional[Path], json_out: bool, fit_overheads: bool) -> None:
     """Refit the compute throughput of each run's plan cluster from its measured step time."""
-    from plan3d.calibrate import refit_from_runs, stamped, write_calibrated_spec
-    from plan3d.cost.estimate import estimate
-    from plan3d.report_run import read_run
-
     runs = [read_run(d) for d in run_dirs]
     cluster = runs[0].plan.cluster
     other = next((r for r in runs[1:] if r.plan.cluster != cluster), None)
@@ -233,15 +219,13 @@ def _from_runs(run_dirs: list[Path], out: Optional[Path], json_out: bool, fit_ov
 
 
 def _refit_rows(before, after, runs, predict, fitted: dict) -> list[dict]:
-    from plan3d.calibrate import row as _row
-
     b_eff, a_eff = before.gpu.compute_efficiency, after.gpu.compute_efficiency
-    rows = [_row("compute", "achieved FLOP/s multiplier", 1.0, fitted["throughput_scale"], "ratio"),
-            _row("compute", "max fraction of peak", b_eff.max_fraction, a_eff.max_fraction, "ratio"),
-            *[_row("compute", knob.removesuffix("_s").replace("_", " "), getattr(b_eff, knob), getattr(a_eff, knob), "s")
+    rows = [row("compute", "achieved FLOP/s multiplier", 1.0, fitted["throughput_scale"], "ratio"),
+            row("compute", "max fraction of peak", b_eff.max_fraction, a_eff.max_fraction, "ratio"),
+            *[row("compute", knob.removesuffix("_s").replace("_", " "), getattr(b_eff, knob), getattr(a_eff, knob), "s")
               for knob in fitted if knob.endswith("overhead_s")]]
     old, new = predict(before), predict(after)
     for run, p_old, p_new in zip(runs, old, new):
-        rows.append(_row(run.plan.layout.short(), f"step time (measured {run.measured_step_s * 1e3:.1f} ms)",
+        rows.append(row(run.plan.layout.short(), f"step time (measured {run.measured_step_s * 1e3:.1f} ms)",
                          p_old, p_new, "s"))
     return rows

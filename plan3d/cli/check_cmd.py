@@ -7,10 +7,14 @@ from typing import Annotated
 import typer
 
 from plan3d.cli.app import app
-from plan3d.render.units import json_text
 from plan3d.cli.common import EngineOpt
 from plan3d.cli.recommend_cmd import MaxMemFracOpt, MinMfuOpt, _thresholds
 from plan3d.errors import EXIT_FAILED, Plan3dError, SpecError
+from plan3d.job import load_job
+from plan3d.ranking import check_job
+from plan3d.render import check as render
+from plan3d.render.units import json_text
+from plan3d.specs.catalog import load_engine
 
 FORMATS = ("text", "github")
 
@@ -29,11 +33,6 @@ def check(
     """Validate a job file for CI: valid, runs on its engine, fits in memory with headroom, meets the thresholds.
 
     --engine overrides the job file's `engine:` (default megatron-core; plan3d-runtime on CPU clusters)."""
-    from plan3d.ranking import check_job
-    from plan3d.render import check as render
-    from plan3d.specs.catalog import load_engine
-    from plan3d.specs.job import load_job
-
     if fmt not in FORMATS:
         raise SpecError("command line", [f"--format {fmt!r}: use text or github"])
     thresholds = _thresholds(min_mfu, max_memory_fraction)

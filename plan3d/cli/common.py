@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from plan3d.errors import LayoutError, SpecError
 from plan3d.layout import DEFAULT_ORDER, Layout
-from plan3d.specs.catalog import load_cluster, load_model, require_positive
+from plan3d.specs.catalog import engine_for, load_cluster, load_model, require_positive
 from plan3d.specs.cluster import ClusterSpec
 from plan3d.specs.loader import validation_problems
 from plan3d.specs.model import ModelSpec
@@ -47,8 +47,6 @@ def load_specs(cluster: str, model: str, nodes: int | None, gpus_per_node: int |
 
 def load_engine_opt(engine: str | None, cluster: ClusterSpec):
     """The --engine spec, or the default engine for `cluster` (catalog.engine_for)."""
-    from plan3d.specs.catalog import engine_for
-
     return engine_for(engine, cluster)
 
 

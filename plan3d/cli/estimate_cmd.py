@@ -6,12 +6,16 @@ from typing import Annotated, Optional
 import typer
 
 from plan3d.cli.app import app
-from plan3d.render.units import json_text
 from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, EngineOpt, GlobalBatchOpt, GpnOpt, JsonOpt, MicroBatchOpt,
                                ModelOpt, NodesOpt, OrderOpt, PlotOpt, PpOpt, PrecisionOpt, RecomputeOpt,
                                SeqLenOpt, SeqParallelOpt, TpOpt, VppOpt, ZeroOpt, load_engine_opt, load_specs,
                                make_layout)
+from plan3d.cost.estimate import estimate
 from plan3d.errors import LayoutError
+from plan3d.layout import check_layout
+from plan3d.render.estimate import print_estimate
+from plan3d.render.plots import plot_step_breakdown  # imports matplotlib only when it draws
+from plan3d.render.units import json_text
 
 SCHEMA_VERSION = 1  # of the --json output
 DpOptional = Annotated[Optional[int], typer.Option("--dp", help="Data-parallel degree (default: fill the cluster).")]
@@ -40,8 +44,6 @@ def estimate_command(
     plot: PlotOpt = None,
 ) -> None:
     """Predict the memory of every rank and the time of one training step for one layout, as an engine runs it."""
-    from plan3d.cost.estimate import estimate
-
     cluster_spec, model_spec, training = load_specs(cluster, model, nodes, gpus_per_node, global_batch,
                                                     seq_len, precision)
     engine_spec = load_engine_opt(engine, cluster_spec)
@@ -52,22 +54,16 @@ def estimate_command(
     layout = make_layout(dp=dp, **flags)
     result = estimate(cluster_spec, model_spec, training, layout, engine_spec)
     if plot is not None:
-        from plan3d.render.plots import plot_step_breakdown
-
         plot_step_breakdown(result.to_dict(), plot, title=f"{model_spec.name} on {cluster_spec.nodes} x "
                             f"{cluster_spec.gpus_per_node} {cluster_spec.gpu.name}, {engine_spec.name}")
     if json_out:
         print(json_text({"schema_version": SCHEMA_VERSION, **result.to_dict()}))
     else:
-        from plan3d.render.estimate import print_estimate
-
         print_estimate(result, cluster_spec, model_spec, training, engine_spec)
 
 
 def _fill_dp(world: int, layout, model, training) -> int:
     """dp that fills the cluster when --dp is not given; problems of tp and pp come first."""
-    from plan3d.layout import check_layout
-
     model_parallel = layout.tp * layout.pp
     if world % model_parallel == 0:
         return world // model_parallel

@@ -8,8 +8,11 @@ from typing import Annotated, Optional
 import typer
 
 from plan3d.cli.app import app
+from plan3d.cost.params import total_params
 from plan3d.errors import SpecError
+from plan3d.render.units import count, printable
 from plan3d.specs.catalog import require_positive
+from plan3d.specs.hf import model_yaml, read_hf
 
 
 @app.command("import-hf")
@@ -22,10 +25,6 @@ def import_hf_cmd(
         "maximum context is usually longer than what a model is trained at).")] = None,
 ) -> None:
     """Convert a Hugging Face config.json (Llama, Mistral, Qwen2, GPT-2, GPT-NeoX, OPT, BLOOM...) to a model spec."""
-    from plan3d.cost.params import total_params
-    from plan3d.render.units import count, printable
-    from plan3d.specs.hf import model_yaml, read_hf
-
     require_positive("seq_len", seq_len)
     imported = read_hf(config, name=name, seq_len=seq_len)
     spec = imported.spec

@@ -1,17 +1,20 @@
 """`plan3d rankmap`: who talks to whom, and where (issue 4)."""
 from __future__ import annotations
 
-from plan3d.render.units import json_text
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+import plan3d.rankmap as ranks  # called as ranks.rankmap_for: tests replace it to see that a budget refuses first
 from plan3d.cli.app import app
 from plan3d.cli.common import ClusterOpt, GpnOpt, NodesOpt, OrderOpt, make_layout
 from plan3d.errors import LayoutError, SpecError
 from plan3d.layout import DEFAULT_ORDER, Layout
-from plan3d.rankmap import MAX_LISTED_RANKS
+from plan3d.plan import rankmap_dict
+from plan3d.rankmap import MAX_LISTED_RANKS, placement_warnings, placements
+from plan3d.render import rankmap as render
+from plan3d.render.units import json_text
 from plan3d.specs.catalog import load_cluster, require_positive
 from plan3d.specs.cluster import ClusterSpec
 
@@ -38,10 +41,6 @@ def rankmap(
     svg: Annotated[Optional[Path], typer.Option("--svg", help="Also write an SVG picture here (at most 4,096 ranks).")] = None,
 ) -> None:
     """Rank <-> (tp, pp, dp) coordinates, node and GPU of every rank, every group and its tier."""
-    from plan3d.plan import rankmap_dict
-    from plan3d.rankmap import placement_warnings, placements, rankmap_for
-    from plan3d.render import rankmap as render
-
     if fmt not in FORMATS:
         raise SpecError("command line", [f"--format {fmt!r}: use one of {', '.join(FORMATS)}"])
     require_positive("nodes", nodes)
@@ -49,7 +48,7 @@ def rankmap(
     spec = load_cluster(cluster, nodes, gpus_per_node)
     layout = _fit_layout(spec, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, order=order)
     _require_budget(layout.world_size, fmt, svg is not None)
-    rmap = rankmap_for(layout, spec.gpus_per_node)
+    rmap = ranks.rankmap_for(layout, spec.gpus_per_node)
     tiers = spec.tiers()
     facts, warnings, notes = placements(rmap, tiers), placement_warnings(rmap, tiers), _notes(spec, layout)
     if svg is not None:

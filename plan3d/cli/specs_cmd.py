@@ -1,21 +1,22 @@
 """`plan3d specs list|show|schema`."""
 from __future__ import annotations
 
-from plan3d.render.units import json_text
+import difflib
 from typing import Annotated, Optional
 
 import typer
 
 from plan3d.cli.app import specs_app
 from plan3d.errors import SpecError, SpecNotFound
+from plan3d.render.specs import catalog_rows, print_catalog, print_spec
+from plan3d.render.units import json_text
+from plan3d.schema import schemas
 from plan3d.specs import catalog
 
 
 @specs_app.command("list")
 def specs_list(json_out: Annotated[bool, typer.Option("--json")] = False) -> None:
     """List the bundled GPUs, clusters, models and engines."""
-    from plan3d.render.specs import catalog_rows, print_catalog
-
     rows = catalog_rows()
     if json_out:
         print(json_text(rows))
@@ -30,8 +31,6 @@ def specs_show(
     json_out: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Show one bundled spec (or a spec file) with its values in SI and human units."""
-    from plan3d.render.specs import print_spec
-
     spec = _load_any(name, kind)
     if json_out:
         print(spec.model_dump_json(indent=1))
@@ -73,8 +72,6 @@ def similar_names(query: str, names: list[str], limit: int = 3) -> list[str]:
     contains = [n for n in names if query in n and n not in starts]
     if starts or contains:
         return (sorted(starts) + sorted(contains))[:limit]
-    import difflib
-
     return difflib.get_close_matches(query, names, n=1, cutoff=0.4)
 
 
@@ -84,8 +81,6 @@ def specs_schema(
         help="cluster, gpu, model, engine, training, layout, job or plan")] = None,
 ) -> None:
     """Print the JSON Schema of each spec kind (for editors and CI)."""
-    from plan3d.specs.schema import schemas
-
     all_schemas = schemas()
     if kind is not None and kind not in all_schemas:
         raise SpecNotFound(f"unknown schema {kind!r}; use one of {', '.join(all_schemas)}")

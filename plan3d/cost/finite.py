@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from plan3d.cost.core import TIME_KEYS
-from plan3d.errors import Plan3dError
+from plan3d.errors import NonFinitePrediction
 
 # typical magnitudes, to rank how extreme a value is (|log10(value / typical)|)
 TYPICAL = {"latency_us": 10.0, "bandwidth_gbytes_per_s": 100.0, "efficiency": 0.8, "peak_tflops": 100.0,
@@ -20,10 +20,6 @@ TYPICAL = {"latency_us": 10.0, "bandwidth_gbytes_per_s": 100.0, "efficiency": 0.
            "half_work_flops": 2e9, "elementwise_bytes": 8.0, "attention_score_bytes": 2.0,
            "layer_overhead_s": 1e-4, "micro_batch_overhead_s": 1e-3}
 EXTREME = 6.0  # orders of magnitude from the typical value that make an input the suspect
-
-
-class NonFinitePrediction(Plan3dError):
-    """A prediction that is not a finite, non-negative number: the inputs are not physical."""
 
 
 NON_NEGATIVE = ("step_time_s", "tokens_per_s", "peak_memory_bytes", "capacity_bytes")

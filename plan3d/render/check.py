@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from plan3d.ranking import CheckReport, Finding
+from plan3d.render.engine import engine_text
 from plan3d.render.recommend import duration
 from plan3d.render.units import gib, json_text, printable
 
@@ -40,8 +41,6 @@ def verdict_line(path: str, job, report: CheckReport) -> str:
 
 
 def print_check(path: str, job, report: CheckReport, fmt: str) -> None:
-    from plan3d.render.engine import engine_text
-
     lines = [verdict_line(path, job, report), f"  engine: {engine_text(job.engine)}"]
     if fmt == "github":
         lines += [annotation(path, f) for f in report.findings]

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from plan3d.render.engine import engine_line, provenance_lines
 from plan3d.render.units import gib, ms, printable
 
 MEMORY_LABELS = {"weights": "weights", "gradients": "gradients", "optimizer": "optimizer states",
@@ -61,10 +63,6 @@ def _layout_text(layout: dict) -> str:
 
 
 def print_estimate(est, cluster, model, training, engine=None) -> None:
-    from rich.markup import escape
-
-    from plan3d.render.engine import engine_line, provenance_lines
-
     console = Console()
     if engine is not None:
         console.print(engine_line(engine))

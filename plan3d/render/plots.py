@@ -31,18 +31,18 @@ FIT_COLOURS = {True: "tab:green", False: "tab:red"}
 
 def _pyplot():
     try:
-        import matplotlib
+        import matplotlib  # lazy: an optional extra (plan3d[plot]), and slow to import
     except ImportError:
         raise Plan3dError("--plot needs matplotlib: pip install 'plan3d[plot]'") from None
     matplotlib.use("Agg")  # files only, never a window
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: see _pyplot
 
     return plt
 
 
 def _save(fig, path: Path) -> None:
     path = Path(path)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: see _pyplot
 
     if path.suffix.lower() not in (".png", ".svg", ".pdf"):
         plt.close(fig)

@@ -1,6 +1,12 @@
 """SI values to human units, only when rendering."""
 from __future__ import annotations
 
+import json
+import math
+
+from plan3d.errors import NonFinitePrediction
+from plan3d.specs.base import printable  # noqa: F401  (defined with the one-line rule of spec names; renderers import it here)
+
 GIB = 2**30
 
 
@@ -26,10 +32,6 @@ def count(n: float) -> str:
 def json_text(payload, indent: int | None = 1) -> str:
     """Strict JSON (RFC 8259: no NaN or Infinity tokens); a non-finite number anywhere is a
     user error naming where it is, never an invalid document."""
-    import json
-
-    from plan3d.cost.finite import NonFinitePrediction
-
     try:
         return json.dumps(payload, indent=indent, allow_nan=False)
     except ValueError:
@@ -40,8 +42,6 @@ def json_text(payload, indent: int | None = 1) -> str:
 
 def nonfinite_path(value, path: str = "") -> str | None:
     """Dotted path of the first NaN or infinite float inside dicts and lists, or None."""
-    import math
-
     if isinstance(value, float):
         return None if math.isfinite(value) else (path or "(top level)")
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
@@ -52,8 +52,3 @@ def nonfinite_path(value, path: str = "") -> str | None:
     return None
 
 
-def printable(text: str) -> str:
-    """`text` on one line: newlines and other control characters written as escapes (\\n, \\x1b),
-    so a name from a spec file cannot start a line of its own (a GitHub workflow command such as
-    `::error::`, which the runner reads from any line of a step's output)."""
-    return "".join(ch if ch.isprintable() or ch == "\t" else ascii(ch)[1:-1] for ch in text)

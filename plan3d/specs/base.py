@@ -61,6 +61,13 @@ def _check_text(value: str) -> str:
     return value
 
 
+def printable(text: str) -> str:
+    """`text` on one line: newlines and other control characters written as escapes (\\n, \\x1b),
+    so a name from a spec file cannot start a line of its own (a GitHub workflow command such as
+    `::error::`, which the runner reads from any line of a step's output)."""
+    return "".join(ch if ch.isprintable() or ch == "\t" else ascii(ch)[1:-1] for ch in text)
+
+
 def _quoted(value: str) -> str:
     """`value` quoted for an error message, escaped and cut short."""
     text = ascii(value) if not value.isprintable() else repr(value)
@@ -111,9 +118,18 @@ def _literal_values(annotation) -> tuple:
 
 
 class StrictModel(_NoBoolForIntLiterals):
-    """A spec model: unknown keys are rejected, values are validated on assignment."""
+    """A strict model: unknown keys are rejected, values are validated on assignment (a record
+    filled in steps, such as the Plan)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
+
+
+class SpecModel(StrictModel):
+    """A spec: strict, and immutable once validated. Specs are shared (the catalog caches its
+    look-ups, a Plan holds the objects it was built from), so a change is a new object:
+    `spec.model_copy(update=...)`."""
+
+    model_config = ConfigDict(frozen=True)
 
 
 class FrozenModel(_NoBoolForIntLiterals):

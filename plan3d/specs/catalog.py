@@ -13,7 +13,11 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from plan3d.errors import SpecError, SpecNotFound
+from plan3d.specs.cluster import GPU_BY_NAME, ClusterSpec
+from plan3d.specs.engine import EngineSpec
+from plan3d.specs.gpu import GPUSpec
 from plan3d.specs.loader import read_mapping, validate
+from plan3d.specs.model import ModelSpec
 
 BUNDLED = Path(__file__).resolve().parent.parent / "bundled"
 KINDS = {"gpu": "cluster_specs/gpus", "cluster": "cluster_specs", "model": "model_specs", "engine": "engine_specs"}
@@ -50,24 +54,26 @@ def resolve_path(kind: str, name_or_path: str) -> Path:
 
 def load_spec(kind: str, model: type[M], name_or_path: str) -> M:
     path = resolve_path(kind, name_or_path)
-    return validate(model, read_mapping(path), str(path) if path.is_absolute() else path.as_posix())
+    return validate(model, read_mapping(path), str(path) if path.is_absolute() else path.as_posix(), lookups())
 
 
 @lru_cache(maxsize=64)
-def load_gpu(name: str):
-    from plan3d.specs.gpu import GPUSpec
-
+def load_gpu(name: str) -> GPUSpec:
     return load_spec("gpu", GPUSpec, name)
 
 
-def load_cluster(name_or_path: str, nodes: int | None = None, gpus_per_node: int | None = None):
-    """A cluster spec, optionally resized (the spec describes node type and fabric)."""
-    from plan3d.specs.cluster import ClusterSpec
+def lookups() -> dict:
+    """The validation context of a spec file: what a spec may name instead of spelling out
+    (a cluster's `gpu: h100-sxm`). Give it to `loader.validate` for a file that holds specs."""
+    return {GPU_BY_NAME: load_gpu}
 
+
+def load_cluster(name_or_path: str, nodes: int | None = None, gpus_per_node: int | None = None) -> ClusterSpec:
+    """A cluster spec, optionally resized (the spec describes node type and fabric)."""
     return resize(load_spec("cluster", ClusterSpec, name_or_path), nodes, gpus_per_node, name_or_path)
 
 
-def resize(cluster, nodes: int | None, gpus_per_node: int | None, source: str):
+def resize(cluster: ClusterSpec, nodes: int | None, gpus_per_node: int | None, source: str) -> ClusterSpec:
     """`cluster.with_size(...)`, with a bad size reported as a SpecError naming `source`."""
     if nodes is None and gpus_per_node is None:
         return cluster
@@ -77,20 +83,16 @@ def resize(cluster, nodes: int | None, gpus_per_node: int | None, source: str):
         raise SpecError(f"{source} (with size overrides)", err.problems) from err
 
 
-def load_model(name_or_path: str):
-    from plan3d.specs.model import ModelSpec
-
+def load_model(name_or_path: str) -> ModelSpec:
     return load_spec("model", ModelSpec, name_or_path)
 
 
 @lru_cache(maxsize=64)
-def load_engine(name_or_path: str):
-    from plan3d.specs.engine import EngineSpec
-
+def load_engine(name_or_path: str) -> EngineSpec:
     return load_spec("engine", EngineSpec, name_or_path)
 
 
-def engine_for(name_or_path: str | None, cluster) -> "EngineSpec":
+def engine_for(name_or_path: str | None, cluster: ClusterSpec) -> EngineSpec:
     """The engine named, or the default: Megatron-Core on GPUs, plan3d's runtime where the
     "GPU" is a CPU process (no other engine trains there)."""
     if name_or_path:

@@ -13,22 +13,29 @@ to bytes/s per GPU in one direction (`ResolvedTier.bandwidth_bytes_per_s`).
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, Literal
 
-from pydantic import ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
+from pydantic import (ConfigDict, Field, PositiveInt, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
-from plan3d.specs.base import (EFFICIENCY, GBIT_PER_S, GBYTES_PER_S, LATENCY_US, FrozenModel, Name, StrictModel,
+from plan3d.errors import Plan3dError, SpecError
+from plan3d.specs.base import (EFFICIENCY, GBIT_PER_S, GBYTES_PER_S, LATENCY_US, FrozenModel, Name, SpecModel,
                                Text, bounded)
 from plan3d.specs.gpu import GPUSpec
+from plan3d.specs.loader import validation_problems
 
 
 MAX_NODES = 1_000_000  # bounds keep a typo such as 1e30 from reaching the search (and hanging it)
 MAX_GPUS_PER_NODE = 4096
 MAX_OVERSUBSCRIPTION = 1e4
 MAX_CPU_CORES = 1_000_000
+# The validation-context key of the function that turns a GPU name into a GPUSpec
+# (plan3d.specs.catalog passes its load_gpu); without it, `gpu:` must be a mapping.
+GPU_BY_NAME = "gpu_by_name"
+GpuByName = Callable[[str], GPUSpec]
 
 
-class Bandwidth(StrictModel):
+class Bandwidth(SpecModel):
     gbytes_per_s_per_gpu: float | None = bounded(None, GBYTES_PER_S)
     gbytes_per_s_per_node: float | None = bounded(None, GBYTES_PER_S)
     gbit_per_s_per_nic: float | None = bounded(None, GBIT_PER_S)
@@ -62,7 +69,7 @@ COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "p2p"]
 
 
-class CollectiveCost(StrictModel):
+class CollectiveCost(SpecModel):
     """The alpha-beta pair of one kind of collective on a tier, where it differs from the
     tier's own `latency_us` / `efficiency` (e.g. gloo's reduce-scatter costs an all-reduce;
     a CPU's point-to-point exchange inside a step costs more than back to back)."""
@@ -71,7 +78,7 @@ class CollectiveCost(StrictModel):
     efficiency: float = bounded(..., EFFICIENCY)
 
 
-class NetworkTier(StrictModel):
+class NetworkTier(SpecModel):
     """One level of the network. Tiers are listed inner to outer.
 
     `domain_gpus` is how many consecutive GPUs one domain of this tier connects (the first tier
@@ -126,7 +133,7 @@ def _gpu_by_name_too(schema: dict) -> None:
     schema["properties"]["gpu"] = {"anyOf": [by_spec, {"type": "string", "description": "A bundled GPU name."}]}
 
 
-class ClusterSpec(StrictModel):
+class ClusterSpec(SpecModel):
     model_config = ConfigDict(json_schema_extra=_gpu_by_name_too)
 
     name: Name
@@ -142,16 +149,18 @@ class ClusterSpec(StrictModel):
 
     @field_validator("gpu", mode="before")
     @classmethod
-    def _resolve_catalog_gpu(cls, value):
-        if isinstance(value, str):
-            from plan3d.errors import Plan3dError
-            from plan3d.specs.catalog import load_gpu
-
-            try:
-                return load_gpu(value).model_dump()
-            except Plan3dError as err:  # reported with the other fields' problems
-                raise ValueError(str(err)) from None
-        return value
+    def _resolve_gpu_name(cls, value, info: ValidationInfo):
+        """`gpu: h100-sxm` names a GPU; the loader passes the look-up in (a spec reads no files)."""
+        if not isinstance(value, str):
+            return value
+        gpu_by_name: GpuByName | None = (info.context or {}).get(GPU_BY_NAME)
+        if gpu_by_name is None:
+            raise ValueError(f"the GPU {value!r} is a name, which only a spec file may give (plan3d.specs.catalog "
+                             "resolves it); give the GPU spec itself")
+        try:
+            return gpu_by_name(value).model_dump()
+        except Plan3dError as err:  # reported with the other fields' problems
+            raise ValueError(str(err)) from None
 
     @model_validator(mode="after")
     def _tiers_nest(self) -> "ClusterSpec":
@@ -178,9 +187,6 @@ class ClusterSpec(StrictModel):
     def with_size(self, nodes: int | None = None, gpus_per_node: int | None = None) -> "ClusterSpec":
         """The same node type and fabric with another node count or node width; a size past the
         bounds (or a fabric it breaks) is a SpecError naming the cluster, never a pydantic error."""
-        from plan3d.errors import SpecError
-        from plan3d.specs.loader import validation_problems
-
         data = self.model_dump()
         if nodes is not None:
             data["nodes"] = nodes

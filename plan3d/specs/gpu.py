@@ -9,14 +9,14 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 
 from plan3d.specs.base import (BYTES_PER_ELEMENT, EFFICIENCY, FLOPS, FRACTION, MEMORY_GIB, OVERHEAD_S,
-                               TBYTES_PER_S, TFLOPS, Name, StrictModel, Text, bounded)
+                               TBYTES_PER_S, TFLOPS, Name, SpecModel, Text, bounded)
 
 GIB = 2**30
 Dtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
 FALLBACK_DTYPES = ("bf16", "fp16", "tf32", "fp32")  # in the order a missing dtype falls back
 
 
-class ComputeEfficiency(StrictModel):
+class ComputeEfficiency(SpecModel):
     """How close the kernels of one transformer layer get to the datasheet (fitted, not hand-set).
 
     GEMMs: one GEMM of `w` FLOPs runs at eff(w) = max_fraction * w / (w + half_work_flops) of dense
@@ -53,7 +53,7 @@ class ComputeEfficiency(StrictModel):
                            "defaults, not calibrated).")
 
 
-class GPUSpec(StrictModel):
+class GPUSpec(SpecModel):
     name: Name
     memory_gib: float = bounded(..., MEMORY_GIB, description="Device memory in GiB (2^30 bytes).")
     peak_tflops: dict[Dtype, Annotated[float, Field(**TFLOPS)]] = Field(

@@ -22,7 +22,9 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import TypeVar
+import difflib
+import typing
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -296,8 +298,6 @@ def _internal_loc(part) -> bool:
 
 
 def _closest_hint(item: dict, err: ValidationError) -> str:
-    import difflib
-
     model = getattr(err, "_plan3d_model", None)
     if model is None:
         return ""
@@ -311,8 +311,6 @@ def _closest_hint(item: dict, err: ValidationError) -> str:
 
 def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
     """Field names of the nested model at `loc` (best effort, for 'did you mean')."""
-    import typing
-
     current = model
     for part in loc:
         if isinstance(part, int) or current is None:
@@ -320,29 +318,30 @@ def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
         field = current.model_fields.get(str(part))
         if field is None:
             return []
-        current = _model_in(field.annotation, typing)
+        current = _model_in(field.annotation)
     return list(current.model_fields) if current is not None else []
 
 
-def _model_in(annotation, typing) -> type[BaseModel] | None:
+def _model_in(annotation) -> type[BaseModel] | None:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     for arg in typing.get_args(annotation):
-        found = _model_in(arg, typing)
+        found = _model_in(arg)
         if found is not None:
             return found
     return None
 
 
-def validate(model: type[M], data: dict, source: str) -> M:
+def validate(model: type[M], data: dict, source: str, context: dict[str, Any] | None = None) -> M:
     """Validate `data` (plain JSON data) as `model`, strictly, as JSON: a bool, a string or a float
     with a fraction is no integer (`2e1` is 20, as in JSON) and a string is no number or bool.
-    Raise SpecError with one line per bad field."""
+    `context` reaches the validators (pydantic's validation context), e.g. the catalog look-ups
+    a spec file may name (`plan3d.specs.catalog.LOOKUPS`). Raise SpecError with one line per bad field."""
     problem = json_data_problem(data)
     if problem:
         raise SpecError(source, [problem])
     try:
-        return model.model_validate_json(json.dumps(_whole_floats_as_ints(data)), strict=True)
+        return model.model_validate_json(json.dumps(_whole_floats_as_ints(data)), strict=True, context=context)
     except ValidationError as err:
         err._plan3d_model = model  # for 'did you mean'
         raise SpecError(source, validation_problems(err)) from err

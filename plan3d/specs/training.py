@@ -5,10 +5,10 @@ from typing import Literal
 
 from pydantic import Field, PositiveInt
 
-from plan3d.specs.base import MEMORY_GIB, StrictModel, Text, bounded
+from plan3d.specs.base import MEMORY_GIB, SpecModel, Text, bounded
 
 
-class TrainingSpec(StrictModel):
+class TrainingSpec(SpecModel):
     global_batch: PositiveInt = Field(le=1_000_000_000, description="Sequences per optimizer step.")
     seq_len: PositiveInt | None = Field(None, le=1_000_000_000, description="Overrides the model's sequence length.")
     precision: Literal["bf16", "fp16", "fp8", "fp32"] = "bf16"

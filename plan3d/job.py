@@ -1,5 +1,8 @@
 """Job file: cluster + model + training (+ an optional layout), the input of `check` and `launch`.
 
+A job composes the specs with a Layout and an engine, so it sits above plan3d.specs and
+plan3d.layout (which import nothing of it).
+
     cluster: dgx-a100-80g        # bundled name, path (relative to this file) or inline mapping
     nodes: 64                    # optional overrides of the cluster size
     model: gpt3-175b
@@ -14,8 +17,8 @@ from pathlib import Path
 from pydantic import PositiveInt
 
 from plan3d.layout import Layout
-from plan3d.specs.base import StrictModel
-from plan3d.specs.catalog import engine_for, load_cluster, load_model, resize
+from plan3d.specs.base import SpecModel
+from plan3d.specs.catalog import engine_for, load_cluster, load_model, lookups, resize
 from plan3d.specs.cluster import ClusterSpec
 from plan3d.specs.engine import EngineSpec
 from plan3d.specs.loader import read_mapping, validate
@@ -23,7 +26,7 @@ from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
 
 
-class JobSpec(StrictModel):
+class JobSpec(SpecModel):
     cluster: str | ClusterSpec
     nodes: PositiveInt | None = None
     gpus_per_node: PositiveInt | None = None
@@ -33,7 +36,7 @@ class JobSpec(StrictModel):
     engine: str | EngineSpec | None = None
 
 
-class Job(StrictModel):
+class Job(SpecModel):
     """A job with every name resolved (the engine: the job's, or the cluster's default)."""
 
     cluster: ClusterSpec
@@ -46,7 +49,7 @@ class Job(StrictModel):
 def load_job(path_str: str, engine: EngineSpec | None = None) -> Job:
     """The job file with names resolved; `engine` (e.g. `check --engine`) overrides the file's `engine:`."""
     path = Path(path_str)
-    spec = validate(JobSpec, read_mapping(path), path_str)
+    spec = validate(JobSpec, read_mapping(path), path_str, lookups())  # an inline cluster may name its GPU
     base = path.parent
     cluster = spec.cluster
     if isinstance(cluster, str):

@@ -40,12 +40,16 @@ def test_compute_fit_tolerates_noise_and_raises_a_low_peak():
 
 
 def alpha_beta_samples(bw: float, alpha: float) -> list[dict]:
+    """Samples timed by the cost model's own collective costs (plan3d.cost.comm), so a fit that
+    recovers (bw, alpha) reads the same ring volumes and hops as the model that will use them."""
+    from plan3d.cost.comm import COST_OF, p2p_s
+
     out = []
     for op in ("all_reduce", "all_gather", "reduce_scatter", "p2p"):
         for n in (2, 4, 8):
             for size in (4096, 65536, 1 << 20, 1 << 24):
-                volume, hops = collective_terms(op, n, size)
-                out.append({"op": op, "group_size": n, "bytes": size, "time_s": volume / bw + hops * alpha})
+                time_s = p2p_s(size, bw, alpha) if op == "p2p" else COST_OF[op](size, n, bw, alpha)
+                out.append({"op": op, "group_size": n, "bytes": size, "time_s": time_s})
     return out
 
 
@@ -91,7 +95,21 @@ def test_each_collective_kind_gets_its_own_fit_and_lands_in_the_spec():
 def test_collective_terms_match_the_ring_formulas():
     assert collective_terms("all_reduce", 4, 1000) == (1500.0, 6)
     assert collective_terms("all_gather", 4, 1000) == (750.0, 3)
+    assert collective_terms("reduce_scatter", 4, 1000) == (750.0, 3)
     assert collective_terms("p2p", 2, 1000) == (1000, 1)
+    with pytest.raises(ValueError, match="broadcast"):
+        collective_terms("broadcast", 4, 1000)
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather", "reduce_scatter", "p2p"])
+def test_the_fit_reads_the_volumes_the_cost_model_prices(op):
+    """A calibration row (volume, hops) times (1/bw, alpha) is the cost model's time, to the bit."""
+    from plan3d.cost.comm import COST_OF, p2p_s
+
+    for n, size, bw, alpha in [(2, 4096, 1e9, 1e-5), (8, 1 << 24, 4.5e11, 3e-6), (72, 123457, 2.5e10, 0.0)]:
+        volume, hops = collective_terms(op, n, size)
+        model = p2p_s(size, bw, alpha) if op == "p2p" else COST_OF[op](size, n, bw, alpha)
+        assert volume / bw + hops * alpha == model
 
 
 def test_memory_bandwidth_fit():

@@ -171,3 +171,40 @@ def test_faster_inter_node_fabric_never_slows_the_best(cluster_name, nodes, mode
         result = search(faster_fabric(cluster, factor), model, training)
         steps.append(result.metrics["step_time_s"][ranking.rank(result)[0]])
     assert all(b <= a * (1 + 1e-12) for a, b in zip(steps, steps[1:])), steps
+
+
+# ---- fit thresholds: the search's codes and check's findings are one table (plan3d.fit_rules) ------
+@pytest.mark.parametrize("min_mfu, max_fraction", [(None, None), (0.4, None), (None, 0.7), (0.45, 0.6)])
+def test_check_findings_and_search_codes_agree_on_every_prediction(min_mfu, max_fraction):
+    """search.fit_reasons (arrays, first rule) and ranking.fit_findings (one estimate, every rule):
+    no finding exactly where the code is 0, else the first finding is the coded rule's sentence."""
+    from plan3d.fit_rules import FIT_RULES, FitFacts
+    from plan3d.search import fit_reasons
+
+    rng, gpu, n = np.random.default_rng(7), 80 * 2**30, 300
+    peak = rng.uniform(0.3, 1.1, n) * gpu
+    capacity = np.full(n, 0.9 * gpu)
+    metrics = {"peak_memory_bytes": peak, "capacity_bytes": capacity, "fits": peak <= capacity,
+               "mfu": rng.uniform(0.2, 0.6, n)}
+    codes = fit_reasons(metrics, n, min_mfu, max_fraction, gpu)
+    limits = {None: None, "min_mfu": min_mfu, "max_memory_fraction": max_fraction}
+    by_code = {rule.code: rule for rule in FIT_RULES}
+    for i in range(n):
+        est = {k: (bool(v[i]) if k == "fits" else float(v[i])) for k, v in metrics.items()}
+        findings = ranking.fit_findings(est, gpu, min_mfu, max_fraction)
+        assert (codes[i] == 0) == (not findings), (est, codes[i])
+        if findings:
+            rule = by_code[int(codes[i])]
+            assert findings[0].message == rule.sentence(FitFacts.of(est, gpu), limits[rule.threshold])
+            assert all(f.level == "error" and f.fix for f in findings)
+    expected = {10} | ({11} if min_mfu else set()) | ({12} if max_fraction else set())
+    assert set(codes.tolist()) - {0} == expected, "every rule in force should reject some prediction"
+
+
+def test_fit_findings_say_what_is_over_and_by_how_much():
+    est = {"fits": False, "mfu": 0.3, "peak_memory_bytes": 90 * 2**30, "capacity_bytes": 72 * 2**30}
+    findings = ranking.fit_findings(est, 80 * 2**30, min_mfu=0.4, max_memory_fraction=0.9)
+    assert [f.message for f in findings] == [
+        "predicted peak memory 90.0 GiB per GPU exceeds the 72.0 GiB usable (GPU memory less headroom and reserve)",
+        "predicted MFU 30.0% is below --min-mfu 40.0%",
+        "predicted peak memory is 112.5% of the GPU's memory, above --max-memory-fraction 90.0%"]

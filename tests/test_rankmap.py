@@ -207,3 +207,28 @@ def test_printed_groups_read_back_as_their_members(order):
             text = group_text(members)
             assert read_group_text(text) == members, (name, members, text)
             assert "step 1" not in text
+
+
+@pytest.mark.parametrize("name, nodes", [("dgx-h100", 4), ("gb200-nvl72", 18), ("gb200-nvl72", 36),
+                                        ("dgx-a100-80g", 1)])
+def test_calibrate_files_each_measured_group_under_the_tier_its_rank_map_group_crosses(name, nodes):
+    """`plan3d calibrate` measures groups of n neighbouring ranks and groups of one rank per node;
+    those are the tp groups of tp=n and the dp groups of tp=gpus_per_node. The tier it files each
+    under must be the one the cost model prices that group on (RankMap.tier_index)."""
+    from plan3d.calibrate import collective_groups
+
+    cluster = load_cluster(name, nodes=nodes)
+    world, per_node = cluster.world_size, cluster.gpus_per_node
+    kinds = collective_groups(cluster, world)
+    assert len(kinds) > 1
+    for kind in kinds:
+        members = kind["members"]
+        size = len(members[0])
+        across_nodes = members[0][1] - members[0][0] == per_node
+        layout = Layout(tp=per_node, dp=world // per_node) if across_nodes else Layout(tp=size, dp=world // size)
+        group = "dp" if across_nodes else "tp"
+        rmap = RankMap(layout, per_node)
+        assert rmap.groups(group) == members
+        assert kind["tier"] == rmap.tier_index(group, cluster.tiers()), (name, size, across_nodes)
+    if name == "gb200-nvl72":  # one rank per 4-GPU tray: NVLink within a 72-GPU rack, the outer tier beyond
+        assert kinds[-1]["tier"] == (0 if world <= 72 else 1) and kinds[0]["tier"] == 0

@@ -1,37 +1,103 @@
-"""Megatron-LM command-line arguments for a plan.
+"""Megatron-Core arguments (`pretrain_gpt.py`) for a plan, for megatron-core 0.17 - 0.19.
 
-Flag names follow Megatron-LM's `megatron/training/arguments.py` (NVIDIA/Megatron-LM, core_r0.1x):
-`--tensor-model-parallel-size`, `--pipeline-model-parallel-size`,
-`--num-layers-per-virtual-pipeline-stage`, `--sequence-parallel`, `--context-parallel-size`,
-`--micro-batch-size`, `--global-batch-size`, `--recompute-granularity {full,selective}`,
-`--recompute-method {uniform,block}`, `--recompute-num-layers`, `--use-distributed-optimizer`
-(ZeRO-1: optimizer states sharded over data parallel), `--bf16`/`--fp16`, `--fp8-format`,
-`--decoder-first-pipeline-num-layers`/`--decoder-last-pipeline-num-layers` (uneven split), and
-`--use-tp-pp-dp-mapping` (rank order tp-cp-ep-pp-dp instead of the default tp-cp-ep-dp-pp).
+The range is the releases whose wheel ships `megatron/training/arguments.py` (0.17.0 is the first;
+earlier ones need a Megatron-LM checkout); every flag below exists in 0.17.0, 0.18.0 and 0.19.2,
+and the engines tier (tests/engines/test_megatron_engine.py) feeds the output to 0.19.2's own
+`parse_args` + `validate_args`. What the engine runs is the `megatron-core` engine profile's
+`can_run` (`target_engine` refuses the rest); what its time model assumes (`runs_as`) is switched on:
 
-What Megatron-LM cannot express raises `InfeasibleError` (exit 1): ZeRO-2/3 (its distributed
-optimizer shards optimizer states only), a rank order other than its two, an uneven split whose
-middle stages differ, a plain ReLU MLP, ALiBi.
+- ZeRO-1: `--use-distributed-optimizer`. ZeRO-2/3: Megatron-FSDP, `--use-megatron-fsdp
+  --data-parallel-sharding-strategy optim_grads | optim_grads_params` (validate_args turns the
+  distributed optimizer on with it, asserts `--ckpt-format fsdp_dtensor` and that
+  CUDA_DEVICE_MAX_CONNECTIONS is not 1). Without pipeline parallelism only: its device mesh
+  (`megatron/core/distributed/fsdp/mcore_fsdp_adapter.py`, `_get_dp_tp_mesh`) lays all ranks out
+  as dp x cp x ep x tp, so pp > 1 fails there (the profile's `zero_with_pp: [0, 1]`).
+- `grad_reduce: overlapped` -> `--overlap-grad-reduce`; `param_gather_overlap` ->
+  `--overlap-param-gather` (validate_args: needs the distributed optimizer or Megatron-FSDP and
+  `--overlap-grad-reduce`, so ZeRO >= 1 only).
+- `tp_overlap_fraction > 0` -> `--tp-comm-overlap` (Transformer Engine userbuffers), where
+  validate_args allows it (sequence parallelism on) and the tensor-parallel group stays inside a
+  node (userbuffers exchange over NVLink); otherwise a note says the prediction hides TP
+  communication that this run will not hide.
+- `attention: flash`: Megatron's default `--attention-backend auto` with its default
+  Transformer Engine layers picks flash or cuDNN fused attention (neither writes scores to HBM)
+  for bf16/fp16; fp32 falls back to unfused attention, which a note says.
+- `export CUDA_DEVICE_MAX_CONNECTIONS=1` for tp > 1 or cp > 1 on GPUs before Blackwell
+  (validate_args asserts it where `get_device_arch_version() < 10`); on Blackwell the requirement
+  is gone and the variable is left alone; with Megatron-FSDP it is unset instead.
+- Pipeline: `--num-virtual-stages-per-pipeline-rank` (interleaving, even split) or
+  `--pipeline-model-parallel-layout` (any per-stage counts, with or without interleaving; its
+  first stage holds the embedding `E`, its last the loss `L`); `--use-tp-pp-dp-mapping` for rank
+  order tp-cp-ep-pp-dp.
+- Model: `--rotary-base` from the model spec's rope_theta (Megatron's default 10000 otherwise).
+
+What no Megatron-Core flag expresses is refused here, naming the release range: a plain-ReLU MLP
+(its activations are gelu, `--swiglu`, `--squared-relu`, `--quick-geglu`), ALiBi
+(`--position-embedding-type` choices), a rank order other than its two, a non-integer rope base
+(`--rotary-base` is `type=int`).
+
+Data, tokenizer and schedule are not part of a plan: the caller passes them (`MegatronRun`) or the
+output names them in a comment block (`--train-iters`, `--lr`, `--data-path`/`--mock-data`,
+`--tokenizer-type`/`--tokenizer-model`).
 """
 from __future__ import annotations
 
-from plan3d.emit.common import Emitted, same_groups
+import shlex
+from dataclasses import dataclass
+
+from plan3d.emit.common import Emitted, same_groups, target_engine
 from plan3d.errors import InfeasibleError
 from plan3d.layout import Layout
 from plan3d.plan import Plan
+from plan3d.specs.engine import EngineSpec
 
+PROFILE = "megatron-core"
+VERSIONS = "0.17-0.19"
+ENGINE = f"{PROFILE} {VERSIONS}"
 MEGATRON_ORDERS = {"tp-cp-ep-dp-pp": (), "tp-cp-ep-pp-dp": ("--use-tp-pp-dp-mapping",)}
+FSDP_STRATEGY = {2: "optim_grads", 3: "optim_grads_params"}  # --data-parallel-sharding-strategy
+ROTARY_BASE_DEFAULT = 10000  # megatron/training/arguments.py --rotary-base default
+# CUDA compute capability major by GPU spec name (the part before the first '-'): Megatron's
+# get_device_arch_version(). Blackwell is 10; unknown GPUs are treated as before Blackwell.
+ARCH_BY_GPU = {"v100": 7, "a100": 8, "a10": 8, "l40s": 8, "h100": 9, "h200": 9, "gh200": 9, "h800": 9,
+               "b100": 10, "b200": 10, "gb200": 10, "b300": 10, "gb300": 10}
+BLACKWELL = 10
 
 
-def megatron_args(plan: Plan) -> list[str]:
-    """The Megatron-LM arguments (flag and value tokens) for the plan's layout, model and batch."""
+@dataclass(frozen=True)
+class MegatronRun:
+    """What `pretrain_gpt.py` needs beyond the plan; None: named in the comment block instead.
+
+    data_path: a Megatron dataset prefix, or "mock" (`--mock-data`, synthetic tokens);
+    tokenizer: a Hugging Face tokenizer name or path (`HuggingFaceTokenizer`), or "null"
+    (`NullTokenizer`, the model's vocabulary, for mock data)."""
+
+    data_path: str | None = None
+    tokenizer: str | None = None
+    train_iters: int | None = None
+    lr: float | None = None
+
+
+def megatron_args(plan: Plan, engine: EngineSpec | None = None) -> list[str]:
+    """The Megatron-Core arguments (flag and value tokens) for the plan's layout, model and batch."""
+    plan = _with_megatron_order(plan)
+    if engine is None:
+        engine, _ = target_engine(plan, PROFILE, VERSIONS)
     layout = plan.layout
-    if layout.zero > 1:
-        raise InfeasibleError(
-            f"Megatron-LM cannot express ZeRO-{layout.zero}: its distributed optimizer shards optimizer "
-            "states only (ZeRO-1); plan with --zero 0 or 1, or emit deepspeed/torchtitan instead")
-    return (_parallel_args(layout) + _order_args(layout) + _pipeline_split_args(plan)
-            + _batch_args(plan) + _recompute_args(layout) + _precision_args(plan) + _model_args(plan))
+    return (_parallel_args(layout) + _order_args(layout) + _pipeline_split_args(plan) + _zero_args(layout)
+            + _overlap_args(plan, engine) + _batch_args(plan) + _recompute_args(layout) + _precision_args(plan)
+            + _model_args(plan))
+
+
+def _with_megatron_order(plan: Plan) -> Plan:
+    """The plan with its order spelled as the Megatron order that builds the same groups (axes of
+    size one do not change the groups); an order that matches neither is refused."""
+    for order in MEGATRON_ORDERS:
+        if same_groups(plan.layout, order):
+            return plan.model_copy(update={"layout": plan.layout.model_copy(update={"order": order})})
+    raise InfeasibleError(
+        f"{ENGINE} cannot build rank order {plan.layout.order!r} for this layout: it supports "
+        f"{' and '.join(repr(o) for o in MEGATRON_ORDERS)} (--use-tp-pp-dp-mapping); re-plan with one of them")
 
 
 def _parallel_args(layout: Layout) -> list[str]:
@@ -42,41 +108,57 @@ def _parallel_args(layout: Layout) -> list[str]:
         args += ["--expert-model-parallel-size", str(layout.ep)]
     if layout.sequence_parallel:
         args.append("--sequence-parallel")
-    if layout.zero == 1:
-        args.append("--use-distributed-optimizer")
     return args
 
 
 def _order_args(layout: Layout) -> list[str]:
-    for order, flags in MEGATRON_ORDERS.items():
-        if same_groups(layout, order):
-            return list(flags)
-    raise InfeasibleError(
-        f"Megatron-LM cannot build rank order {layout.order!r} for this layout: it supports "
-        f"{' and '.join(repr(o) for o in MEGATRON_ORDERS)} (--use-tp-pp-dp-mapping); re-plan with one of them")
+    return list(MEGATRON_ORDERS[layout.order])
 
 
-def _pipeline_split_args(plan: Plan) -> list[str]:
-    layout, layers = plan.layout, plan.model.layers
-    split = layout.stage_layers(layers)
-    args = []
-    if layout.vpp > 1:
-        if len(set(split)) != 1:
-            raise InfeasibleError("Megatron-LM interleaving needs equal virtual stages; drop pp_layers or set vpp=1")
-        args += ["--num-layers-per-virtual-pipeline-stage", str(split[0])]
-    elif len(set(split)) > 1:
-        args += _uneven_args(split)
+def _zero_args(layout: Layout) -> list[str]:
+    if layout.zero == 1:
+        return ["--use-distributed-optimizer"]
+    if layout.zero in FSDP_STRATEGY:
+        return ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", FSDP_STRATEGY[layout.zero],
+                "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"]
+    return []
+
+
+def _overlap_args(plan: Plan, engine: EngineSpec) -> list[str]:
+    runs_as, layout, args = engine.runs_as, plan.layout, []
+    if runs_as.grad_reduce == "overlapped":
+        args.append("--overlap-grad-reduce")
+        if runs_as.param_gather_overlap and layout.zero >= 1:
+            args.append("--overlap-param-gather")
+    if _tp_comm_overlap(plan, engine):
+        args.append("--tp-comm-overlap")
     return args
 
 
-def _uneven_args(split: tuple[int, ...]) -> list[str]:
-    """Megatron-LM splits unevenly only at the ends: first and last stage sizes, the rest equal."""
-    middle = split[1:-1]
-    if len(set(middle)) > 1:
-        raise InfeasibleError(f"Megatron-LM cannot split layers as {list(split)}: only the first and last "
-                              "stage may differ; make the middle stages equal")
-    return ["--decoder-first-pipeline-num-layers", str(split[0]),
-            "--decoder-last-pipeline-num-layers", str(split[-1])]
+def _tp_comm_overlap(plan: Plan, engine: EngineSpec) -> bool:
+    layout = plan.layout
+    return (engine.runs_as.tp_overlap_fraction > 0 and layout.tp > 1 and layout.sequence_parallel
+            and layout.tp <= plan.cluster.gpus_per_node)
+
+
+def _pipeline_split_args(plan: Plan) -> list[str]:
+    layout = plan.layout
+    split = layout.stage_layers(plan.model.layers)
+    if len(set(split)) > 1:
+        return ["--pipeline-model-parallel-layout", pipeline_layout(split)]
+    if layout.vpp > 1:
+        return ["--num-virtual-stages-per-pipeline-rank", str(layout.vpp)]
+    return []
+
+
+def pipeline_layout(split: tuple[int, ...]) -> str:
+    """Megatron's `--pipeline-model-parallel-layout` for layers per (virtual) stage, in stage order:
+    `E` (embedding) opens the first stage, `L` (loss) closes the last, `t*n` is n decoder layers,
+    `|` separates stages (megatron/core/transformer/pipeline_parallel_layer_layout.py)."""
+    stages = [f"t*{n}" for n in split]
+    stages[0] = "E" + stages[0]
+    stages[-1] += "L"
+    return "|".join(stages)
 
 
 def _batch_args(plan: Plan) -> list[str]:
@@ -106,9 +188,11 @@ def _precision_args(plan: Plan) -> list[str]:
 def _model_args(plan: Plan) -> list[str]:
     model = plan.model
     if model.activation == "relu":
-        raise InfeasibleError("Megatron-LM GPT has no plain-ReLU MLP (gelu or --swiglu); change the model spec")
+        raise InfeasibleError(f"{ENGINE} has no plain-ReLU MLP (gelu, --swiglu, --squared-relu, --quick-geglu); "
+                              "change the model spec's activation")
     if model.position == "alibi":
-        raise InfeasibleError("Megatron-LM GPT has no ALiBi position embedding (learned_absolute or rope)")
+        raise InfeasibleError(f"{ENGINE} has no ALiBi (--position-embedding-type learned_absolute, rope, yarn, "
+                              "mrope, relative, none); change the model spec's position")
     args = ["--num-layers", str(model.layers), "--hidden-size", str(model.hidden),
             "--num-attention-heads", str(model.heads), "--ffn-hidden-size", str(model.ffn_hidden_),
             "--vocab-size", str(model.vocab)]
@@ -123,20 +207,105 @@ def _model_args(plan: Plan) -> list[str]:
     if not model.bias:
         args.append("--disable-bias-linear")
         if model.qkv_bias_:
-            args.append("--add-qkv-bias")  # Megatron-LM's flag for Qwen2-style Q/K/V biases
-    args += ["--position-embedding-type", "learned_absolute" if model.position == "learned" else model.position]
+            args.append("--add-qkv-bias")  # Megatron's flag for Qwen2-style Q/K/V biases
+    if model.position == "rope":
+        args += ["--position-embedding-type", "rope", "--rotary-base", _rotary_base(model.rope_theta)]
+    else:
+        args += ["--position-embedding-type", "learned_absolute"]
     if not model.tied_embeddings:
         args.append("--untie-embeddings-and-output-weights")
     return args
 
 
-def emit_megatron(plan: Plan) -> Emitted:
-    """The arguments as a shell-ready block: one flag (and value) per line."""
-    args = megatron_args(plan)
+def _rotary_base(theta: float | None) -> str:
+    if theta is None:
+        return str(ROTARY_BASE_DEFAULT)
+    if theta != int(theta):
+        raise InfeasibleError(f"{ENGINE} takes an integer --rotary-base; the model spec's rope_theta is {theta}")
+    return str(int(theta))
+
+
+def run_args(run: MegatronRun, model_vocab: int) -> tuple[list[str], list[str]]:
+    """(arguments given by `run`, comment lines naming what is still missing)."""
+    args, missing = [], []
+    if run.train_iters is not None:
+        args += ["--train-iters", str(run.train_iters)]
+    else:
+        missing.append("--train-iters N (or --train-samples N): the schedule; training raises without one")
+    if run.lr is not None:
+        args += ["--lr", repr(float(run.lr))]
+    else:
+        missing.append("--lr LR: the peak learning rate (the scheduler needs one)")
+    if run.data_path == "mock":
+        args.append("--mock-data")
+    elif run.data_path is not None:
+        args += ["--data-path", run.data_path, "--split", "99,1,0"]
+    else:
+        missing.append("--data-path PREFIX (a Megatron .bin/.idx prefix), or --mock-data for synthetic tokens")
+    if run.tokenizer == "null":
+        args += ["--tokenizer-type", "NullTokenizer"]
+    elif run.tokenizer is not None:
+        args += ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", run.tokenizer]
+    else:
+        missing.append("--tokenizer-type HuggingFaceTokenizer --tokenizer-model NAME_OR_PATH "
+                       f"(or --tokenizer-type NullTokenizer: vocabulary {model_vocab}, for --mock-data)")
+    return args, missing
+
+
+def environment_lines(plan: Plan) -> list[str]:
+    """Shell lines that set what validate_args checks in the environment."""
+    layout = plan.layout
+    if layout.zero in FSDP_STRATEGY:
+        return ["unset CUDA_DEVICE_MAX_CONNECTIONS  # Megatron-FSDP asserts it is not 1"]
+    if layout.tp == 1 and layout.cp == 1:
+        return []
+    if gpu_arch(plan) >= BLACKWELL:
+        return [f"# {plan.cluster.gpu.name} is Blackwell: Megatron-Core no longer needs CUDA_DEVICE_MAX_CONNECTIONS=1"]
+    return ["export CUDA_DEVICE_MAX_CONNECTIONS=1  # tp > 1 or cp > 1 before Blackwell: validate_args asserts it"]
+
+
+def gpu_arch(plan: Plan) -> int:
+    """The CUDA compute capability major of the plan's GPU, by its spec name (0 when unknown)."""
+    return ARCH_BY_GPU.get(plan.cluster.gpu.name.lower().split("-")[0], 0)
+
+
+def plan_notes(plan: Plan, engine: EngineSpec) -> list[str]:
+    """What the time model assumes of Megatron-Core that these arguments cannot give this plan."""
+    layout, notes = plan.layout, []
+    if engine.runs_as.tp_overlap_fraction > 0 and layout.tp > 1 and not _tp_comm_overlap(plan, engine):
+        why = ("it needs sequence parallelism (validate_args)" if not layout.sequence_parallel
+               else "its tensor-parallel group spans nodes (Transformer Engine userbuffers are intra-node)")
+        notes.append(f"the prediction hides {engine.runs_as.tp_overlap_fraction:.0%} of the tensor-parallel "
+                     f"communication, but --tp-comm-overlap is off: {why}; expect a slower step")
+    if engine.runs_as.attention == "flash" and plan.training.precision == "fp32":
+        notes.append("the prediction assumes flash attention; Transformer Engine's flash and fused attention "
+                     "need bf16/fp16, so fp32 runs unfused attention (slower, more memory)")
+    return notes
+
+
+def emit_megatron(plan: Plan, run: MegatronRun | None = None) -> Emitted:
+    """A shell block: environment lines, comments naming what is still missing, then the
+    arguments to append to `torchrun ... pretrain_gpt.py`, one flag (and value) per line."""
+    plan = _with_megatron_order(plan)
+    engine, notes = target_engine(plan, PROFILE, VERSIONS)
+    args = megatron_args(plan, engine)
+    given, missing = run_args(run or MegatronRun(), plan.model.vocab)
+    header = [f"# {ENGINE} arguments for `torchrun ... pretrain_gpt.py` from plan {plan.digest} "
+              f"({plan.layout.short()}); world size {plan.layout.world_size}"]
+    header += environment_lines(plan)
+    if missing:
+        header += ["# Not in the plan; add these to the arguments below (or pass them to `plan3d emit megatron`):"]
+        header += [f"#   {line}" for line in missing]
+    body = " \\\n".join(_flag_lines(args + given))
+    return Emitted("\n".join(header) + "\n" + body + "\n", notes + plan_notes(plan, engine))
+
+
+def _flag_lines(args: list[str]) -> list[str]:
+    """One flag per line, with its value when the next token is not a flag."""
     lines, i = [], 0
     while i < len(args):
         takes_value = i + 1 < len(args) and not args[i + 1].startswith("--")
-        lines.append(" ".join(args[i:i + 2]) if takes_value else args[i])
+        lines.append(" ".join(shlex.quote(a) for a in args[i:i + 2]) if takes_value else args[i])
         i += 2 if takes_value else 1
-    header = f"# Megatron-LM arguments for plan {plan.digest} ({plan.layout.short()}); world size {plan.layout.world_size}\n"
-    return Emitted(header + " \\\n".join(lines) + "\n")
+    return lines
+

@@ -6,7 +6,8 @@ leaves implicit (BLOOM has ALiBi and no position field; GPT-2 ties its embedding
 `FAMILIES` holds those implicit facts per `model_type`; `ALIASES` the field names. A config of an
 unknown `model_type` is read with the generic aliases and hints (`rms_norm_eps` -> RMSNorm,
 `rope_theta` -> rotary positions); if a required field is missing the error names it and the
-names that were looked for.
+names that were looked for. A rotary model keeps its base (`rope_theta`, GPT-NeoX
+`rotary_emb_base`) as the spec's `rope_theta`.
 
 The training sequence length is a choice, not a config fact: `max_position_embeddings` is the
 longest context a model accepts (131,072 for Llama-3.1, reached by long-context extension), not
@@ -46,6 +47,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "head_dim": ("head_dim",),
     "activation": ("hidden_act", "activation_function", "hidden_activation"),
     "tied_embeddings": ("tie_word_embeddings",),
+    "rope_theta": ("rope_theta", "rotary_emb_base"),  # RoPE base (Llama 3: 500000; GPT-NeoX: rotary_emb_base)
 }
 REQUIRED = ("layers", "hidden", "heads", "vocab")  # seq_len is a training choice: DEFAULT_SEQ_LEN
 _DECODER_ROPE = {"norm": "rmsnorm", "bias": False, "position": "rope", "tied_embeddings": False}
@@ -133,6 +135,8 @@ def spec_fields(config: dict, source: str, name: str, seq_len: int | None = None
     fields = {k: defaults[k] for k in ("norm", "bias", "position", "tied_embeddings") if k in defaults}
     fields |= {k: v for k, v in found.items() if v is not None and k != "activation"}
     fields["activation"] = _activation(config, defaults, source)
+    if fields.get("position") != "rope":
+        fields.pop("rope_theta", None)  # a base without rotary positions means nothing
     fields |= _bias_fields(_bias_parts(config, model_type, fields))
     hidden, heads = fields["hidden"], fields["heads"]
     sizes_ok = all(isinstance(v, int) and v > 0 for v in (hidden, heads))  # else validation names the field

@@ -38,6 +38,9 @@ class ModelSpec(StrictModel):
     qkv_bias: bool | None = Field(None, description="The Q/K/V projections carry biases; default = bias "
                                   "(Qwen2: qkv_bias true with bias false).")
     position: Literal["learned", "rope", "alibi"] = "learned"
+    rope_theta: float | None = Field(None, gt=0, le=1e12, allow_inf_nan=False,
+                                     description="RoPE base (Hugging Face `rope_theta`, Megatron `--rotary-base`); "
+                                     "default 10000 (Megatron-Core's default). Llama 3: 500000.")
     vocab: PositiveInt = Field(le=1_000_000_000)
     seq_len: PositiveInt = Field(le=1_000_000_000)
     tied_embeddings: bool = False

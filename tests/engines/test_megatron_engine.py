@@ -1,0 +1,246 @@
+"""Megatron-Core's own code on every plan of the matrix: `plan3d emit megatron` fed to
+`megatron.training.arguments.parse_args` + `validate_args` (megatron-core 0.19.2, the wheel's
+`megatron/training`), its `TransformerConfig` (which checks the pipeline layout and recompute
+settings) and its rank generator (`megatron.core.parallel_state.RankGenerator`).
+
+Each case ends in one of two ways: the emitted block is accepted with the plan's values (tp, pp,
+vpp, dp, cp, micro and global batch, ZeRO, recompute, sequence parallelism, sequence length,
+model shape, layers per stage, rank groups), or plan3d refuses it and Megatron's own code fails
+on the arguments the plan would need (REFUSALS names the confirming code). World size and rank
+are set as torchrun sets them; `get_device_arch_version` (it reads the CUDA device) is patched to
+the plan's GPU generation, as the emitter reads it from the GPU spec name.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shlex
+import sys
+from unittest import mock
+
+import pytest
+
+from conftest import require
+from plans import CASES, Case, build, case_ids
+from plan3d.emit.megatron import FSDP_STRATEGY, MegatronRun, emit_megatron, gpu_arch
+from plan3d.errors import InfeasibleError
+from plan3d.layout import Layout
+from plan3d.plan import Plan, build_plan
+from plan3d.specs.catalog import load_cluster, load_model
+from plan3d.specs.training import TrainingSpec
+
+RUN = MegatronRun(data_path="mock", tokenizer="null", train_iters=10, lr=3e-4)
+MEGATRON_ORDER = {False: "tp-cp-ep-dp-pp", True: "tp-cp-ep-pp-dp"}  # megatron/training/initialize.py
+
+
+@pytest.fixture(scope="module")
+def megatron():
+    return require("megatron.training.arguments")
+
+
+def shell_parts(text: str) -> tuple[dict[str, str], list[str], list[str]]:
+    """(exported variables, unset variables, argument tokens) of an emitted block."""
+    env, unset, argv = {}, [], []
+    for line in text.replace("\\\n", " ").splitlines():  # continuation lines joined, as the shell does
+        words = shlex.split(line, comments=True)
+        if words[:1] == ["export"]:
+            name, value = words[1].split("=", 1)
+            env[name] = value
+        elif words[:1] == ["unset"]:
+            unset += words[1:]
+        else:
+            argv += words
+    return env, unset, argv
+
+
+def validated(megatron, argv: list[str], world: int, arch: int, env: dict[str, str] | None = None):
+    """Megatron's parse_args + validate_args as `torchrun --nproc... pretrain_gpt.py ARGV` runs them
+    on rank 0 of `world`, with only `env` set of the variables validate_args reads."""
+    environ = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    environ |= {"WORLD_SIZE": str(world), "RANK": "0", **(env or {})}
+    with mock.patch.object(sys, "argv", ["pretrain_gpt.py", *argv]), mock.patch.dict(os.environ, environ, clear=True), \
+            mock.patch.object(megatron, "get_device_arch_version", lambda: arch), \
+            contextlib.redirect_stdout(io.StringIO()):  # validate_args prints every argument
+        args = megatron.parse_args()
+        megatron.validate_args(args)
+    return args
+
+
+def transformer_config(args):
+    """Megatron's TransformerConfig of the validated arguments (it checks the pipeline layout, the
+    recompute settings and the head/tp shapes). Transformer Engine is not in the CPU tier, and
+    TransformerConfig refuses its fused RoPE kernel without it: a kernel choice, not a plan value."""
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    args.apply_rope_fusion = False
+    with contextlib.redirect_stdout(io.StringIO()):
+        return core_transformer_config_from_args(args)
+
+
+def megatron_stage_layers(config) -> tuple[int, ...]:
+    """Decoder layers per virtual stage as Megatron builds them, in stage order (k = vpp_rank*pp + pp_rank)."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size or 1
+    layout = config.pipeline_model_parallel_layout
+    if layout is not None:
+        return tuple(layout.layout[r][v].count(LayerType.decoder) for v in range(vpp) for r in range(pp))
+    return tuple(get_num_layers_to_build(config, vp_stage=v if vpp > 1 else None, pp_rank=r)
+                 for v in range(vpp) for r in range(pp))
+
+
+def megatron_groups(args, name: str) -> set[tuple[int, ...]]:
+    """Rank groups Megatron's initialize_model_parallel builds for `name` from the parsed arguments."""
+    from megatron.core.parallel_state import RankGenerator
+
+    generator = RankGenerator(tp=args.tensor_model_parallel_size, ep=1, dp=args.data_parallel_size,
+                              pp=args.pipeline_model_parallel_size, cp=args.context_parallel_size,
+                              order=MEGATRON_ORDER[args.use_tp_pp_dp_mapping])
+    return {tuple(group) for group in generator.get_ranks(name)}
+
+
+def plan_groups(plan: Plan, name: str) -> set[tuple[int, ...]]:
+    return {tuple(group) for group in plan.rankmap["groups"][name]}
+
+
+def assert_values_match(args, config, plan: Plan) -> None:
+    layout, model = plan.layout, plan.model
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (layout.tp, layout.pp)
+    assert (args.virtual_pipeline_model_parallel_size or 1) == layout.vpp
+    assert (args.data_parallel_size, args.context_parallel_size) == (layout.dp, layout.cp)
+    assert (args.micro_batch_size, args.global_batch_size) == (layout.micro_batch, plan.training.global_batch)
+    assert args.sequence_parallel == layout.sequence_parallel
+    assert args.seq_length == (plan.training.seq_len or model.seq_len)
+    assert_zero_matches(args, layout.zero)
+    assert (args.recompute_granularity or "none") == layout.recompute
+    if layout.recompute == "full":
+        assert (args.recompute_method, args.recompute_num_layers) == ("uniform", 1)
+    assert (config.num_layers, config.hidden_size, config.num_attention_heads) == (model.layers, model.hidden,
+                                                                                   model.heads)
+    assert (config.num_query_groups or config.num_attention_heads) == model.kv_heads_
+    assert (config.ffn_hidden_size, config.kv_channels) == (model.ffn_hidden_, model.head_dim_)
+    assert megatron_stage_layers(config) == layout.stage_layers(model.layers)
+    for name in ("tp", "pp", "dp"):
+        assert megatron_groups(args, name) == plan_groups(plan, name), f"{name} groups differ"
+
+
+def assert_zero_matches(args, zero: int) -> None:
+    assert args.use_distributed_optimizer == (zero >= 1)  # Megatron-FSDP turns it on too
+    assert args.use_megatron_fsdp == (zero >= 2)
+    if zero >= 2:
+        assert args.data_parallel_sharding_strategy == FSDP_STRATEGY[zero]
+
+
+def assert_fsdp_mesh_refuses_pipeline(megatron, plan: Plan) -> None:
+    """Megatron-FSDP with pp > 1: validate_args accepts the flags, but the device mesh Megatron-FSDP
+    builds (mcore_fsdp_adapter._get_dp_tp_mesh, 0.19.2) lays every rank out as dp x cp x ep x tp
+    and fails when pipeline stages hold the rest of the world."""
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+
+    layout = plan.layout
+    argv = fsdp_argv(plan)
+    args = validated(megatron, argv, layout.world_size, arch=9)
+    assert args.use_megatron_fsdp and args.pipeline_model_parallel_size == layout.pp > 1
+    dp_group = mock.Mock(size=lambda: args.data_parallel_size * args.context_parallel_size)
+    with mock.patch.object(mcore_fsdp_adapter.dist, "get_world_size",
+                           lambda group=None: layout.world_size if group is None else layout.tp), \
+            pytest.raises(require("einops").EinopsError, match=f"Shape mismatch, {layout.world_size} != "):
+        mcore_fsdp_adapter._get_dp_tp_mesh(dp_group, tp_group=mock.Mock())
+
+
+def fsdp_argv(plan: Plan) -> list[str]:
+    """The arguments the plan would need: the same plan's arguments at pp=1 with its pp put back."""
+    flat = plan.layout.model_copy(update={"pp": 1, "dp": plan.layout.dp})
+    flat_plan = plan.model_copy(update={"layout": flat})
+    _, _, argv = shell_parts(emit_megatron(flat_plan, RUN).text)
+    at = argv.index("--pipeline-model-parallel-size")
+    return argv[:at + 1] + [str(plan.layout.pp)] + argv[at + 2:]
+
+
+def assert_no_megatron_order_builds(megatron, plan: Plan) -> None:
+    """Megatron builds ranks in tp-cp-ep-dp-pp or, with --use-tp-pp-dp-mapping, tp-cp-ep-pp-dp
+    (megatron/training/initialize.py); neither makes the plan's tp, pp and dp groups."""
+    base = fsdp_free_argv(plan)
+    for mapping in ([], ["--use-tp-pp-dp-mapping"]):
+        args = validated(megatron, base + mapping, plan.layout.world_size, arch=9,
+                         env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+        assert any(megatron_groups(args, name) != plan_groups(plan, name) for name in ("tp", "pp", "dp"))
+
+
+def fsdp_free_argv(plan: Plan) -> list[str]:
+    default = plan.model_copy(update={"layout": plan.layout.model_copy(update={"order": "tp-cp-ep-dp-pp"})})
+    _, _, argv = shell_parts(emit_megatron(default, RUN).text)
+    return argv
+
+
+# plan3d refuses these; the function shows Megatron's own code cannot run what they need.
+REFUSALS = {
+    "pp4-dp8-zero2": assert_fsdp_mesh_refuses_pipeline,
+    "pp4-dp8-zero3": assert_fsdp_mesh_refuses_pipeline,
+    "tp2-pp2-dp8-dp-first-order": assert_no_megatron_order_builds,
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_ids())
+def test_megatron_runs_the_plan_or_confirms_the_refusal(megatron, case: Case):
+    plan = build(case)
+    try:
+        emitted = emit_megatron(plan, RUN)
+    except InfeasibleError:
+        assert case.name in REFUSALS, f"plan3d refuses {case.name}, which Megatron-Core 0.19 may run"
+        REFUSALS[case.name](megatron, plan)
+        return
+    assert case.name not in REFUSALS, f"{case.name} is emitted, but Megatron's code refuses it"
+    env, unset, argv = shell_parts(emitted.text)
+    args = validated(megatron, argv, plan.layout.world_size, gpu_arch(plan), env)
+    assert_values_match(args, transformer_config(args), plan)
+
+
+def test_max_connections_is_what_validate_args_needs_before_blackwell(megatron):
+    """Without the exported variable, validate_args refuses tp > 1 on Hopper: the line is needed."""
+    plan = build(next(c for c in CASES if c.name == "tp2-dp4-zero1-sp"))
+    env, _, argv = shell_parts(emit_megatron(plan, RUN).text)
+    assert env == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    with pytest.raises(AssertionError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
+        validated(megatron, argv, plan.layout.world_size, arch=9)
+
+
+def test_blackwell_needs_no_max_connections(megatron):
+    plan = build_plan(load_cluster("gb200-nvl72"), load_model("llama3-8b"), TrainingSpec(global_batch=72),
+                      Layout(tp=4, dp=18, zero=1, sequence_parallel=True))
+    env, _, argv = shell_parts(emit_megatron(plan, RUN).text)
+    assert gpu_arch(plan) == 10 and env == {}
+    args = validated(megatron, argv, plan.layout.world_size, gpu_arch(plan), env)
+    assert args.tensor_model_parallel_size == 4 and args.tp_comm_overlap
+
+
+def test_megatron_fsdp_refuses_max_connections_one(megatron):
+    """The emitter unsets the variable for ZeRO-2/3: validate_args asserts it is not 1 with Megatron-FSDP."""
+    plan = build(next(c for c in CASES if c.name == "tp4-dp8-zero3"))
+    env, unset, argv = shell_parts(emit_megatron(plan, RUN).text)
+    assert unset == ["CUDA_DEVICE_MAX_CONNECTIONS"] and "CUDA_DEVICE_MAX_CONNECTIONS" not in env
+    with pytest.raises(AssertionError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
+        validated(megatron, argv, plan.layout.world_size, arch=9, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+
+
+def test_overlap_flags_the_time_model_assumes_are_on(megatron):
+    plan = build(next(c for c in CASES if c.name == "tp2-dp4-zero1-sp"))
+    env, _, argv = shell_parts(emit_megatron(plan, RUN).text)
+    args = validated(megatron, argv, plan.layout.world_size, 9, env)
+    assert args.overlap_grad_reduce and args.overlap_param_gather and args.tp_comm_overlap
+    assert args.rotary_base == 500000 == plan.model.rope_theta
+
+
+def test_without_run_arguments_the_block_names_what_pretrain_needs(megatron):
+    """Without data/tokenizer/schedule the emitted arguments still pass validate_args (they are
+    not checked there), and the comment block names each of them."""
+    plan = build(CASES[0])
+    text = emit_megatron(plan).text
+    env, _, argv = shell_parts(text)
+    args = validated(megatron, argv, plan.layout.world_size, 9, env)
+    assert args.train_iters is None and args.lr is None and args.tokenizer_type is None
+    comments = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    for flag in ("--train-iters", "--lr", "--data-path", "--mock-data", "--tokenizer-type"):
+        assert flag in comments

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from emit_helpers import make_plan, parse_megatron
+from emit_helpers import make_plan, parse_megatron, run_cli
 from plan3d.emit.megatron import MegatronRun, emit_megatron, pipeline_layout
 from plan3d.errors import InfeasibleError
+from plan3d.plan import save_plan
 
 
 @pytest.mark.parametrize("tp,pp,dp,vpp,mb,zero,sp,recompute", [
@@ -123,3 +124,16 @@ def test_megatron_notes_what_the_prediction_assumes_but_the_run_lacks():
 def test_megatron_order_of_size_one_axes_does_not_matter():
     plan = make_plan(tp=8, pp=1, dp=4, order="tp-pp-cp-ep-dp")  # pp=1: same groups as the default
     assert "--use-tp-pp-dp-mapping" not in parse_megatron(emit_megatron(plan).text)
+
+
+def test_cli_emit_megatron_takes_run_flags_and_refuses_bad_ones(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    save_plan(make_plan(tp=2, dp=16, zero=1), path)
+    assert run_cli(["emit", "megatron", str(path), "--data-path", "mock", "--tokenizer", "null",
+                    "--train-iters", "20", "--lr", "1e-4"]) == 0
+    args = parse_megatron(capsys.readouterr().out)
+    assert "--mock-data" in args and (args["--train-iters"], args["--lr"]) == ("20", "0.0001")
+    for bad in (["--train-iters", "0"], ["--lr", "nan"], ["--data-path", "a\nb"], ["--tokenizer", "--mock-data"]):
+        assert run_cli(["emit", "megatron", str(path), *bad]) != 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error:") and bad[0] in err[0], err

@@ -42,11 +42,13 @@ output names them in a comment block (`--train-iters`, `--lr`, `--data-path`/`--
 """
 from __future__ import annotations
 
+import math
+import re
 import shlex
 from dataclasses import dataclass
 
 from plan3d.emit.common import Emitted, same_groups, target_engine
-from plan3d.errors import InfeasibleError
+from plan3d.errors import InfeasibleError, SpecError
 from plan3d.layout import Layout
 from plan3d.plan import Plan
 from plan3d.specs.engine import EngineSpec
@@ -62,6 +64,9 @@ ROTARY_BASE_DEFAULT = 10000  # megatron/training/arguments.py --rotary-base defa
 ARCH_BY_GPU = {"v100": 7, "a100": 8, "a10": 8, "l40s": 8, "h100": 9, "h200": 9, "gh200": 9, "h800": 9,
                "b100": 10, "b200": 10, "gb200": 10, "b300": 10, "gb300": 10}
 BLACKWELL = 10
+MAX_TRAIN_ITERS = 10**12
+MAX_LR = 10.0
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,25 @@ class MegatronRun:
     tokenizer: str | None = None
     train_iters: int | None = None
     lr: float | None = None
+
+    def problems(self) -> list[str]:
+        """Each flag that cannot go into the block, with what to give instead."""
+        out = []
+        if self.train_iters is not None and not 1 <= self.train_iters <= MAX_TRAIN_ITERS:
+            out.append(f"--train-iters must be a positive integer (at most {MAX_TRAIN_ITERS:.0e}), got {self.train_iters}")
+        if self.lr is not None and not (math.isfinite(self.lr) and 0 < self.lr <= MAX_LR):
+            out.append(f"--lr must be a learning rate in (0, {MAX_LR}], got {self.lr}")
+        for flag, text in (("--data-path", self.data_path), ("--tokenizer", self.tokenizer)):
+            if text is not None and (not text.strip() or _CONTROL.search(text) or text.startswith("-")):
+                out.append(f"{flag} must be a path or name on one line, not starting with '-', got {text!r}")
+        return out
+
+
+def check_megatron_run(run: MegatronRun) -> None:
+    """Bad run flags are a one-line error each (SpecError), before anything is written."""
+    problems = run.problems()
+    if problems:
+        raise SpecError("command line", problems)
 
 
 def megatron_args(plan: Plan, engine: EngineSpec | None = None) -> list[str]:

@@ -14,6 +14,7 @@ from plan3d.errors import SpecError
 
 BACKENDS = ("auto", "gloo", "nccl")
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+MAX_CPUS_PER_TASK = 4096
 _VAR = r"\$(?:[A-Za-z_][A-Za-z0-9_]*|\{[A-Za-z_][A-Za-z0-9_]*\})"
 _HOST = re.compile(rf"^(?:{_VAR}|[A-Za-z0-9][A-Za-z0-9.:_-]*)$")
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -56,9 +57,11 @@ def check_run_flags(steps: int | None = None, nnodes: int | None = None, node_ra
 
 
 def check_script_flags(job_name: str | None = None, time_limit: str | None = None, partition: str | None = None,
-                       **paths: str | None) -> None:
+                       cpus_per_task: int | None = None, **paths: str | None) -> None:
     """What `emit slurm` writes into #SBATCH lines, and paths written into a command (no line breaks)."""
     problems = []
+    if cpus_per_task is not None and not 1 <= cpus_per_task <= MAX_CPUS_PER_TASK:
+        problems.append(f"--cpus-per-task must be a positive integer (at most {MAX_CPUS_PER_TASK}), got {cpus_per_task}")
     if job_name is not None and not _JOB_NAME.match(job_name):
         problems.append(f"--job-name must be letters, digits, '.', '_' or '-' (at most 128), got {job_name!r}")
     if time_limit is not None and not _TIME.match(time_limit):
@@ -87,7 +90,7 @@ def shell_word(word: str) -> str:
     """One shell word: quoted literally, except that $NAME / ${NAME} stay expandable (inside
     double quotes, so the value is never split or globbed). Raises on anything else with a $."""
     if re.fullmatch(_VAR, word):
-        return word
+        return f'"{word}"'
     if "$" not in word:
         return shlex.quote(word)
     if not _expandable(word):

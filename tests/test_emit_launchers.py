@@ -6,7 +6,10 @@ import shlex
 import pytest
 
 from emit_helpers import make_plan, run_cli
-from plan3d.plan import save_plan
+from plan3d.layout import Layout
+from plan3d.plan import build_plan, save_plan
+from plan3d.specs.catalog import load_cluster, load_model
+from plan3d.specs.training import TrainingSpec
 
 
 def test_cli_emit_torchrun_one_line_per_node(tmp_path, capsys):
@@ -25,8 +28,10 @@ def test_cli_emit_slurm_script(tmp_path, capsys):
     save_plan(make_plan(tp=8, pp=2, dp=2, zero=1), path)
     assert run_cli(["emit", "slurm", str(path), "--steps", "9", "--partition", "gpu", "--time", "02:00:00"]) == 0
     script = capsys.readouterr().out
-    headers = dict(line[len("#SBATCH --"):].split("=", 1) for line in script.splitlines() if line.startswith("#SBATCH"))
-    assert headers["nodes"] == "4" and headers["gpus-per-node"] == "8"
+    headers = _headers(script)
+    assert headers["nodes"] == "4" and headers["gpus-per-node"] == "8" and headers["exclusive"] is True
+    assert "cpus-per-task" not in headers  # a GPU spec has no core count: srun gets $SLURM_CPUS_ON_NODE
+    assert '--cpus-per-task="$SLURM_CPUS_ON_NODE"' in script
     assert headers["partition"] == "gpu" and headers["time"] == "02:00:00"
     assert "--steps 9" in script and str(path) in script
 
@@ -42,6 +47,7 @@ def test_cli_emit_slurm_script(tmp_path, capsys):
     ("slurm", ["--time", "forever"], "--time must be HH:MM:SS"),
     ("slurm", ["--partition", "gpu\nrm -rf ~"], "--partition must be"),
     ("slurm", ["--run-dir", "runs/a\necho pwned"], "--run-dir must be a path without line breaks"),
+    ("slurm", ["--cpus-per-task", "0"], "--cpus-per-task must be a positive integer"),
 ])
 def test_emit_refuses_what_launch_refuses_and_what_a_script_cannot_hold(tmp_path, capsys, command, flags, needle):
     """One validation (plan3d.run_flags) for launch and both emitters: exit 2, one line, nothing written."""
@@ -76,7 +82,39 @@ def test_emit_slurm_quotes_paths_and_keeps_variables_expandable(tmp_path, capsys
     assert argv[2] == str(odd)
     assert argv[argv.index("--run-dir") + 1] == "runs/a b-$SLURM_JOB_ID"  # one word; $ left to the node's bash
     assert "#SBATCH --job-name=llama.8b_x\n" in script
-    assert sum(line.startswith("#SBATCH") for line in script.splitlines()) == 5
+    # job-name, nodes, ntasks-per-node, gpus-per-node, exclusive, time: nothing else reaches #SBATCH
+    assert sum(line.startswith("#SBATCH") for line in script.splitlines()) == 6
+
+
+def _headers(script: str) -> dict[str, str | bool]:
+    pairs = (line[len("#SBATCH --"):].partition("=") for line in script.splitlines() if line.startswith("#SBATCH"))
+    return {key: val if eq else True for key, eq, val in pairs}
+
+
+def test_emit_slurm_asks_a_cpu_cluster_for_cores_not_gpus(tmp_path, capsys):
+    """local-cpu's ranks are CPU processes (cpu_cores_per_node: 2): no --gpus-per-node, its cores per task."""
+    plan = build_plan(load_cluster("local-cpu"), load_model("tiny-gpt"), TrainingSpec(global_batch=8),
+                      Layout(tp=2, dp=4))
+    path = tmp_path / "plan.json"
+    save_plan(plan, path)
+    assert run_cli(["emit", "slurm", str(path)]) == 0
+    script = capsys.readouterr().out
+    headers = _headers(script)
+    assert "gpus-per-node" not in headers and headers["cpus-per-task"] == "2" and headers["exclusive"] is True
+    assert "srun --ntasks=1 --ntasks-per-node=1 --cpus-per-task=2 " in script
+    assert run_cli(["emit", "slurm", str(path), "--cpus-per-task", "16"]) == 0
+    assert _headers(capsys.readouterr().out)["cpus-per-task"] == "16"
+
+
+def test_emit_slurm_checks_the_master_address_before_exporting_it(tmp_path, capsys):
+    """SC2155: `export X=$(cmd)` would hide a failing scontrol from set -e; an empty address stops the job."""
+    path = tmp_path / "plan.json"
+    save_plan(make_plan(tp=8, pp=2, dp=2, zero=1), path)
+    assert run_cli(["emit", "slurm", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert not any(line.startswith("export") and "$(" in line for line in lines)
+    assigned, exported = lines.index("MASTER_ADDR=${nodes%%[[:space:]]*}"), lines.index("export MASTER_ADDR")
+    assert any('[ -z "$MASTER_ADDR" ]' in line for line in lines[assigned:exported])
 
 def test_emit_torchrun_quotes_the_run_directory(tmp_path, capsys):
     path = tmp_path / "plan.json"

@@ -5,15 +5,16 @@ order) with tp * pp * dp equal to the GPU count (cp = ep = 1). The space is enum
 levels so that it is exhaustive yet cheap:
 
 1. *Shapes* (tp, pp, dp, micro_batch, vpp, sequence_parallel): every rule of
-   `plan3d.layout.layout_problems` depends only on these, so each shape is checked once, with numpy,
-   and its first failing rule (in the order `layout_problems` lists them) is its reason.
+   `plan3d.layout.LAYOUT_RULES` (the table `layout_problems` reads) depends only on these, so each
+   shape is checked once, over numpy arrays, and its first failing rule is its reason.
 2. *Layouts*: each valid shape times every allowed (ZeRO stage, recompute, order). A rejected
    shape counts as that many rejected layouts, under its reason.
 
 Combinations that are not layouts at all (vpp > 1 without pp > 1, sequence parallel without
 tp > 1, the construction rules of `Layout`) are not generated and not counted.
 The valid layouts go to the vectorised cost model (`plan3d.cost.batch.estimate_batch`) in one call;
-those that do not fit in memory with headroom are the last rejection reason.
+those that do not fit in memory with headroom, or miss the user's thresholds, are rejected by the
+rules of `plan3d.fit_rules.FIT_RULES` (the ones `plan3d check` states as sentences).
 
 A search predicts for one training engine (`plan3d.specs.engine.EngineSpec`) and proposes only
 what it can run: `engine_space` narrows the Space to the engine's `can_run` (the narrowed-away

@@ -1,7 +1,6 @@
 """`plan3d emit` end to end: files written, inexpressible plans exit 1."""
 from __future__ import annotations
 
-
 from emit_helpers import make_plan, parse_megatron, run_cli
 from plan3d.plan import save_plan
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import ast
 
 import pytest
-
 from emit_helpers import make_plan
+
 from plan3d.emit.torchtitan import emit_torchtitan
 from plan3d.errors import InfeasibleError
 from plan3d.specs.catalog import load_engine
@@ -69,7 +69,7 @@ def test_torchtitan_uneven_split_is_explicit_module_names():
     parts = job_settings(emit_torchtitan(plan).text)["ParallelismConfig"]["module_fqns_per_model_part"]
     layer_ids = [[int(m.split(".")[1]) for m in part if m.startswith("layers.")] for part in parts]
     assert [len(ids) for ids in layer_ids] == [7, 9, 9, 7]
-    assert sum(layer_ids, []) == list(range(32))  # every layer once, in order
+    assert [i for ids in layer_ids for i in ids] == list(range(32))  # every layer once, in order
 
 
 def test_torchtitan_compile_follows_the_plan_engine_or_the_flag():

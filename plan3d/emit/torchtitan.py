@@ -241,16 +241,16 @@ def _custom_model(plan: Plan) -> list[str]:
     return [
         "model = llama3.Llama3Model.Config(",
         f"    dim={dim}, vocab_size={vocab}, enable_weight_tying={model.tied_embeddings!r},",
-        f"    tok_embeddings=Embedding.Config(num_embeddings={vocab}, embedding_dim={dim}, "
-        "param_init=llama3._EMBEDDING_INIT),",
+        (f"    tok_embeddings=Embedding.Config(num_embeddings={vocab}, embedding_dim={dim}, "
+         "param_init=llama3._EMBEDDING_INIT),"),
         f"    norm=RMSNorm.Config(normalized_shape={dim}, param_init=llama3._NORM_INIT),",
-        f"    lm_head=Linear.Config(in_features={dim}, out_features={vocab}, "
-        f"param_init=llama3._output_linear_init({dim})),",
+        (f"    lm_head=Linear.Config(in_features={dim}, out_features={vocab}, "
+         f"param_init=llama3._output_linear_init({dim})),"),
         "    layers=llama3._build_llama3_layers(",
         f"        n_layers={model.layers}, dim={dim}, n_heads={model.heads}, n_kv_heads={model.kv_heads_},",
         f"        hidden_dim={model.ffn_hidden_}, fuse_qkv=True, attn_backend=\"flex\",",
-        f"        rope=ComplexRoPE.Config(dim={model.head_dim_}, max_seq_len={seq}, theta={ROPE_THETA}, "
-        "scaling=\"llama\"),",
+        (f"        rope=ComplexRoPE.Config(dim={model.head_dim_}, max_seq_len={seq}, theta={ROPE_THETA}, "
+         'scaling="llama"),'),
         "    ),",
         ")",
         f'config.model_spec = dataclasses.replace(llama3.model_registry("8B"), flavor="{model.name}", model=model)',

@@ -16,12 +16,11 @@ import importlib
 import inspect
 import sys
 from dataclasses import fields
-from pathlib import Path
 
 import pytest
-
 from conftest import require
-from plans import CASES, build, case_ids
+from plans import CASES, build
+
 from plan3d.emit.torchtitan import CONFIG_FUNCTION, emit_torchtitan
 from plan3d.errors import InfeasibleError
 from plan3d.layout import Layout

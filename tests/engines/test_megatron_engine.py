@@ -71,7 +71,10 @@ def transformer_config(args):
     """Megatron's TransformerConfig of the validated arguments (it checks the pipeline layout, the
     recompute settings and the head/tp shapes). Transformer Engine is not in the CPU tier, and
     TransformerConfig refuses its fused RoPE kernel without it: a kernel choice, not a plan value."""
-    from megatron.training.argument_utils import core_transformer_config_from_args
+    try:  # 0.18 and later
+        from megatron.training.argument_utils import core_transformer_config_from_args
+    except ImportError:  # 0.17
+        from megatron.training.arguments import core_transformer_config_from_args
 
     args.apply_rope_fusion = False
     with contextlib.redirect_stdout(io.StringIO()):

@@ -59,7 +59,7 @@ from plan3d.specs.model import ModelSpec
 VERSIONS = "0.3.x"
 CONFIG_FUNCTION = "plan3d_job"
 DEFAULT_MODULE = "plan3d_job"
-ROPE_THETA = 500000  # every torchtitan 0.3 llama3 flavor (models/llama3/__init__.py); plan3d's model spec has none
+ROPE_THETA = 500000  # every torchtitan 0.3 llama3 flavor (models/llama3/__init__.py); used when the spec has none
 ROPE_MAX_SEQ_LEN = 131072  # the flavors' RoPE cache length
 
 
@@ -104,11 +104,18 @@ def matching_flavor(model: ModelSpec) -> Flavor | None:
     """The registered llama3 flavor with exactly the model's shapes, if any."""
     shapes = (model.layers, model.hidden, model.heads, model.kv_heads_, model.ffn_hidden_, model.vocab,
               model.tied_embeddings)
+    if rope_theta(model) != ROPE_THETA:
+        return None
     for flavor in FLAVORS:
         if shapes == (flavor.layers, flavor.hidden, flavor.heads, flavor.kv_heads, flavor.ffn_hidden,
                       flavor.vocab, flavor.tied):
             return flavor
     return None
+
+
+def rope_theta(model: ModelSpec) -> float:
+    """The RoPE base the job builds with: the spec's, else Llama 3's."""
+    return model.rope_theta or ROPE_THETA
 
 
 def _check_expressible(plan: Plan) -> None:
@@ -154,8 +161,8 @@ def _notes(plan: Plan, flavor: Flavor | None) -> list[str]:
     notes = []
     if flavor is None:
         notes.append(f"{plan.model.name} is no registered torchtitan llama3 flavor: the job builds it with "
-                     f"torchtitan's llama3 builder (RoPE theta {ROPE_THETA}); point hf_assets_path at a tokenizer "
-                     f"with {plan.model.vocab} tokens")
+                     f"torchtitan's llama3 builder (RoPE theta {rope_theta(plan.model):g}); point "
+                     f"hf_assets_path at a tokenizer with {plan.model.vocab} tokens")
     if plan.training.precision == "fp8":
         notes.append("fp8: add torchtitan's Float8LinearConverter to model_registry(converters=[...]) (needs torchao)")
     if plan.layout.recompute == "selective":
@@ -249,8 +256,8 @@ def _custom_model(plan: Plan) -> list[str]:
         "    layers=llama3._build_llama3_layers(",
         f"        n_layers={model.layers}, dim={dim}, n_heads={model.heads}, n_kv_heads={model.kv_heads_},",
         f"        hidden_dim={model.ffn_hidden_}, fuse_qkv=True, attn_backend=\"flex\",",
-        (f"        rope=ComplexRoPE.Config(dim={model.head_dim_}, max_seq_len={seq}, theta={ROPE_THETA}, "
-         'scaling="llama"),'),
+        (f"        rope=ComplexRoPE.Config(dim={model.head_dim_}, max_seq_len={seq}, "
+         f'theta={rope_theta(model)!r}, scaling="llama"),'),
         "    ),",
         ")",
         f'config.model_spec = dataclasses.replace(llama3.model_registry("8B"), flavor="{model.name}", model=model)',

@@ -35,9 +35,9 @@ def _plan(model, nodes: int, global_batch: int = 64, **layout) -> Plan:
                       Layout(**layout))
 
 
-def _custom_llama(layers: int, tied: bool = False):
+def _custom_llama(layers: int, tied: bool = False, rope_theta: float = 500000.0):
     return load_model("llama3-8b").model_copy(update={"name": f"llama-{layers}l", "layers": layers,
-                                                      "tied_embeddings": tied})
+                                                      "tied_embeddings": tied, "rope_theta": rope_theta})
 
 
 # The matrix has ZeRO-1 on every interleaved and uneven plan (torchtitan has no ZeRO-1): these
@@ -49,7 +49,8 @@ EXTRA = {
                                               pp_layers=(7, 9, 9, 7)),
     "tp8-pp4-dp4-llama70b-vpp5-zero3": lambda: _plan("llama3-70b", 16, 512, tp=8, pp=4, dp=4, vpp=5, zero=3,
                                                      sequence_parallel=True, recompute="selective"),
-    "pp2-dp4-custom-28l-zero0": lambda: _plan(_custom_llama(28), 1, pp=2, dp=4, zero=0, recompute="full"),
+    "pp2-dp4-custom-28l-zero0": lambda: _plan(_custom_llama(28, rope_theta=10000.0), 1, pp=2, dp=4, zero=0,
+                                              recompute="full"),
     "tp2-dp4-compile-zero3": lambda: _plan("llama3-8b", 1, tp=2, dp=4, zero=3, sequence_parallel=True).model_copy(
         update={"engine": load_engine("torchtitan-compile")}),
     "pp2-dp4-tied-refused": lambda: _plan(_custom_llama(32, tied=True), 1, pp=2, dp=4, zero=3),
@@ -166,7 +167,7 @@ def check_model(model, model_config, seq_len: int) -> None:
     assert (attention.n_heads, attention.n_kv_heads) == (model.heads, model.kv_heads_)
     assert layer.feed_forward.w1.out_features == model.ffn_hidden_
     assert model_config.enable_weight_tying == model.tied_embeddings
-    assert attention.rope.theta == 500000 and attention.rope.max_seq_len == seq_len
+    assert attention.rope.theta == (model.rope_theta or 500000) and attention.rope.max_seq_len == seq_len
     assert type(attention.inner_attention).__qualname__ == "FlexAttention.Config"
 
 

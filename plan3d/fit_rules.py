@@ -7,8 +7,9 @@ prediction by `plan3d check` (`plan3d.ranking.fit_findings`: every rule it fails
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

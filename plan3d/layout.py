@@ -9,11 +9,11 @@ sentence that says what to change. Those rules are one table, `LAYOUT_RULES`, th
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
-
 from pydantic import BeforeValidator, Field, PositiveInt, field_validator, model_validator
 
 from plan3d.errors import LayoutError

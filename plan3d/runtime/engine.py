@@ -7,8 +7,9 @@ Engines depend on this module, never on each other.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist

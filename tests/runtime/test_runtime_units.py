@@ -256,7 +256,7 @@ def test_flat_zero_engine_updates_like_plain_adam_on_one_rank(dtype, zero):
     from plan3d.runtime.zero import FlatZeroDP
 
     ctx, lr = _one_rank_context(), 1e-2
-    stage = _tiny_stage(range(0, 2), first=True, last=True)
+    stage = _tiny_stage(range(2), first=True, last=True)
     entries = collect_entries([stage], ctx)
     reference = {e.name: e.param.detach().clone().requires_grad_() for e in entries}
     ref_opt = torch.optim.Adam(list(reference.values()), lr=lr)
@@ -300,7 +300,7 @@ def test_fsdp_rebinding_matches_parameters_by_name_not_position():
     assert [e.name for e in entries if e.tied_copy] == ["embed.tok.weight"]
     new = [_tiny_stage(range(4, 8), first=False, last=True, tied=True), _tiny_stage(range(2, 4), first=False, last=False)]
     rebind_entries(entries, new)
-    by_name = {n: p for n, p in new[1].named_parameters()} | {n: p for n, p in new[0].named_parameters()}
+    by_name = dict(new[1].named_parameters()) | dict(new[0].named_parameters())
     by_name["embed.tok.weight"] = by_name.pop("head.out.weight")
     assert all(e.param is by_name[e.name] for e in entries)
     with pytest.raises(RuntimeError, match="not the entries"):

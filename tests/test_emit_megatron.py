@@ -42,8 +42,8 @@ def test_megatron_pp_dp_order_and_uneven_split():
     plan = make_plan(tp=2, pp=4, dp=4, order="tp-cp-ep-pp-dp", pp_layers=(7, 9, 9, 7))
     args = parse_megatron(emit_megatron(plan).text)
     assert "--use-tp-pp-dp-mapping" in args
-    assert args["--pipeline-model-parallel-layout"] == "Et*7|t*9|t*9|t*7L"
-    assert "--decoder-first-pipeline-num-layers" not in args
+    assert (args["--decoder-first-pipeline-num-layers"], args["--decoder-last-pipeline-num-layers"]) == ("7", "7")
+    assert "--pipeline-model-parallel-layout" not in args
 
 
 def test_pipeline_layout_any_split_with_virtual_stages():
@@ -52,6 +52,9 @@ def test_pipeline_layout_any_split_with_virtual_stages():
     args = parse_megatron(emit_megatron(plan).text)
     assert args["--pipeline-model-parallel-layout"] == "Et*7|t*9|t*8|t*8L"
     assert "--num-virtual-stages-per-pipeline-rank" not in args  # the layout states vpp (4 stages / pp 2)
+    middle = parse_megatron(emit_megatron(make_plan(pp=4, dp=8, pp_layers=(7, 9, 8, 8))).text)
+    assert middle["--pipeline-model-parallel-layout"] == "Et*7|t*9|t*8|t*8L"
+    assert "--decoder-first-pipeline-num-layers" not in middle
 
 
 @pytest.mark.parametrize("zero,strategy", [(2, "optim_grads"), (3, "optim_grads_params")])
@@ -67,7 +70,7 @@ def test_megatron_zero2_and_3_are_megatron_fsdp(zero, strategy):
 @pytest.mark.parametrize("layout,needle", [
     ({"tp": 2, "pp": 4, "dp": 4, "zero": 3}, "ZeRO-3 with pipeline parallelism"),
     ({"tp": 1, "pp": 4, "dp": 8, "zero": 2}, "ZeRO-2 with pipeline parallelism"),
-    ({"tp": 2, "pp": 2, "dp": 8, "order": "dp-tp-cp-ep-pp"}, "rank order"),
+    ({"tp": 2, "pp": 2, "dp": 8, "order": "dp-tp-cp-ep-pp"}, "places ranks only as"),
 ])
 def test_megatron_refuses_what_it_cannot_run(layout, needle):
     with pytest.raises(InfeasibleError, match=needle) as refusal:

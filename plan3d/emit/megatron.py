@@ -25,10 +25,11 @@ and the engines tier (tests/engines/test_megatron_engine.py) feeds the output to
 - `export CUDA_DEVICE_MAX_CONNECTIONS=1` for tp > 1 or cp > 1 on GPUs before Blackwell
   (validate_args asserts it where `get_device_arch_version() < 10`); on Blackwell the requirement
   is gone and the variable is left alone; with Megatron-FSDP it is unset instead.
-- Pipeline: `--num-virtual-stages-per-pipeline-rank` (interleaving, even split) or
-  `--pipeline-model-parallel-layout` (any per-stage counts, with or without interleaving; its
-  first stage holds the embedding `E`, its last the loss `L`); `--use-tp-pp-dp-mapping` for rank
-  order tp-cp-ep-pp-dp.
+- Pipeline: `--num-virtual-stages-per-pipeline-rank` (interleaving, even split),
+  `--decoder-first/last-pipeline-num-layers` (no interleaving, only the end stages differ) or
+  `--pipeline-model-parallel-layout` (any other per-stage counts, with or without interleaving;
+  its first stage holds the embedding `E`, its last the loss `L`); `--use-tp-pp-dp-mapping` for
+  rank order tp-cp-ep-pp-dp.
 - Model: `--rotary-base` from the model spec's rope_theta (Megatron's default 10000 otherwise).
 
 What no Megatron-Core flag expresses is refused here, naming the release range: a plain-ReLU MLP
@@ -119,9 +120,7 @@ def _with_megatron_order(plan: Plan) -> Plan:
     for order in MEGATRON_ORDERS:
         if same_groups(plan.layout, order):
             return plan.model_copy(update={"layout": plan.layout.model_copy(update={"order": order})})
-    raise InfeasibleError(
-        f"{ENGINE} cannot build rank order {plan.layout.order!r} for this layout: it supports "
-        f"{' and '.join(repr(o) for o in MEGATRON_ORDERS)} (--use-tp-pp-dp-mapping); re-plan with one of them")
+    return plan  # target_engine refuses it with the profile's sentence
 
 
 def _parallel_args(layout: Layout) -> list[str]:
@@ -136,6 +135,10 @@ def _parallel_args(layout: Layout) -> list[str]:
 
 
 def _order_args(layout: Layout) -> list[str]:
+    """megatron/training/initialize.py builds ranks as tp-cp-ep-dp-pp, or tp-cp-ep-pp-dp with the flag."""
+    if layout.order not in MEGATRON_ORDERS:
+        raise InfeasibleError(f"{ENGINE} cannot build rank order {layout.order!r} for this layout: it supports "
+                              f"{' and '.join(repr(o) for o in MEGATRON_ORDERS)} (--use-tp-pp-dp-mapping)")
     return list(MEGATRON_ORDERS[layout.order])
 
 
@@ -168,6 +171,9 @@ def _tp_comm_overlap(plan: Plan, engine: EngineSpec) -> bool:
 def _pipeline_split_args(plan: Plan) -> list[str]:
     layout = plan.layout
     split = layout.stage_layers(plan.model.layers)
+    if len(set(split)) > 1 and layout.vpp == 1 and len(set(split[1:-1])) <= 1:
+        return ["--decoder-first-pipeline-num-layers", str(split[0]),
+                "--decoder-last-pipeline-num-layers", str(split[-1])]  # only the end stages differ
     if len(set(split)) > 1:
         return ["--pipeline-model-parallel-layout", pipeline_layout(split)]
     if layout.vpp > 1:
@@ -238,7 +244,21 @@ def _model_args(plan: Plan) -> list[str]:
         args += ["--position-embedding-type", "learned_absolute"]
     if not model.tied_embeddings:
         args.append("--untie-embeddings-and-output-weights")
-    return args
+    return args + _moe_args(plan)
+
+
+def _moe_args(plan: Plan) -> list[str]:
+    """Experts of a MoE model (`--num-experts`, `--moe-router-topk`, `--moe-ffn-hidden-size`,
+    `--moe-layer-freq` N: one expert layer every N); validate_args asserts num_experts with ep > 1."""
+    moe = plan.model.moe
+    if moe is None:
+        if plan.layout.ep > 1:
+            raise InfeasibleError(f"{ENGINE} has expert parallelism for MoE models only (validate_args: "
+                                  "num_experts must be set with ep > 1); set ep=1 or give the model spec a moe")
+        return []
+    return ["--num-experts", str(moe.experts), "--moe-router-topk", str(moe.top_k),
+            "--moe-ffn-hidden-size", str(moe.expert_ffn_hidden or plan.model.ffn_hidden_),
+            "--moe-layer-freq", str(moe.every)]
 
 
 def _rotary_base(theta: float | None) -> str:

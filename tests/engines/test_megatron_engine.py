@@ -28,6 +28,7 @@ from plan3d.errors import InfeasibleError
 from plan3d.layout import Layout
 from plan3d.plan import Plan, build_plan
 from plan3d.specs.catalog import load_cluster, load_model
+from plan3d.specs.model import MoESpec
 from plan3d.specs.training import TrainingSpec
 
 RUN = MegatronRun(data_path="mock", tokenizer="null", train_iters=10, lr=3e-4)
@@ -247,3 +248,16 @@ def test_without_run_arguments_the_block_names_what_pretrain_needs(megatron):
     comments = "\n".join(line for line in text.splitlines() if line.startswith("#"))
     for flag in ("--train-iters", "--lr", "--data-path", "--mock-data", "--tokenizer-type"):
         assert flag in comments
+
+
+def test_moe_model_experts_reach_megatron(megatron):
+    """A MoE model spec (experts every second layer) with expert parallelism: validate_args asserts
+    num_experts with ep > 1 and divides the experts over ep."""
+    dense = load_model("llama3-8b")
+    moe = dense.model_copy(update={"moe": MoESpec(experts=8, top_k=2, every=2)})
+    plan = build_plan(load_cluster("dgx-h100", nodes=1), moe, TrainingSpec(global_batch=64),
+                      Layout(tp=2, dp=4, ep=4, zero=1, sequence_parallel=True))
+    env, _, argv = shell_parts(emit_megatron(plan, RUN).text)
+    args = validated(megatron, argv, plan.layout.world_size, 9, env)
+    assert (args.num_experts, args.moe_router_topk, args.expert_model_parallel_size) == (8, 2, 4)
+    assert args.moe_layer_freq == 2 and args.moe_ffn_hidden_size == dense.ffn_hidden_

@@ -23,15 +23,10 @@ class Emitted:
     notes: list[str] = field(default_factory=list)
 
 
-def active_order(layout: Layout) -> str:
-    """The order string restricted to axes of size > 1: what actually decides the groups."""
-    sizes = {"tp": layout.tp, "cp": layout.cp, "ep": layout.ep, "dp": layout.dp, "pp": layout.pp}
-    return "-".join(a for a in layout.axes if sizes[a] > 1)
-
-
 def same_groups(layout: Layout, supported_order: str) -> bool:
-    """True when `layout.order` builds the same groups as `supported_order` for this layout."""
-    return active_order(layout) == active_order(layout.model_copy(update={"order": supported_order}))
+    """True when `layout.order` builds the same groups as `supported_order` for this layout (the
+    search's rule: `Layout.same_groups_as`)."""
+    return layout.same_groups_as(supported_order)
 
 
 def target_engine(plan: Plan, profile: str, versions: str) -> tuple[EngineSpec, list[str]]:

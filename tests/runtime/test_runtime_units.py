@@ -74,7 +74,7 @@ def test_sbatch_script_takes_node_rank_and_master_from_slurm():
     script = sbatch_script(plan, "plan.json", steps=5)
     assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=1" in script
     assert "SLURM_NODEID" in script and "SLURM_PROCID" in script
-    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in script
+    assert 'nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST")' in script and "export MASTER_ADDR" in script
     assert "--node-rank $NODE_RANK" in script and "--nnodes 2" in script
 
 

@@ -75,7 +75,7 @@ def test_sbatch_script_takes_node_rank_and_master_from_slurm():
     assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=1" in script
     assert "SLURM_NODEID" in script and "SLURM_PROCID" in script
     assert 'nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST")' in script and "export MASTER_ADDR" in script
-    assert "--node-rank $NODE_RANK" in script and "--nnodes 2" in script
+    assert '--node-rank "$NODE_RANK"' in script and "--nnodes 2" in script
 
 
 def test_placement_problems_name_the_misplaced_rank():

@@ -174,6 +174,7 @@ def test_refit_from_runs_recovers_a_throughput_scale():
     assert predict(refit) == pytest.approx(truth, rel=1e-3)
 
 
+@pytest.mark.runtime  # measures with the runtime: torch
 def test_worker_measures_on_two_gloo_ranks(tmp_path):
     pytest.importorskip("torch", reason="measuring needs the runtime (pip install 'plan3d[runtime]')")
     from plan3d.runtime.calibrate_worker import run_local
@@ -189,6 +190,7 @@ def test_worker_measures_on_two_gloo_ranks(tmp_path):
     assert (tmp_path / "progress").read_text().split()[0] == (tmp_path / "progress").read_text().split()[1]
 
 
+@pytest.mark.runtime  # measures with the runtime: torch
 def test_cli_calibrate_writes_a_spec_that_estimate_reads(tmp_path, capsys):
     pytest.importorskip("torch", reason="measuring needs the runtime (pip install 'plan3d[runtime]')")
     from plan3d.cli import main

@@ -12,6 +12,7 @@ from plan3d.layout import Layout
 from plan3d.plan import rankmap_dict
 from plan3d.rankmap import RankMap
 
+pytestmark = pytest.mark.runtime  # DeviceMesh: torch
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 

@@ -34,6 +34,7 @@ from plan3d.errors import SpecError
 from plan3d.rankmap import innermost_tier
 from plan3d.specs.cluster import ClusterSpec
 from plan3d.specs.gpu import ComputeEfficiency
+from plan3d.vocab import COLLECTIVE_KINDS, RING_COLLECTIVES
 
 MEASUREMENTS_SUFFIX = ".measurements.json"
 
@@ -104,15 +105,12 @@ def collective_terms(op: str, n: int, size_bytes: float) -> tuple[float, float]:
     return RING_TERMS[op](size_bytes, n)
 
 
-COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter")
-
-
 def fit_tier(samples: list[dict], tier_index: int) -> TierFit:
     """Fit the tier's own bandwidth and latency to samples {'op', 'group_size', 'bytes', 'time_s'}:
     the all-reduce samples when there are any (the collective most traffic uses), else all the
     collectives pooled. Each kind also gets its own fit (`fit_ops`), written where it differs."""
     all_reduce = [s for s in samples if s["op"] == "all_reduce"]
-    collective = [s for s in samples if s["op"] in COLLECTIVE_OPS]
+    collective = [s for s in samples if s["op"] in RING_COLLECTIVES]
     return _fit_alpha_beta(all_reduce or collective or samples, tier_index)
 
 
@@ -513,7 +511,7 @@ def overhead_probe(model) -> dict:
 
 def sweep_config(cluster: ClusterSpec, model, seq_len: int, world_size: int, device: str,
                  tps: list[int], micro_batches: list[int], sizes_bytes: list[int], repeats: int,
-                 ops: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "p2p")) -> dict:
+                 ops: tuple[str, ...] = COLLECTIVE_KINDS) -> dict:
     """Everything the worker needs, as plain JSON."""
     gemms = [g for tp in tps if model.heads % tp == 0 and model.kv_heads_ % tp == 0
              for mb in micro_batches for g in layer_gemms(model, seq_len, tp, mb)]

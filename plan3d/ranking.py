@@ -19,10 +19,12 @@ import numpy as np
 
 from plan3d.fit_rules import FitFacts, Thresholds, broken_fit_rules
 from plan3d.search import LAYOUT_KNOBS, SearchResult
+from plan3d.vocab import COMM_TERMS, TIME_TERMS, seconds_column
 
 OBJECTIVES = ("throughput", "mfu", "memory")
-COMM_TERMS = ("tp_comm_s", "pp_comm_s", "dp_comm_s", "zero_comm_s")
-TIME_TERMS = ("compute_s", "recompute_s", "bubble_s") + COMM_TERMS + ("optimizer_s",)
+# The time terms `recommend` shows per layout (its JSON rows, --explain's table) and `why_wins`
+# compares: every one but the host overhead.
+EXPLAINED_TERMS = tuple(t for t in TIME_TERMS if t != "overhead")
 TIE_PPM = 1e-6
 
 
@@ -90,15 +92,15 @@ def nearest_misses(result: SearchResult, order: np.ndarray, k: int = 5) -> np.nd
 
 def dominant_comm(metrics: dict[str, np.ndarray], row: int) -> str:
     """Name of the largest exposed communication term of a row ('-' when all are zero)."""
-    terms = [t for t in COMM_TERMS if t in metrics]
-    values = [float(metrics[t][row]) for t in terms]
+    terms = [t for t in COMM_TERMS if seconds_column(t) in metrics]
+    values = [float(metrics[seconds_column(t)][row]) for t in terms]
     best = int(np.argmax(values))
-    return terms[best].removesuffix("_comm_s") if values[best] > 0 else "-"
+    return terms[best].removesuffix("_comm") if values[best] > 0 else "-"
 
 
 @dataclass(frozen=True)
 class TermDelta:
-    term: str
+    term: str  # a plan3d.vocab time term
     this_s: float
     other_s: float
 
@@ -109,7 +111,8 @@ class TermDelta:
 
 def term_deltas(metrics: dict[str, np.ndarray], this: int, other: int) -> list[TermDelta]:
     """Per time term, this row's seconds against the other's, largest saving first."""
-    deltas = [TermDelta(t, float(metrics[t][this]), float(metrics[t][other])) for t in TIME_TERMS if t in metrics]
+    columns = [(t, metrics[seconds_column(t)]) for t in EXPLAINED_TERMS if seconds_column(t) in metrics]
+    deltas = [TermDelta(t, float(values[this]), float(values[other])) for t, values in columns]
     return sorted(deltas, key=lambda d: -abs(d.saved_s))
 
 
@@ -156,7 +159,7 @@ def compare_sentence(result: SearchResult, best: int, other: int, other_name: st
 
 
 def _term_phrase(delta: TermDelta) -> str:
-    name = delta.term.removesuffix("_s").replace("_comm", " communication").replace("_", " ")
+    name = delta.term.replace("_comm", " communication").replace("_", " ")
     word = "less" if delta.saved_s > 0 else "more"
     amount = f"{abs(delta.saved_s):.1f} s" if abs(delta.saved_s) >= 10 else f"{abs(delta.saved_s) * 1e3:.1f} ms"
     return f"{amount} {word} on {name}"

@@ -35,8 +35,8 @@ from plan3d.specs.cluster import MAX_NODES, ClusterSpec
 from plan3d.specs.engine import EngineSpec
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
+from plan3d.vocab import RECOMPUTE_CODES, RECOMPUTE_MODES
 
-RECOMPUTE = ("none", "selective", "full")
 DEFAULT_ORDERS = (DEFAULT_ORDER, "tp-cp-ep-pp-dp")
 SHAPE_KNOBS = ("tp", "pp", "dp", "micro_batch", "vpp", "sequence_parallel")
 LAYOUT_KNOBS = SHAPE_KNOBS + ("uneven", "zero", "recompute", "order")
@@ -70,7 +70,7 @@ class Space:
     min_vpp: int = 1
     max_vpp: int = 8
     zero: tuple[int, ...] = (0, 1, 2, 3)
-    recompute: tuple[str, ...] = RECOMPUTE
+    recompute: tuple[str, ...] = RECOMPUTE_MODES
     sequence_parallel: tuple[bool, ...] = (False, True)
     orders: tuple[str, ...] = DEFAULT_ORDERS
     uneven: bool = False  # also give pp*vpp that do not divide the layers a balanced uneven split
@@ -80,9 +80,9 @@ class Space:
     def __post_init__(self) -> None:
         full = tuple(dict.fromkeys(full_order(o) for o in self.orders))  # 'pp-dp' as the table prints it
         object.__setattr__(self, "orders", full)
-        bad = [r for r in self.recompute if r not in RECOMPUTE]
+        bad = [r for r in self.recompute if r not in RECOMPUTE_MODES]
         if bad or not self.recompute:
-            raise LayoutError(f"recompute {bad[0] if bad else 'set'!r}: choose from none, selective, full")
+            raise LayoutError(f"recompute {bad[0] if bad else 'set'!r}: choose from {', '.join(RECOMPUTE_MODES)}")
         if not self.zero or any(z not in (0, 1, 2, 3) for z in self.zero):
             raise LayoutError(f"ZeRO stages {self.zero}: choose from 0, 1, 2, 3")
         for knob in ("tp", "pp", "dp", "micro_batch", "vpp"):
@@ -226,7 +226,7 @@ def expand_layouts(shapes: dict[str, np.ndarray], space: Space) -> dict[str, np.
     n, per = len(shapes["tp"]), space.layouts_per_shape
     z, r, o = (a.ravel() for a in np.meshgrid(
         np.array(space.zero, dtype=np.int64),
-        np.array([RECOMPUTE.index(x) for x in space.recompute], dtype=np.int64),
+        np.array([RECOMPUTE_CODES[x] for x in space.recompute], dtype=np.int64),
         np.arange(len(space.orders), dtype=np.int64), indexing="ij"))
     out = {k: np.repeat(a, per) for k, a in shapes.items()}
     out.update(zero=np.tile(z, n), recompute=np.tile(r, n), order=np.tile(o, n))
@@ -252,7 +252,7 @@ def layout_at(layouts: dict[str, np.ndarray], orders: tuple[str, ...], i: int, l
     split = balanced_split(layers, pp * vpp) if layouts.get("uneven", np.zeros(i + 1, bool))[i] else None
     return Layout(tp=int(layouts["tp"][i]), pp=pp, dp=int(layouts["dp"][i]), pp_layers=split,
                   micro_batch=int(layouts["micro_batch"][i]), vpp=int(layouts["vpp"][i]),
-                  zero=int(layouts["zero"][i]), recompute=RECOMPUTE[int(layouts["recompute"][i])],
+                  zero=int(layouts["zero"][i]), recompute=RECOMPUTE_MODES[int(layouts["recompute"][i])],
                   sequence_parallel=bool(layouts["sequence_parallel"][i]),
                   order=orders[int(layouts["order"][i])])
 
@@ -266,7 +266,7 @@ def layout_row(layout: Layout, orders: tuple[str, ...]) -> dict[str, int | bool]
     return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "micro_batch": layout.micro_batch,
             "vpp": layout.vpp, "sequence_parallel": layout.sequence_parallel, "uneven": is_uneven(layout),
             "zero": layout.zero,
-            "recompute": RECOMPUTE.index(layout.recompute), "order": orders.index(layout.order)}
+            "recompute": RECOMPUTE_CODES[layout.recompute], "order": orders.index(layout.order)}
 
 
 def drop_duplicates(layouts: dict[str, np.ndarray], space: Space, rejected: dict[int, int]) -> dict[str, np.ndarray]:

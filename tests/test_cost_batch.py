@@ -7,9 +7,9 @@ from plan3d.cost.estimate import estimate
 from plan3d.layout import Layout, layout_problems
 from plan3d.specs.catalog import load_cluster, load_model
 from plan3d.specs.training import TrainingSpec
+from plan3d.vocab import RECOMPUTE_CODES, RECOMPUTE_MODES
 
 ORDERS = ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp", "dp-cp-ep-tp-pp")
-RECOMPUTE = ("none", "selective", "full")
 KEYS = {"step_time_s": "step_time_s", "tokens_per_s": "tokens_per_s", "peak_memory_bytes": "peak_memory_bytes",
         "mfu": "mfu", "model_tflops_per_gpu": "model_tflops_per_gpu", "bubble_fraction": "bubble_fraction"}
 
@@ -22,7 +22,7 @@ def random_layouts(model, training, world, rng, count):
             continue
         dp = world // (tp * pp) // int(rng.choice([1, 2]))
         layout = Layout(tp=tp, pp=pp, dp=max(dp, 1), micro_batch=mb, vpp=int(rng.choice([1, 2])) if pp > 1 else 1,
-                        zero=int(rng.integers(0, 4)), recompute=RECOMPUTE[rng.integers(0, 3)],
+                        zero=int(rng.integers(0, 4)), recompute=RECOMPUTE_MODES[rng.integers(0, 3)],
                         sequence_parallel=bool(rng.integers(0, 2)) and tp > 1, order=ORDERS[rng.integers(0, 3)])
         if not layout_problems(layout, model, training, world):
             out.append(layout)
@@ -32,7 +32,7 @@ def random_layouts(model, training, world, rng, count):
 def candidates(layouts):
     col = lambda f: np.array([f(l) for l in layouts])  # noqa: E731
     return Candidates(col(lambda l: l.tp), col(lambda l: l.pp), col(lambda l: l.dp), col(lambda l: l.micro_batch),
-                      col(lambda l: l.vpp), col(lambda l: l.zero), col(lambda l: RECOMPUTE.index(l.recompute)),
+                      col(lambda l: l.vpp), col(lambda l: l.zero), col(lambda l: RECOMPUTE_CODES[l.recompute]),
                       col(lambda l: l.sequence_parallel), col(lambda l: ORDERS.index(l.order)))
 
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from plan3d.cost.estimate import estimate
-from plan3d.search import ENGINE_ZERO_PP_CODE, REASONS, RECOMPUTE, Space, engine_space, search
+from plan3d.search import ENGINE_ZERO_PP_CODE, REASONS, Space, engine_space, search
+from plan3d.vocab import RECOMPUTE_CODES
 from plan3d.specs.catalog import bundled_names, load_cluster, load_engine, load_model
 from plan3d.specs.training import TrainingSpec
 from cli_helpers import run_cli  # noqa: E402
@@ -84,7 +85,7 @@ def test_deepspeed_runs_tp1_only_and_no_selective_recompute(case):
     result = search(*case, engine=load_engine("deepspeed"))
     lay = result.layouts
     assert result.size and (lay["tp"] == 1).all()
-    assert not (lay["recompute"] == RECOMPUTE.index("selective")).any()
+    assert not (lay["recompute"] == RECOMPUTE_CODES["selective"]).any()
 
 
 def test_megatron_lm_2021_runs_zero0_only(case):

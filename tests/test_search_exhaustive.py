@@ -13,7 +13,8 @@ from plan3d import ranking
 from plan3d.cost.estimate import estimate
 from plan3d.layout import Layout, layout_problems
 from plan3d.rankmap import rankmap_for
-from plan3d.search import RECOMPUTE, SearchResult, Space, balanced_split, layout_row, search
+from plan3d.search import SearchResult, Space, balanced_split, layout_row, search
+from plan3d.vocab import RECOMPUTE_MODES
 from plan3d.specs.catalog import load_cluster, load_model
 from plan3d.specs.training import TrainingSpec
 from test_search_space import first_code
@@ -117,4 +118,4 @@ def test_same_ranked_answer(pair, objective):
     assert fast_layouts == slow_layouts
     np.testing.assert_allclose(fast.metrics["tokens_per_s"][fast_order], slow.metrics["tokens_per_s"][slow_order],
                                rtol=1e-9)
-    assert {lay.recompute for lay in fast_layouts} == set(RECOMPUTE)  # every mode's index decodes in both
+    assert {lay.recompute for lay in fast_layouts} == set(RECOMPUTE_MODES)  # every mode's index decodes in both

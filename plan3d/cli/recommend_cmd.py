@@ -119,7 +119,8 @@ def recommend(
 
 def space_from_flags(flags: dict):
     """The search Space of the knob flags (fixed values become equal bounds)."""
-    from plan3d.search import DEFAULT_ORDERS, RECOMPUTE, Space
+    from plan3d.search import DEFAULT_ORDERS, Space
+    from plan3d.vocab import RECOMPUTE_MODES
 
     def bound(knob: str, lo: int, hi: int | None) -> dict:
         fixed = flags.get(knob)
@@ -138,7 +139,7 @@ def space_from_flags(flags: dict):
         if flags.get(flag) is not None and flags[flag] > MAX_INT_FLAG:
             raise LayoutError(f"--{flag.replace('_', '-')} {flags[flag]}: at most {MAX_INT_FLAG:,}")
 
-    recompute = ("none",) if flags["no_recompute"] else tuple(flags["recompute"] or RECOMPUTE)
+    recompute = ("none",) if flags["no_recompute"] else tuple(flags["recompute"] or RECOMPUTE_MODES)
     sp = (False, True) if flags["sequence_parallel"] is None else (flags["sequence_parallel"],)
     orders = tuple(flags["order"] or DEFAULT_ORDERS)
     return Space(**bound("tp", flags["min_tp"], flags["max_tp"]), **bound("pp", flags["min_pp"], flags["max_pp"]),

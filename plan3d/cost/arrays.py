@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-RECOMPUTE_CODES = {"none": 0, "selective": 1, "full": 2}
+from plan3d.vocab import RECOMPUTE_CODES  # noqa: F401  (re-exported: the codes of `recompute` below)
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,7 @@ class LayoutArrays:
     mb: np.ndarray
     vpp: np.ndarray
     zero: np.ndarray
-    recompute: np.ndarray  # 0 none, 1 selective, 2 full
+    recompute: np.ndarray  # plan3d.vocab.RECOMPUTE_CODES: 0 none, 1 selective, 2 full
     sp: np.ndarray  # 1.0 with sequence parallelism
     m: np.ndarray
 

@@ -20,7 +20,8 @@ import numpy as np
 
 from plan3d.layout import Layout
 from plan3d.rankmap import rankmap_for
-from plan3d.specs.cluster import COLLECTIVE_OPS, ResolvedTier
+from plan3d.specs.cluster import ResolvedTier
+from plan3d.vocab import COLLECTIVE_KINDS
 
 GROUPS = ("tp", "pp", "dp")
 # the data-parallel group once more, with one NIC share per GPU across nodes (no multi-rail rings):
@@ -30,14 +31,14 @@ LINK_GROUPS = GROUPS + ("dp_nic",)
 
 @dataclass(frozen=True)
 class GroupLink:
-    """What one group of a layout sees of the network: per collective kind (COLLECTIVE_OPS),
+    """What one group of a layout sees of the network: per collective kind (COLLECTIVE_KINDS),
     the effective ring bandwidth per GPU (bytes/s) and the latency per hop (s)."""
 
     tier: str  # the innermost tier holding each whole group
-    costs: tuple[tuple[float, float], ...]  # (bytes_per_s, latency_s) in COLLECTIVE_OPS order
+    costs: tuple[tuple[float, float], ...]  # (bytes_per_s, latency_s) in COLLECTIVE_KINDS order
 
     def cost(self, op: str) -> tuple[float, float]:
-        return self.costs[COLLECTIVE_OPS.index(op)]
+        return self.costs[COLLECTIVE_KINDS.index(op)]
 
     @property
     def bytes_per_s(self) -> float:
@@ -56,12 +57,12 @@ def group_link(layout: Layout, name: str, tiers: tuple[ResolvedTier, ...], gpus_
     index = rankmap.tier_index(name, list(tiers))
     tier = tiers[index]
     if index == 0:
-        return GroupLink(tier.name, tuple(tier.cost(op) for op in COLLECTIVE_OPS))
+        return GroupLink(tier.name, tuple(tier.cost(op) for op in COLLECTIVE_KINDS))
     inner = tiers[index - 1]
     group = rankmap.group_array(name)[0]
     per_domain = 1 if single_rail else len(group) / len(np.unique(group // inner.domain_gpus))
     costs = []
-    for op in COLLECTIVE_OPS:
+    for op in COLLECTIVE_KINDS:
         (inner_bw, _), (outer_bw, latency) = inner.cost(op), tier.cost(op)
         costs.append((min(inner_bw, per_domain * outer_bw), latency))
     return GroupLink(tier.name, tuple(costs))

@@ -11,17 +11,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from plan3d.cost import comm, compute, memory
-from plan3d.cost.arrays import RECOMPUTE_CODES, LayoutArrays
+from plan3d.cost.arrays import LayoutArrays
 from plan3d.cost.context import CostContext
 from plan3d.cost.pipeline import masked_argmax, masked_max, pipeline_s
 from plan3d.cost.comm import LINK_GROUPS
-from plan3d.specs.cluster import COLLECTIVE_OPS
+from plan3d.vocab import COLLECTIVE_KINDS, MEMORY_TERMS, PER_MICRO_BATCH_TERMS, RECOMPUTE_CODES, TIME_TERMS
 
 FULL, SELECTIVE = RECOMPUTE_CODES["full"], RECOMPUTE_CODES["selective"]
-MEMORY_KEYS = ("weights", "gradients", "optimizer", "activations", "buffers", "reserve")
-TIME_KEYS = ("compute", "recompute", "bubble", "tp_comm", "pp_comm", "overhead", "dp_comm", "zero_comm",
-             "optimizer")
-PER_MICRO_BATCH = ("compute", "recompute", "tp_comm", "pp_comm", "overhead")
 
 
 @dataclass(frozen=True)
@@ -39,7 +35,7 @@ class Links:
         """From a (n, 2 * groups * ops) table laid out by `link_row`."""
         costs, k = {}, 0
         for group in LINK_GROUPS:
-            for op in COLLECTIVE_OPS:
+            for op in COLLECTIVE_KINDS:
                 costs[(group, op)] = (rows[:, k], rows[:, k + 1])
                 k += 2
         return cls(costs)
@@ -47,7 +43,7 @@ class Links:
 
 def link_row(links: dict) -> list[float]:
     """One row of `Links.from_rows` from the GroupLink of each group."""
-    return [x for group in LINK_GROUPS for op in COLLECTIVE_OPS for x in links[group].cost(op)]
+    return [x for group in LINK_GROUPS for op in COLLECTIVE_KINDS for x in links[group].cost(op)]
 
 
 def stage_micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, layers) -> dict:
@@ -186,20 +182,20 @@ def evaluate(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, layers, 
 def _evaluate(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, layers, weights) -> dict:
     mem = memory.stage_memory(ctx, la, pp_rank, layers)
     per_mb = stage_micro_batch_s(ctx, la, links, pp_rank, layers)
-    per_mb_total = sum(per_mb[k] for k in PER_MICRO_BATCH)
+    per_mb_total = sum(per_mb[k] for k in PER_MICRO_BATCH_TERMS)
     pipe, bubble = pipeline_s(per_mb_total, weights, la.m, la.vpp, core_share(ctx, la))
     extra = stage_step_s(ctx, la, links, pp_rank, mem["params"], per_mb["backward"],
                          la.m * (per_mb["compute"] + per_mb["recompute"]))
     slow = masked_argmax(per_mb_total, weights)
     pick = lambda a: np.take_along_axis(np.broadcast_to(a, per_mb_total.shape), slow[None], 0)[0]  # noqa: E731
-    time = {k: la.m * pick(per_mb[k]) for k in PER_MICRO_BATCH}
+    time = {k: la.m * pick(per_mb[k]) for k in PER_MICRO_BATCH_TERMS}
     time["bubble"] = bubble
     time.update({k: masked_max(np.broadcast_to(v, per_mb_total.shape), weights) for k, v in extra.items()})
     return _summary(ctx, la, mem, time, weights)
 
 
 def _summary(ctx: CostContext, la: LayoutArrays, mem: dict, time: dict, weights) -> dict:
-    step = sum(time[k] for k in TIME_KEYS)
+    step = sum(time[k] for k in TIME_TERMS)
     shape = np.broadcast_shapes(*(np.shape(v) for v in mem.values()))
     totals = np.broadcast_to(mem["total"], shape)
     world = la.tp * la.pp * la.dp
@@ -211,5 +207,5 @@ def _summary(ctx: CostContext, la: LayoutArrays, mem: dict, time: dict, weights)
         "peak_memory_bytes": masked_max(totals, weights), "worst_stage": masked_argmax(totals, weights),
         "capacity_bytes": np.full_like(step, ctx.capacity_bytes),
         "bubble_fraction": time["bubble"] / step,
-        "time_s": time, "stage_memory": {k: np.broadcast_to(mem[k], shape) for k in MEMORY_KEYS + ("total",)},
+        "time_s": time, "stage_memory": {k: np.broadcast_to(mem[k], shape) for k in MEMORY_TERMS + ("total",)},
     }

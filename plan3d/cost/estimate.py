@@ -6,12 +6,12 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from plan3d.cost.arrays import RECOMPUTE_CODES, layout_arrays
+from plan3d.cost.arrays import layout_arrays
 from plan3d.cost.comm import GROUPS, layout_links
 from plan3d.cost.finite import require_finite
 from plan3d.cost.trust import provenance
 from plan3d.cost.context import make_context
-from plan3d.cost.core import MEMORY_KEYS, TIME_KEYS, Links, evaluate, link_row
+from plan3d.cost.core import Links, evaluate, link_row
 from plan3d.errors import LayoutError
 from plan3d.layout import Layout, check_layout
 from plan3d.rankmap import rankmap_for
@@ -19,6 +19,7 @@ from plan3d.specs.cluster import ClusterSpec
 from plan3d.specs.engine import EngineSpec
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
+from plan3d.vocab import MEMORY_TERMS, RECOMPUTE_CODES, TIME_TERMS
 
 
 @dataclass(frozen=True)
@@ -98,9 +99,9 @@ def _to_estimate(out: dict, layout: Layout, tiers: dict, warnings: list[str]) ->
         model_tflops_per_gpu=scalar(out["model_tflops_per_gpu"]), mfu=scalar(out["mfu"]),
         peak_memory_bytes=peak, capacity_bytes=capacity, fits=peak <= capacity,
         bubble_fraction=scalar(out["bubble_fraction"]),
-        memory_bytes={k: float(stage[k][worst, 0]) for k in MEMORY_KEYS},
+        memory_bytes={k: float(stage[k][worst, 0]) for k in MEMORY_TERMS},
         stage_memory_bytes=[float(v) for v in stage["total"][:, 0]],
-        time_s={k: scalar(out["time_s"][k]) for k in TIME_KEYS},
+        time_s={k: scalar(out["time_s"][k]) for k in TIME_TERMS},
         tiers=tiers, worst_pp_rank=worst, warnings=warnings,
         layout=layout.model_dump(mode="json"),
     )

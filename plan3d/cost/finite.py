@@ -11,8 +11,8 @@ import math
 
 import numpy as np
 
-from plan3d.cost.core import TIME_KEYS
 from plan3d.errors import NonFinitePrediction
+from plan3d.vocab import term_of_column
 
 # typical magnitudes, to rank how extreme a value is (|log10(value / typical)|)
 TYPICAL = {"latency_us": 10.0, "bandwidth_gbytes_per_s": 100.0, "efficiency": 0.8, "peak_tflops": 100.0,
@@ -40,7 +40,7 @@ def require_finite(metrics: dict, cluster, model, training, engine=None) -> None
     flat = _flat(metrics)
     bad = [k for k, v in flat.items() if not is_finite(v, k in NON_NEGATIVE)]
     if bad:
-        terms = [k.removesuffix("_s") for k in bad if k.removesuffix("_s") in TIME_KEYS]
+        terms = [term_of_column(k) for k in bad if term_of_column(k)]
         problem = f"a non-finite {terms[0].replace('_', ' ') + ' time' if terms else 'step time'}"
     elif "step_time_s" in flat and np.max(flat["step_time_s"], initial=0.0) > MAX_STEP_S:
         problem = f"a step time above {MAX_STEP_S:g} s"

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from plan3d.cost.arrays import RECOMPUTE_CODES, LayoutArrays, layout_arrays
+from plan3d.cost.arrays import LayoutArrays, layout_arrays
 from plan3d.cost.context import CostContext, make_context
 from plan3d.layout import Layout
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
+from plan3d.vocab import RECOMPUTE_CODES
 
 LOGITS_BYTES = 4  # the loss reads fp32 logits
 

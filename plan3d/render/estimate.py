@@ -7,7 +7,9 @@ from rich.table import Table
 
 from plan3d.render.engine import engine_line, provenance_lines
 from plan3d.render.units import gib, ms, printable
+from plan3d.vocab import MEMORY_TERMS, TIME_TERMS
 
+# the labels of the tables (and of `plots`), one per term of plan3d.vocab
 MEMORY_LABELS = {"weights": "weights", "gradients": "gradients", "optimizer": "optimizer states",
                  "activations": "activations", "buffers": "communication buffers",
                  "reserve": "reserve (context, NCCL, fragmentation)"}
@@ -22,8 +24,8 @@ def memory_table(est) -> Table:
     table = Table(title=f"memory of the most-loaded rank (pipeline rank {est.worst_pp_rank})")
     table.add_column("category")
     table.add_column("GiB", justify="right")
-    for key, label in MEMORY_LABELS.items():
-        table.add_row(label, gib(est.memory_bytes[key]))
+    for key in MEMORY_TERMS:
+        table.add_row(MEMORY_LABELS[key], gib(est.memory_bytes[key]))
     table.add_row("[bold]peak[/bold]", f"[bold]{gib(est.peak_memory_bytes)}[/bold]")
     table.add_row("usable capacity", gib(est.capacity_bytes))
     return table
@@ -34,8 +36,8 @@ def time_table(est) -> Table:
     table.add_column("category")
     table.add_column("time", justify="right")
     table.add_column("share", justify="right")
-    for key, label in TIME_LABELS.items():
-        table.add_row(label, ms(est.time_s[key]), f"{est.time_s[key] / est.step_time_s:.1%}")
+    for key in TIME_TERMS:
+        table.add_row(TIME_LABELS[key], ms(est.time_s[key]), f"{est.time_s[key] / est.step_time_s:.1%}")
     table.add_row("[bold]step[/bold]", f"[bold]{ms(est.step_time_s)}[/bold]", "100%")
     return table
 

@@ -20,9 +20,7 @@ from plan3d.errors import Plan3dError
 from plan3d.layout import Layout
 from plan3d.render.estimate import MEMORY_LABELS, TIME_LABELS
 from plan3d.render.units import count, gib
-
-TIME_TERMS = tuple(TIME_LABELS.items())  # the labels of the estimate table, in its order
-MEMORY_TERMS = tuple(MEMORY_LABELS.items())
+from plan3d.vocab import MEMORY_TERMS, TIME_TERMS
 GIB = 2**30
 MAX_FRONT_LABELS = 8
 LABEL_SPACING_PX = 28  # front points closer than this on screen share no letter (no piled-up labels)
@@ -201,7 +199,7 @@ def _legend_beside(ax) -> None:
 
 def _time_bar(ax, estimate: dict) -> None:
     time_s = estimate["time_s"]
-    _stacked_bar(ax, [(label, time_s.get(key, 0.0)) for key, label in TIME_TERMS], 1.0, _seconds)
+    _stacked_bar(ax, [(TIME_LABELS[key], time_s.get(key, 0.0)) for key in TIME_TERMS], 1.0, _seconds)
     _legend_beside(ax)
     mfu = f", MFU {estimate['mfu']:.0%}" if estimate.get("mfu") is not None else ""
     ax.set(xlabel="seconds per step",
@@ -218,7 +216,7 @@ def _memory_bar(ax, estimate: dict) -> None:
     memory = estimate["memory_bytes"]
     capacity = estimate["capacity_bytes"]
     ax.axvline(capacity / GIB, color="black", linestyle="--", linewidth=1.5, label=f"usable {gib(capacity)}")
-    _stacked_bar(ax, [(label, memory.get(key, 0.0)) for key, label in MEMORY_TERMS], GIB, gib)
+    _stacked_bar(ax, [(MEMORY_LABELS[key], memory.get(key, 0.0)) for key in MEMORY_TERMS], GIB, gib)
     _legend_beside(ax)
     ax.set_xlim(0, max(capacity, estimate["peak_memory_bytes"]) / GIB * 1.08)
     where = f" (pipeline rank {estimate['worst_pp_rank']})" if estimate["layout"].get("pp", 1) > 1 else ""

@@ -13,11 +13,11 @@ from plan3d import grouping, ranking
 from plan3d.layout import short_order
 from plan3d.render.units import GIB, gib, ms, printable
 from plan3d.search import SearchResult
+from plan3d.vocab import seconds_column
 
 SCHEMA_VERSION = 1
-METRICS = ("step_time_s", "tokens_per_s", "model_tflops_per_gpu", "mfu", "bubble_fraction", "peak_memory_bytes",
-           "capacity_bytes", "compute_s", "recompute_s", "bubble_s", "tp_comm_s", "pp_comm_s", "dp_comm_s",
-           "zero_comm_s", "optimizer_s")
+METRICS = (("step_time_s", "tokens_per_s", "model_tflops_per_gpu", "mfu", "bubble_fraction", "peak_memory_bytes",
+            "capacity_bytes") + tuple(seconds_column(t) for t in ranking.EXPLAINED_TERMS))
 SECONDS_PER_DAY = 86400.0
 
 
@@ -338,10 +338,12 @@ class Explanation:
         return int(self.order[0])
 
 
-EXPLAIN_ROWS = (("tokens/s", "tokens_per_s"), ("step time", "step_time_s"), ("compute", "compute_s"),
-                ("recompute", "recompute_s"), ("bubble", "bubble_s"), ("TP comm", "tp_comm_s"),
-                ("PP comm", "pp_comm_s"), ("DP comm", "dp_comm_s"), ("ZeRO comm", "zero_comm_s"),
-                ("optimizer", "optimizer_s"), ("peak memory", "peak_memory_bytes"), ("MFU", "mfu"))
+# the labels of the explain table's time rows, one per term `ranking.EXPLAINED_TERMS` compares
+EXPLAIN_TIME_LABELS = {"compute": "compute", "recompute": "recompute", "bubble": "bubble", "tp_comm": "TP comm",
+                       "pp_comm": "PP comm", "dp_comm": "DP comm", "zero_comm": "ZeRO comm", "optimizer": "optimizer"}
+EXPLAIN_ROWS = ((("tokens/s", "tokens_per_s"), ("step time", "step_time_s"))
+                + tuple((EXPLAIN_TIME_LABELS[t], seconds_column(t)) for t in ranking.EXPLAINED_TERMS)
+                + (("peak memory", "peak_memory_bytes"), ("MFU", "mfu")))
 
 
 def explanation_sentences(ex: Explanation) -> list[str]:

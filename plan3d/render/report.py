@@ -11,7 +11,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from plan3d.render.units import gib, ms, printable
+from plan3d.vocab import TIME_TERMS
 
+# The rows of the predicted step breakdown: every time term but the host overhead, which has no
+# row of its own here (the shares are of the whole step, overhead included).
+BREAKDOWN_TERMS = tuple(t for t in TIME_TERMS if t != "overhead")
 TIME_LABELS = {"compute": "compute", "recompute": "recompute", "bubble": "pipeline bubble",
                "tp_comm": "TP comm", "pp_comm": "PP comm", "dp_comm": "DP comm (exposed)",
                "zero_comm": "ZeRO-3 gathers (exposed)", "optimizer": "optimizer step"}
@@ -73,9 +77,9 @@ def breakdown_table(time_s: dict) -> Table:
     table.add_column("time", justify="right")
     table.add_column("share", justify="right")
     total = sum(time_s.values()) or 1.0
-    for key, label in TIME_LABELS.items():
+    for key in BREAKDOWN_TERMS:
         if key in time_s:
-            table.add_row(label, fmt(time_s[key], "s"), f"{time_s[key] / total:.1%}")
+            table.add_row(TIME_LABELS[key], fmt(time_s[key], "s"), f"{time_s[key] / total:.1%}")
     return table
 
 

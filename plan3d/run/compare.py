@@ -26,16 +26,17 @@ from plan3d.cost.estimate import estimate
 from plan3d.plan import Plan
 from plan3d.run.record import RunData
 from plan3d.specs.catalog import RUNTIME_ENGINE, load_engine
+from plan3d.vocab import COMM_TERMS, MODEL_STATE_TERMS, PHASES, TIME_TERMS
 
 REPORT_SCHEMA_VERSION = 1
-STATE_KEYS = ("weights", "gradients", "optimizer")
-COMM_KEYS = ("tp_comm", "pp_comm", "dp_comm", "zero_comm")
-# Measured phases of a step (runtime/train.py PhaseClock) and the predicted terms inside each.
-PHASES = (
-    ("forward + backward (compute, bubble, TP/PP comm)", ("forward_backward",),
-     ("compute", "recompute", "bubble", "tp_comm", "pp_comm", "overhead")),
-    ("after the backward (DP/ZeRO comm, clip, optimizer, loss)", ("grad_reduce", "clip", "optimizer", "loss"),
-     ("dp_comm", "zero_comm", "optimizer")),
+STATE_KEYS = MODEL_STATE_TERMS
+COMM_KEYS = COMM_TERMS
+# Measured phases of a step (plan3d.vocab.PHASES, timed by runtime/train.py PhaseClock) and the
+# predicted time terms inside each: every phase and every term in exactly one row, in step order.
+PHASE_PAIRS = (
+    ("forward + backward (compute, bubble, TP/PP comm)", PHASES[:1], TIME_TERMS[:TIME_TERMS.index("dp_comm")]),
+    ("after the backward (DP/ZeRO comm, clip, optimizer, loss)", PHASES[1:],
+     TIME_TERMS[TIME_TERMS.index("dp_comm"):]),
 )
 SEGMENT_KEYS = ("first_step", "last_step", "steps", "resumed_at_step", "resumed_from", "layout", "world_size",
                 "step_time_s", "predicted_step_time_s", "tokens_per_s", "train_time_s", "final_loss", "ended")
@@ -149,7 +150,7 @@ def _phase_rows(time_s: dict, metrics: list[dict], warmup: int) -> list[dict]:
     if not timed or not time_s:
         return []
     rows = []
-    for label, measured_keys, predicted_keys in PHASES:
+    for label, measured_keys, predicted_keys in PHASE_PAIRS:
         measured = sum(sum(p.get(k, 0.0) for k in measured_keys) for p in timed) / len(timed)
         rows.append(row(label, sum(time_s.get(k, 0.0) for k in predicted_keys), measured, "s"))
     return rows

@@ -23,6 +23,7 @@ from plan3d.specs.base import (EFFICIENCY, GBIT_PER_S, GBYTES_PER_S, LATENCY_US,
                                Text, bounded)
 from plan3d.specs.gpu import GPUSpec
 from plan3d.specs.loader import validation_problems
+from plan3d.vocab import COLLECTIVE_KINDS
 
 
 MAX_NODES = 1_000_000  # bounds keep a typo such as 1e30 from reaching the search (and hanging it)
@@ -65,8 +66,7 @@ class Bandwidth(SpecModel):
         return value / 2 if self.bidirectional else value
 
 
-COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
-CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "p2p"]
+CollectiveOp = Literal[COLLECTIVE_KINDS]  # the `collectives:` keys of a tier (plan3d.vocab)
 
 
 class CollectiveCost(SpecModel):

@@ -1,0 +1,56 @@
+"""The words every layer shares, spelled once: time terms, memory terms, step phases, recompute
+modes, collective kinds.
+
+A leaf module (it imports nothing from plan3d), so the cost model, the search, the renderers, the
+run record and the runtime can all read it without importing one another. Display labels stay
+with their renderers, keyed by these names.
+"""
+from __future__ import annotations
+
+# ---- time of one step -------------------------------------------------------------------------
+# The terms a step's predicted time is the sum of (`Estimate.time_s`), in the order the tables
+# print them.
+TIME_TERMS = ("compute", "recompute", "bubble", "tp_comm", "pp_comm", "overhead", "dp_comm", "zero_comm",
+              "optimizer")
+# The exposed communication terms among them.
+COMM_TERMS = ("tp_comm", "pp_comm", "dp_comm", "zero_comm")
+# The terms paid once per micro-batch (the pipeline multiplies them by the micro-batch count).
+PER_MICRO_BATCH_TERMS = ("compute", "recompute", "tp_comm", "pp_comm", "overhead")
+SECONDS_SUFFIX = "_s"
+
+
+def seconds_column(term: str) -> str:
+    """The name of a time term in a table of arrays with other units (`compute` -> `compute_s`)."""
+    return term + SECONDS_SUFFIX
+
+
+def term_of_column(column: str) -> str | None:
+    """The time term a `*_s` column holds, or None when it is no time term (`step_time_s`)."""
+    term = column.removesuffix(SECONDS_SUFFIX)
+    return term if column.endswith(SECONDS_SUFFIX) and term in TIME_TERMS else None
+
+
+TIME_COLUMNS = tuple(seconds_column(t) for t in TIME_TERMS)
+
+# ---- memory of one rank -----------------------------------------------------------------------
+# The categories a rank's predicted memory is the sum of (`Estimate.memory_bytes`), in table order.
+MEMORY_TERMS = ("weights", "gradients", "optimizer", "activations", "buffers", "reserve")
+# The model states among them: exact tensor sizes, which a run measures per rank.
+MODEL_STATE_TERMS = ("weights", "gradients", "optimizer")
+
+# ---- phases of a measured step ----------------------------------------------------------------
+# What the runtime times on rank 0 in each step (metrics.jsonl `phases_s`), in step order.
+PHASES = ("forward_backward", "grad_reduce", "clip", "optimizer", "loss")
+
+# ---- recompute --------------------------------------------------------------------------------
+# Activation recomputation, least to most: the integer code of a mode (in the search's and the
+# cost model's arrays) is its position here, so `code >= RECOMPUTE_CODES["full"]` reads "full".
+RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_CODES = {mode: code for code, mode in enumerate(RECOMPUTE_MODES)}
+
+# ---- collectives ------------------------------------------------------------------------------
+# The kinds of transfer a network tier prices (a spec's `collectives:` keys) and the cost model
+# reads, in the order of its link tables.
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+# The ring collectives among them (a group of n ranks; p2p has two ends).
+RING_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")

@@ -34,12 +34,24 @@ def _write(emitted, out: Path | None) -> None:
 
 
 @emit_app.command("megatron")
-def emit_megatron_cmd(plan: PlanArg, out: OutOpt = None) -> None:
-    """Megatron-LM arguments (parallel sizes, batch, recompute, distributed optimizer, model shape)."""
-    from plan3d.emit.megatron import emit_megatron
+def emit_megatron_cmd(
+    plan: PlanArg, out: OutOpt = None,
+    data_path: Annotated[Optional[str], typer.Option("--data-path", help="Megatron dataset prefix (.bin/.idx), "
+                                                     "or 'mock' for synthetic tokens.")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option("--tokenizer", help="Hugging Face tokenizer name or path, "
+                                                     "or 'null' (the model's vocabulary, for mock data).")] = None,
+    train_iters: Annotated[Optional[int], typer.Option("--train-iters", help="Training iterations.")] = None,
+    lr: Annotated[Optional[float], typer.Option("--lr", help="Peak learning rate.")] = None,
+) -> None:
+    """Megatron-Core 0.17-0.19 `pretrain_gpt.py` arguments: parallel sizes, ZeRO (distributed optimizer,
+    Megatron-FSDP), overlap, batch, recompute, model shape; data, tokenizer and schedule from the
+    flags, or named in a comment when not given."""
+    from plan3d.emit.megatron import MegatronRun, check_megatron_run, emit_megatron
     from plan3d.plan import load_plan
 
-    _write(emit_megatron(load_plan(plan)), out)
+    run = MegatronRun(data_path=data_path, tokenizer=tokenizer, train_iters=train_iters, lr=lr)
+    check_megatron_run(run)
+    _write(emit_megatron(load_plan(plan), run), out)
 
 
 @emit_app.command("deepspeed")
@@ -122,18 +134,22 @@ def emit_slurm_cmd(
     time_limit: Annotated[str, typer.Option("--time", help="SLURM time limit: HH:MM:SS, MM, D-HH:MM:SS, ...")] = "01:00:00",
     partition: Annotated[Optional[str], typer.Option("--partition")] = None,
     timeout_s: TimeoutOpt = 300.0, data: DataOpt = None,
+    cpus_per_task: Annotated[Optional[int], typer.Option(
+        "--cpus-per-task", help="Cores for each node's launcher (it starts all the node's ranks); default: the "
+        "cluster spec's cpu_cores_per_node, else every CPU SLURM allocates on the node (--exclusive).")] = None,
 ) -> None:
-    """An sbatch script: one `plan3d launch` per node, static rendezvous, the plan's placement."""
+    """An sbatch script: one `plan3d launch` per node on whole nodes, static rendezvous, the plan's placement."""
     from plan3d.emit.common import Emitted
     from plan3d.emit.slurm import sbatch_script
     from plan3d.plan import load_plan
     from plan3d.run_flags import check_run_flags, check_script_flags
 
     check_run_flags(steps=steps, master_port=master_port, timeout_s=timeout_s)
-    check_script_flags(job_name=job_name, time_limit=time_limit, partition=partition, run_dir=run_dir, plan=plan,
-                       data=data)
+    check_script_flags(job_name=job_name, time_limit=time_limit, partition=partition, cpus_per_task=cpus_per_task,
+                       run_dir=run_dir, plan=plan, data=data)
     loaded = load_plan(plan)
     script = sbatch_script(loaded, plan, steps=steps, run_dir=run_dir, master_port=master_port,
                            job_name=job_name, time_limit=time_limit, partition=partition,
-                           extra_args=["--timeout-s", str(timeout_s), *_data_args(loaded, data)])
+                           extra_args=["--timeout-s", str(timeout_s), *_data_args(loaded, data)],
+                           cpus_per_task=cpus_per_task)
     _write(Emitted(script), out)

@@ -19,37 +19,10 @@ from pydantic import BeforeValidator, Field, PositiveInt, field_validator, model
 from plan3d.errors import LayoutError
 from plan3d.specs.base import FrozenModel
 from plan3d.specs.model import ModelSpec
+from plan3d.specs.order import AXES, DEFAULT_ORDER, parse_order  # noqa: F401  (re-exported)
 from plan3d.specs.training import TrainingSpec
 
-AXES = ("tp", "cp", "ep", "dp", "pp")
-DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 Recompute = Literal["none", "selective", "full"]
-
-
-def parse_order(order: str) -> tuple[str, ...]:
-    """All five axes of an order string, first varies fastest; raise with a valid example.
-
-    A short order names only some axes, as the recommend table prints it ('pp-dp'): each axis left
-    out keeps its slot of Megatron's default tp-cp-ep-dp-pp and the named axes fill the other slots
-    in the sequence given, so 'pp-dp' -> tp-cp-ep-pp-dp and 'dp-tp' -> dp-cp-ep-tp-pp. Leaving an
-    axis out only places it; its size still comes from the layout.
-    """
-    axes = tuple(order.split("-"))
-    unknown = [a for a in axes if a not in AXES]
-    repeated = sorted({a for a in axes if axes.count(a) > 1})
-    if unknown or repeated:
-        what = f"unknown axis {unknown[0]!r}" if unknown else f"repeated axis {repeated[0]!r}"
-        raise LayoutError(
-            f"order {order!r}: {what}; name each of tp, cp, ep, dp, pp at most once, first varies fastest "
-            f"(axes left out keep their place in {DEFAULT_ORDER!r}), e.g. {DEFAULT_ORDER!r} or 'pp-dp'"
-        )
-    return _fill_default_slots(axes)
-
-
-def _fill_default_slots(named: tuple[str, ...]) -> tuple[str, ...]:
-    """Axes missing from `named` stay where DEFAULT_ORDER has them; `named` fills the rest in turn."""
-    given = iter(named)
-    return tuple(next(given) if axis in named else axis for axis in AXES)
 
 
 def full_order(order: str) -> str:

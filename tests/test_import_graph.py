@@ -135,13 +135,6 @@ def module_level_closure(start: str, graph: list[Import], modules: set[str]) -> 
 
 GRAPH = import_graph()
 SPEC_MODULES = sorted(m for m in package_modules() if within(m, SPECS))
-# Upward imports that other work of issue 13 removes; strict, so the marker goes once they are gone.
-KNOWN_UPWARD = {
-    "plan3d.specs.engine": "specs/engine.py imports plan3d.layout (DEFAULT_ORDER, Layout, parse_order): Layout is a "
-                           "spec and moves into plan3d/specs (the engine-profile work owns specs/engine.py)",
-    "plan3d.specs.hf": "specs/hf.py imports plan3d.render.units.printable, which now lives in plan3d.specs.base "
-                       "(the engine-profile work owns specs/hf.py)",
-}
 
 
 def upward_imports(module: str) -> list[str]:
@@ -150,9 +143,7 @@ def upward_imports(module: str) -> list[str]:
             and not any(within(imp.target, below) for below in BELOW_SPECS)]
 
 
-@pytest.mark.parametrize("module", [
-    pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=KNOWN_UPWARD[m])) if m in KNOWN_UPWARD else m
-    for m in SPEC_MODULES])
+@pytest.mark.parametrize("module", SPEC_MODULES)
 def test_a_spec_module_imports_only_specs_and_errors(module):
     assert upward_imports(module) == []
 

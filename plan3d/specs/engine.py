@@ -22,9 +22,9 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from plan3d.errors import LayoutError
-from plan3d.layout import DEFAULT_ORDER, Layout, parse_order
-from plan3d.specs.base import BYTES_PER_ELEMENT, EFFICIENCY, FRACTION, OVERHEAD_S, Name, StrictModel, Text, bounded
+from plan3d.specs.base import BYTES_PER_ELEMENT, EFFICIENCY, FRACTION, OVERHEAD_S, Name, SpecModel, Text, bounded
 from plan3d.specs.model import ModelSpec
+from plan3d.specs.order import DEFAULT_ORDER, LayoutShape, parse_order
 
 Recompute = Literal["none", "selective", "full"]
 UnevenSplit = Literal["none", "explicit", "embedding-as-layer"]
@@ -32,7 +32,7 @@ SOFTWARE_KEYS = ("elementwise_bytes", "attention_score_bytes", "layer_overhead_s
                  "dp_overlap_fraction")
 
 
-class CanRun(StrictModel):
+class CanRun(SpecModel):
     """The layouts the engine accepts (its own argument validation, not plan3d's preferences)."""
 
     tensor_parallel: bool = True
@@ -61,7 +61,7 @@ class CanRun(StrictModel):
             raise ValueError(str(err)) from None
 
 
-class RunsAs(StrictModel):
+class RunsAs(SpecModel):
     """How the engine runs a layout, as the cost model needs it."""
 
     attention: Literal["flash", "unfused"] | None = Field(
@@ -87,7 +87,7 @@ class RunsAs(StrictModel):
     fused: list[Text] = Field(default_factory=list, description="Fused kernels (documentation).")
 
 
-class SoftwareEfficiency(StrictModel):
+class SoftwareEfficiency(SpecModel):
     """Fitted values of the engine's software; None: the GPU spec's value (see ComputeEfficiency)."""
 
     elementwise_bytes: float | None = bounded(None, BYTES_PER_ELEMENT)
@@ -107,7 +107,7 @@ class SoftwareEfficiency(StrictModel):
                                        "the validated region.")
 
 
-class EngineSpec(StrictModel):
+class EngineSpec(SpecModel):
     name: Name
     description: Text = ""
     version: Text = Field("", description="The releases the profile describes.")
@@ -141,7 +141,7 @@ class EngineSpec(StrictModel):
         split[-1] -= 1
         return tuple(split) if min(split) >= 1 else None
 
-    def layout_problems(self, layout: Layout) -> list[str]:
+    def layout_problems(self, layout: LayoutShape) -> list[str]:
         """Every reason the engine cannot run `layout`, each a sentence that says what to change."""
         can, name, out = self.can_run, self.name, []
         if layout.tp > 1 and not can.tensor_parallel:
@@ -168,7 +168,7 @@ class EngineSpec(StrictModel):
             out.append(f"{name} splits layers evenly over pipeline stages only: drop pp_layers")
         return out
 
-    def resolve_split(self, layout: Layout, model: ModelSpec) -> Layout:
+    def resolve_split(self, layout: LayoutShape, model: ModelSpec) -> LayoutShape:
         """`layout` with the engine's own uneven split filled in where it makes one."""
         if layout.pp_layers is not None:
             return layout

@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 
 from plan3d.errors import SpecError, SpecNotFound
-from plan3d.render.units import printable
+from plan3d.specs.base import printable
 from plan3d.specs.loader import read_mapping, validate
 from plan3d.specs.model import ModelSpec
 

@@ -5,10 +5,10 @@ from typing import Literal
 
 from pydantic import Field, PositiveInt, model_validator
 
-from plan3d.specs.base import Name, StrictModel, Text
+from plan3d.specs.base import Name, SpecModel, Text
 
 
-class MoESpec(StrictModel):
+class MoESpec(SpecModel):
     """Mixture-of-experts MLP (every `every`-th layer). The planner treats it as dense for now."""
 
     experts: PositiveInt = Field(le=1_000_000)
@@ -23,7 +23,7 @@ class MoESpec(StrictModel):
         return self
 
 
-class ModelSpec(StrictModel):
+class ModelSpec(SpecModel):
     name: Name
     layers: PositiveInt = Field(le=100_000)  # the bounds stop typos (1e30) long before real models
     hidden: PositiveInt = Field(le=10_000_000)

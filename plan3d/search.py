@@ -49,10 +49,11 @@ REASONS = {
     13: "same rank placement as an earlier order (its differing axes have size 1)",
     14: "ZeRO with dp = 1 has nothing to shard (same as ZeRO-0)",
     15: "the engine cannot run this ZeRO stage with pipeline parallelism",
+    16: "the engine runs tensor parallelism only without a pipeline",
 }
 MEMORY_CODE, MFU_CODE, MEMORY_FRACTION_CODE = (rule.code for rule in FIT_RULES)
 SAME_ORDER_CODE, ZERO_DP1_CODE = 13, 14
-ENGINE_ZERO_PP_CODE = 15
+ENGINE_ZERO_PP_CODE, ENGINE_TP_PP_CODE = 15, 16
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class Space:
     uneven: bool = False  # also give pp*vpp that do not divide the layers a balanced uneven split
     sequence_parallel_required: bool = False  # tp > 1 only with sequence parallelism (the engine's rule)
     zero_with_pp: tuple[int, ...] = (0, 1, 2, 3)  # ZeRO stages allowed with pp > 1 (the engine's rule)
+    tensor_parallel_with_pp: bool = True  # tp > 1 together with pp > 1 (the engine's rule)
 
     def __post_init__(self) -> None:
         full = tuple(dict.fromkeys(full_order(o) for o in self.orders))  # 'pp-dp' as the table prints it
@@ -270,15 +272,18 @@ def layout_row(layout: Layout, orders: tuple[str, ...]) -> dict[str, int | bool]
 
 
 def drop_duplicates(layouts: dict[str, np.ndarray], space: Space, rejected: dict[int, int]) -> dict[str, np.ndarray]:
-    """Remove layouts that are another one under a second name, and those whose ZeRO stage the
-    engine does not run with pipeline parallelism, counting them in `rejected`."""
+    """Remove layouts that are another one under a second name, and those the engine does not run
+    with pipeline parallelism (their ZeRO stage, or tensor parallelism), counting them in `rejected`."""
     same_order = same_placement(layouts, space.orders)
     zero_dp1 = ~same_order & (layouts["zero"] > 0) & (layouts["dp"] == 1) & (0 in space.zero)
     zero_pp = ~(same_order | zero_dp1) & (layouts["pp"] > 1) & ~np.isin(layouts["zero"], space.zero_with_pp)
     rejected[SAME_ORDER_CODE] = int(same_order.sum())
     rejected[ZERO_DP1_CODE] = int(zero_dp1.sum())
+    tp_pp = (~(same_order | zero_dp1 | zero_pp) & (not space.tensor_parallel_with_pp)
+             & (layouts["tp"] > 1) & (layouts["pp"] > 1))
     rejected[ENGINE_ZERO_PP_CODE] = int(zero_pp.sum())
-    keep = ~(same_order | zero_dp1 | zero_pp)
+    rejected[ENGINE_TP_PP_CODE] = int(tp_pp.sum())
+    keep = ~(same_order | zero_dp1 | zero_pp | tp_pp)
     return {k: a[keep] for k, a in layouts.items()}
 
 
@@ -319,7 +324,8 @@ def engine_space(space: Space, engine: EngineSpec) -> Space:
     uneven = space.uneven or can.uneven_pipeline == "embedding-as-layer"
     return replace(space, zero=zero, recompute=recompute, orders=orders, sequence_parallel=sp, uneven=uneven,
                    sequence_parallel_required=space.sequence_parallel_required or can.sequence_parallel_required,
-                   zero_with_pp=tuple(z for z in space.zero_with_pp if z in can.zero_with_pp), **bounds)
+                   zero_with_pp=tuple(z for z in space.zero_with_pp if z in can.zero_with_pp),
+                   tensor_parallel_with_pp=space.tensor_parallel_with_pp and can.tensor_parallel_with_pp, **bounds)
 
 
 def _require(ok, message: str) -> None:

@@ -49,7 +49,7 @@ def test_deepspeed_overlaps_the_reduction_where_its_optimizer_can():
 
 @pytest.mark.parametrize("layout,needle", [
     ({"pp": 4, "dp": 8, "zero": 2}, "ZeRO-2 with pipeline"),
-    ({"tp": 2, "pp": 2, "dp": 8, "zero": 1}, "AutoTP"),
+    ({"tp": 2, "pp": 2, "dp": 8, "zero": 1}, "tensor parallelism only without a pipeline"),
     ({"tp": 4, "dp": 8, "sequence_parallel": True}, "no sequence parallelism"),
     ({"pp": 2, "dp": 16, "order": "tp-cp-ep-pp-dp"}, "places ranks only as"),
 ])

@@ -35,7 +35,6 @@ from __future__ import annotations
 from plan3d.render.units import json_text
 
 from plan3d.emit.common import Emitted, target_engine
-from plan3d.errors import InfeasibleError
 from plan3d.plan import Plan
 
 PROFILE = "deepspeed-0.19"
@@ -58,7 +57,6 @@ def grad_accum_dtype(plan: Plan) -> str:
 def ds_config(plan: Plan) -> dict:
     """The ds_config mapping: batch sizes, ZeRO stage and overlap, precision, accumulation dtype, AutoTP size."""
     layout = plan.layout
-    _refuse_autotp_with_pipeline(plan)
     config = {"train_micro_batch_size_per_gpu": layout.micro_batch,
               "gradient_accumulation_steps": layout.micro_batches(plan.training.global_batch)}
     if layout.tp == 1:
@@ -74,14 +72,6 @@ def ds_config(plan: Plan) -> dict:
     if layout.tp > 1:
         config["tensor_parallel"] = {"autotp_size": layout.tp}
     return config
-
-
-def _refuse_autotp_with_pipeline(plan: Plan) -> None:
-    layout = plan.layout
-    if layout.tp > 1 and layout.pp > 1:
-        raise InfeasibleError(f"{PROFILE} {VERSIONS} cannot run {layout.short()}: AutoTP builds a data x tensor "
-                              "mesh without a pipeline axis (deepspeed/utils/groups.py), so tp > 1 needs pp=1; "
-                              "use tp=1 with a pipeline, or emit megatron / torchtitan")
 
 
 def _notes(plan: Plan) -> list[str]:

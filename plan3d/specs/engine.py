@@ -37,6 +37,8 @@ class CanRun(SpecModel):
 
     tensor_parallel: bool = True
     pipeline_parallel: bool = True
+    tensor_parallel_with_pp: bool = Field(True, description="Tensor and pipeline parallelism together (DeepSpeed's "
+                                          "AutoTP builds a data x tensor mesh without a pipeline axis: false).")
     zero: list[Literal[0, 1, 2, 3]] = Field([0, 1, 2, 3], min_length=1,
                                            description="ZeRO stages it runs without pipeline parallelism.")
     zero_with_pp: list[Literal[0, 1, 2, 3]] = Field([0, 1], description="ZeRO stages it runs with pp > 1.")
@@ -148,6 +150,8 @@ class EngineSpec(SpecModel):
             out.append(f"{name} has no tensor parallelism: use tp=1")
         if layout.pp > 1 and not can.pipeline_parallel:
             out.append(f"{name} has no pipeline parallelism: use pp=1")
+        if layout.tp > 1 and layout.pp > 1 and not can.tensor_parallel_with_pp:
+            out.append(f"{name} runs tensor parallelism only without a pipeline: use tp=1 or pp=1")
         allowed = can.zero_with_pp if layout.pp > 1 else can.zero
         if layout.zero not in allowed:
             where = "with pipeline parallelism" if layout.pp > 1 else "without pipeline parallelism"

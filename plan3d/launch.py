@@ -70,7 +70,7 @@ def runtime_problems(plan: Plan) -> list[str]:
 def predicted_memory(plan: Plan) -> tuple[float, float, int]:
     """(peak bytes of the fullest rank, usable bytes per rank, its pipeline rank): the plan's own
     estimate, or the prediction for plan3d's runtime (plan3d/run/compare.py) when it carries none."""
-    est = plan.estimate
+    est = plan.estimate or {}  # None: a plan made without an estimate
     if not all(k in est for k in ("peak_memory_bytes", "capacity_bytes")):
         from plan3d.run.compare import predicted_for_run
 

@@ -16,7 +16,8 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator,
+                      model_serializer)
 
 from plan3d import __version__
 from plan3d.layout import Layout
@@ -41,6 +42,78 @@ Rate = Annotated[float, Field(ge=0, le=MAX_RATE, allow_inf_nan=False)]
 Ratio = Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False)]
 
 
+class _Record(BaseModel):
+    """A section of a plan file as typed fields. Fields the file leaves out stay out when the plan is
+    written back (`model_dump`), so a plan round-trips to the JSON it was read from and keeps its digest.
+
+    Read the attributes. `record["key"]`, `"key" in record` and `record.get("key", default)` read
+    it as the plain dict it was before issue 13, for code written against that dict (the runtime's
+    rank look-ups, the emitters); a key counts as present when the file or the producer gave it."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_serializer(mode="wrap")
+    def _as_given(self, handler):
+        given = self.model_fields_set | set(self.model_extra or {})
+        return {k: v for k, v in handler(self).items() if k in given}
+
+    def _given(self, key: str) -> bool:
+        return key in self.model_fields_set or key in (self.model_extra or {})
+
+    def __getitem__(self, key: str):
+        if not self._given(key):
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __contains__(self, key: str) -> bool:
+        return self._given(key)
+
+    def get(self, key: str, default=None):
+        return getattr(self, key) if self._given(key) else default
+
+    @classmethod
+    def unchecked(cls, values: dict[str, Any]):
+        """The record of `values` as they are (a fresh prediction: plans are checked when loaded)."""
+        return cls.model_construct(**values)
+
+
+class Estimate(_Record):
+    """The estimate a plan carries (`plan3d.cost.estimate.Estimate.to_dict()`, fields in its order),
+    as `report` and `launch` read it: SI values within physical bounds, text on one line. Plans
+    written by older versions may lack the optional fields; other keys (a newer plan3d's) pass if
+    they are plain JSON data."""
+
+    step_time_s: Seconds
+    tokens_per_s: Rate
+    model_tflops_per_gpu: Rate | None = None
+    mfu: Ratio | None = None
+    peak_memory_bytes: Bytes
+    capacity_bytes: Bytes | None = None
+    fits: bool | None = None
+    bubble_fraction: Ratio | None = None
+    memory_bytes: dict[str, Bytes]  # plan3d.vocab.MEMORY_TERMS of the most-loaded rank
+    stage_memory_bytes: list[Bytes] = []
+    time_s: dict[str, Seconds]  # plan3d.vocab.TIME_TERMS
+    tiers: dict[str, Text] = {}
+    worst_pp_rank: Annotated[int, Field(ge=0, le=10**9)] | None = None
+    warnings: list[Text] = []
+    layout: dict[str, Any] = {}
+    engine: Text = ""
+    provenance: list[Text] = []
+
+
+class RankMapRecord(_Record):
+    """The rank map a plan carries (`rankmap_dict`): every rank's placement and every group's members."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    order: str
+    world_size: int
+    gpus_per_node: int
+    ranks: list[dict[str, int]]  # per global rank: its coordinates (rank, tp, pp, dp, ..., node, local)
+    groups: dict[str, list[list[int]]]  # per group name: the members of each group
+
+
 class Plan(StrictModel):
     schema_version: Literal[1] = SCHEMA_VERSION
     created_by: Text = Field(default_factory=lambda: f"plan3d {__version__}")
@@ -50,8 +123,17 @@ class Plan(StrictModel):
     training: TrainingSpec
     layout: Layout
     engine: EngineSpec | None = Field(None, description="The engine the estimate is for (full spec).")
-    estimate: dict[str, Any] = Field(default_factory=dict)
-    rankmap: dict[str, Any] = Field(default_factory=dict)
+    estimate: Estimate | None = Field(None, description="The prediction (`{}` in the file: none).")
+    rankmap: RankMapRecord | None = Field(None, description="Every rank's placement (`{}` in the file: none).")
+
+    @field_validator("estimate", "rankmap", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value):
+        return None if value == {} else value
+
+    @field_serializer("estimate", "rankmap", mode="wrap")
+    def _none_is_empty(self, value, handler):
+        return {} if value is None else handler(value)
 
     def specs_digest(self) -> str:
         """The digest of everything the plan holds (specs, layout, engine, estimate, rank map)."""
@@ -81,30 +163,6 @@ def legacy_digest(data: dict) -> str:
     return digest_of({k: data.get(k) for k in digested(data.get("engine"))})
 
 
-class PlanEstimate(BaseModel):
-    """The estimate a plan carries, as `report` and `launch` read it: SI values within physical
-    bounds, text on one line. Other keys (a newer plan3d's) pass if they are plain JSON data."""
-
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
-
-    step_time_s: Seconds
-    tokens_per_s: Rate
-    peak_memory_bytes: Bytes
-    memory_bytes: dict[str, Bytes]
-    time_s: dict[str, Seconds]
-    model_tflops_per_gpu: Rate | None = None
-    mfu: Ratio | None = None
-    capacity_bytes: Bytes | None = None
-    bubble_fraction: Ratio | None = None
-    stage_memory_bytes: list[Bytes] = []
-    fits: bool | None = None
-    tiers: dict[str, Text] = {}
-    worst_pp_rank: Annotated[int, Field(ge=0, le=10**9)] | None = None
-    warnings: list[Text] = []
-    provenance: list[Text] = []
-    engine: Text = ""
-
-
 def rankmap_dict(rankmap: RankMap) -> dict[str, Any]:
     """The rank map as plain JSON: order, world size, every rank's placement, every group."""
     ranks = [vars(c) for c in rankmap.all_coords()]
@@ -118,11 +176,15 @@ def rankmap_dict(rankmap: RankMap) -> dict[str, Any]:
 
 
 def build_plan(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, layout: Layout,
-               estimate: dict[str, Any] | None = None, engine: EngineSpec | None = None) -> Plan:
+               estimate: Estimate | dict[str, Any] | None = None, engine: EngineSpec | None = None) -> Plan:
+    """The plan of `layout` with its rank map; `estimate`: `plan3d.cost.estimate.Estimate.to_dict()`
+    (or its record), None or {} for a plan made without one (the runtime's tests, calibrate)."""
     from plan3d.rankmap import rankmap_for
 
-    plan = Plan(cluster=cluster, model=model, training=training, layout=layout, engine=engine, estimate=estimate or {},
-                rankmap=rankmap_dict(rankmap_for(layout, cluster.gpus_per_node)))
+    record = Estimate.unchecked(estimate) if isinstance(estimate, dict) and estimate else estimate or None
+    rankmap = RankMapRecord.unchecked(rankmap_dict(rankmap_for(layout, cluster.gpus_per_node)))
+    plan = Plan(cluster=cluster, model=model, training=training, layout=layout, engine=engine, estimate=record,
+                rankmap=rankmap)
     plan.digest = plan.specs_digest()
     return plan
 
@@ -157,14 +219,14 @@ def load_plan(path_str: str) -> Plan:
     digest = data.get("digest")
     if not isinstance(digest, str) or not digest:
         raise SpecError(path_str, [f"digest: missing or empty, so the plan cannot be checked against edits; {RECREATE}"])
-    plan = _validate_sections(data, path_str)
+    plan, sections = _validate_sections(data, path_str)
     _require_plan_size(plan, path_str)
-    if digest not in _accepted_digests(data, plan):
+    if digest not in _accepted_digests(data, plan, sections):
         raise SpecError(path_str, [f"digest does not match what the plan holds (edited by hand?); {RECREATE}"])
-    problems = plan_problems(plan)
+    problems = plan_problems(plan, sections)
     if problems:
         raise SpecError(path_str, [f"{p}; {RECREATE}" for p in problems])
-    return plan
+    return _with_sections(plan, sections)
 
 
 def _require_plan_size(plan: Plan, path_str: str) -> None:
@@ -176,29 +238,43 @@ def _require_plan_size(plan: Plan, path_str: str) -> None:
                                    f"({MAX_PLAN_RANKS:,}); plan a smaller cluster"])
 
 
-def _validate_sections(data: dict, path_str: str) -> Plan:
-    """The specs and layout validated strictly; the estimate and rank map kept as the file holds
-    them (strict validation reads `2.0` as the integer 2, which would change their digest) and
-    checked by plan_problems."""
-    free = {k: data[k] for k in ("estimate", "rankmap") if isinstance(data.get(k), dict)}
+SECTIONS = ("estimate", "rankmap")  # checked against the rest of the plan, not by the strict schema
+
+
+def _validate_sections(data: dict, path_str: str) -> tuple[Plan, dict[str, dict]]:
+    """The specs and layout validated strictly, without the estimate and rank map; those are
+    returned as the file holds them (strict validation reads `2.0` as the integer 2, which would
+    change their digest), checked by plan_problems and typed by `_with_sections`."""
+    free = {k: data[k] for k in SECTIONS if isinstance(data.get(k), dict)}
     try:
         plan = validate(Plan, {**data, **{k: {} for k in free}}, path_str)
     except SpecError as err:
         raise SpecError(path_str, [f"{p}; {RECREATE}" for p in err.problems]) from err
-    return plan.model_copy(update=free)
+    return plan, free
 
 
-def _accepted_digests(data: dict, plan: Plan) -> set[str]:
+def _with_sections(plan: Plan, sections: dict[str, dict]) -> Plan:
+    """The plan with its checked estimate and rank map as typed records."""
+    estimate, rankmap = sections.get("estimate"), sections.get("rankmap")
+    return plan.model_copy(update={"estimate": Estimate.model_validate(estimate) if estimate else None,
+                                   "rankmap": RankMapRecord.model_validate(rankmap) if rankmap else None})
+
+
+def _accepted_digests(data: dict, plan: Plan, sections: dict[str, dict]) -> set[str]:
     """The digest of what the file holds, or of the plan as this version writes it back (`launch`
     re-writes plan.json into its run directory); for plans written before issue 19, the digest of
     their specs alone (their rank map and estimate are re-checked below, not trusted)."""
-    as_written = plan.model_dump(mode="json")
+    as_written = plan.model_dump(mode="json") | sections
     return {content_digest(data), content_digest(as_written), legacy_digest(data), legacy_digest(as_written)}
 
 
-def plan_problems(plan: Plan) -> list[str]:
-    """Every reason the plan contradicts itself (each naming the section), or []."""
+def plan_problems(plan: Plan, sections: dict[str, dict] | None = None) -> list[str]:
+    """Every reason the plan contradicts itself (each naming the section), or []. `sections`: the
+    estimate and rank map as a file holds them (default: the plan's own, as it writes them)."""
     from plan3d.layout import layout_problems
+
+    if sections is None:
+        sections = plan.model_dump(mode="json", include=set(SECTIONS))
 
     problems = [f"layout: {p}" for p in layout_problems(plan.layout, plan.model, plan.training,
                                                          plan.cluster.world_size)]
@@ -206,16 +282,16 @@ def plan_problems(plan: Plan) -> list[str]:
         problems += [f"layout: {p}" for p in plan.engine.layout_problems(plan.layout)]
     if problems:  # a rank map of an impossible layout says nothing more
         return problems
-    return _rankmap_problems(plan) + _estimate_problems(plan.estimate)
+    return _rankmap_problems(plan, sections.get("rankmap", {})) + _estimate_problems(sections.get("estimate", {}))
 
 
-def _rankmap_problems(plan: Plan) -> list[str]:
+def _rankmap_problems(plan: Plan, rankmap: dict[str, Any]) -> list[str]:
     from plan3d.rankmap import rankmap_for
 
     expected = json.loads(json.dumps(rankmap_dict(rankmap_for(plan.layout, plan.cluster.gpus_per_node))))
-    if plan.rankmap == expected:
+    if rankmap == expected:
         return []
-    differing = sorted(k for k in set(expected) | set(plan.rankmap) if plan.rankmap.get(k) != expected.get(k))
+    differing = sorted(k for k in set(expected) | set(rankmap) if rankmap.get(k) != expected.get(k))
     return [f"rankmap.{differing[0]}: differs from the rank map of the plan's layout on "
             f"{plan.cluster.gpus_per_node} GPUs per node"]
 
@@ -224,7 +300,7 @@ def _estimate_problems(estimate: dict[str, Any]) -> list[str]:
     if not estimate:  # a plan made without an estimate (the runtime's tests, calibrate)
         return []
     try:
-        PlanEstimate.model_validate(estimate, strict=True)
+        Estimate.model_validate(estimate, strict=True)
     except ValidationError as err:
         return validation_problems(err, prefix="estimate")
     return []

@@ -148,10 +148,10 @@ def test_the_memory_check_reads_the_plans_estimate_or_the_cost_model(tmp_path):
                  order="tp-cp-ep-dp-pp")
     demo = _plan_from_flags("local-cpu", "tiny-gpt", None, None, None, None, None, flags)
     assert memory_problem(demo) is None  # the demos fit
-    assert memory_problem(demo.model_copy(update={"estimate": {}})) is None  # no estimate: the cost model's
+    assert memory_problem(demo.model_copy(update={"estimate": None})) is None  # no estimate: the cost model's
     big = _plan_from_flags("local-cpu", "llama3-8b", None, None, None, None, None, flags)
     assert "does not fit" in memory_problem(big)
-    assert "does not fit" in memory_problem(big.model_copy(update={"estimate": {}}))
+    assert "does not fit" in memory_problem(big.model_copy(update={"estimate": None}))
 
 
 def test_a_fifo_where_the_run_plan_goes_is_refused_not_read(tmp_path):

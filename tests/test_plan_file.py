@@ -104,3 +104,68 @@ def test_recommend_out_onto_a_fifo_is_one_error_line(tmp_path, capsys):
     assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
     assert "FIFO" in err and str(fifo) in err
     assert stat.S_ISFIFO(os.stat(fifo).st_mode) and not (tmp_path / "plan.json.tmp").exists()
+
+
+# ---- issue 13: the estimate and the rank map as typed records ------------------------------------
+@pytest.fixture
+def estimated_plan_path(tmp_path):
+    from plan3d.cost.estimate import estimate
+
+    cluster, model, training = load_cluster("local-cpu"), load_model("tiny-gpt"), TrainingSpec(global_batch=16)
+    layout = Layout(tp=2, pp=2, dp=2, recompute="selective")
+    path = tmp_path / "estimated.json"
+    save_plan(build_plan(cluster, model, training, layout, estimate(cluster, model, training, layout).to_dict()), path)
+    return path
+
+
+def test_a_loaded_plan_holds_typed_records_and_writes_back_the_same_file(estimated_plan_path, plan_path):
+    from plan3d.plan import Estimate, RankMapRecord
+    from plan3d.vocab import MEMORY_TERMS, TIME_TERMS
+
+    plan = load_plan(str(estimated_plan_path))
+    assert isinstance(plan.estimate, Estimate) and isinstance(plan.rankmap, RankMapRecord)
+    assert tuple(plan.estimate.time_s) == TIME_TERMS and tuple(plan.estimate.memory_bytes) == MEMORY_TERMS
+    assert plan.estimate.step_time_s == pytest.approx(sum(plan.estimate.time_s.values()))
+    assert plan.rankmap.world_size == 8 and len(plan.rankmap.ranks) == 8
+    assert sorted(m for g in plan.rankmap.groups["tp"] for m in g) == list(range(8))
+    for path in (estimated_plan_path, plan_path):
+        assert load_plan(str(path)).model_dump_json(indent=1) == path.read_text()  # same bytes, same digest
+
+
+def test_a_plan_without_an_estimate_holds_none_and_writes_an_empty_section(plan_path):
+    plan = load_plan(str(plan_path))
+    assert plan.estimate is None
+    assert json.loads(plan_path.read_text())["estimate"] == {}
+    assert plan.digest == plan.specs_digest()
+
+
+def test_an_older_estimate_without_the_optional_fields_keeps_its_shape(estimated_plan_path):
+    data = json.loads(estimated_plan_path.read_text())
+    for key in ("mfu", "fits", "tiers", "provenance", "worst_pp_rank"):  # as a plan3d before them wrote it
+        del data["estimate"][key]
+    data["estimate"]["from_a_newer_plan3d"] = [1, "two"]
+    data["digest"] = digest_of({k: v for k, v in data.items() if k != "digest"})
+    estimated_plan_path.write_text(json.dumps(data))
+    plan = load_plan(str(estimated_plan_path))
+    assert plan.estimate.mfu is None and "mfu" not in plan.estimate and plan.estimate.get("fits", "?") == "?"
+    written = plan.model_dump(mode="json")
+    assert written["estimate"] == data["estimate"]  # nothing added, the unknown key kept
+    assert plan.specs_digest() == data["digest"]
+
+
+def test_the_records_still_read_as_the_dicts_they_were(estimated_plan_path):
+    plan = load_plan(str(estimated_plan_path))
+    assert plan.rankmap["gpus_per_node"] == plan.rankmap.gpus_per_node == plan.cluster.gpus_per_node
+    assert plan.rankmap["ranks"][3]["rank"] == 3
+    assert plan.estimate["step_time_s"] == plan.estimate.step_time_s
+    with pytest.raises(KeyError):
+        plan.estimate["model_dump"]  # a method is no key
+
+
+def test_a_bad_estimate_value_names_its_field(estimated_plan_path):
+    data = json.loads(estimated_plan_path.read_text())
+    data["estimate"]["time_s"]["compute"] = -1.0
+    data["digest"] = digest_of({k: v for k, v in data.items() if k != "digest"})
+    estimated_plan_path.write_text(json.dumps(data))
+    with pytest.raises(SpecError, match=r"estimate\.time_s\.compute"):
+        load_plan(str(estimated_plan_path))

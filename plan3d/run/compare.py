@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plan3d.cost.estimate import estimate
-from plan3d.plan import Plan
+from plan3d.plan import Estimate, Plan
 from plan3d.run.record import RunData
 from plan3d.specs.catalog import RUNTIME_ENGINE, load_engine
 from plan3d.vocab import COMM_TERMS, MODEL_STATE_TERMS, PHASES, TIME_TERMS
@@ -43,23 +43,24 @@ SEGMENT_KEYS = ("first_step", "last_step", "steps", "resumed_at_step", "resumed_
 
 
 # ---- the prediction for a run -------------------------------------------------------------------
-def predicted_for_run(plan: Plan, precision: str | None = None, cluster=None) -> dict:
+def predicted_for_run(plan: Plan, precision: str | None = None, cluster=None) -> Estimate:
     """What plan3d's runtime is predicted to do with the plan: the plan's stored estimate when the
     run used the plan's precision, no other cluster is asked for and the estimate is of the
     runtime (or of no engine: plans from before engines, whose cluster-only values the runtime's
     profile leaves as they are); else a fresh estimate for the runtime engine in the run's
     precision (a CPU launch trains in fp32 whatever the plan assumed)."""
-    precision = precision or plan.training.precision
-    of_runtime = plan.estimate.get("engine", "") in ("", RUNTIME_ENGINE)
-    if cluster is None and precision == plan.training.precision and plan.estimate.get("time_s") and of_runtime:
-        return plan.estimate
+    precision, stored = precision or plan.training.precision, plan.estimate
+    of_runtime = stored is not None and stored.engine in ("", RUNTIME_ENGINE)
+    if cluster is None and precision == plan.training.precision and of_runtime and stored.time_s:
+        return stored
     training = plan.training.model_copy(update={"precision": precision})
-    return estimate(cluster or plan.cluster, plan.model, training, plan.layout, load_engine(RUNTIME_ENGINE)).to_dict()
+    fresh = estimate(cluster or plan.cluster, plan.model, training, plan.layout, load_engine(RUNTIME_ENGINE))
+    return Estimate.unchecked(fresh.to_dict())
 
 
 def engine_note(plan: Plan) -> str | None:
     """A sentence when the plan was made for another engine than the runtime a launch trains with."""
-    made_for = plan.engine.name if plan.engine is not None else plan.estimate.get("engine", "")
+    made_for = plan.engine.name if plan.engine is not None else plan.estimate.engine if plan.estimate else ""
     if not made_for or made_for == RUNTIME_ENGINE:
         return None
     return (f"the plan was made for {made_for}; plan3d launch trains with plan3d's own runtime, so the "
@@ -106,10 +107,10 @@ def compare(run: RunData, cluster=None) -> Comparison:
     """Pair predicted and measured per term: step time, throughput, comm share, phases, memory."""
     est = predicted_for_run(run.plan, run.summary.get("precision"), cluster)
     summary = run.summary
-    step_pred = est["step_time_s"]
+    step_pred = est.step_time_s
     rows = [row("step time", step_pred, summary.get("step_time_s"), "s"),
-            row("tokens/s", est.get("tokens_per_s"), summary.get("tokens_per_s"), "tokens_per_s")]
-    time_s = est.get("time_s", {})
+            row("tokens/s", est.tokens_per_s, summary.get("tokens_per_s"), "tokens_per_s")]
+    time_s = est.time_s
     comm = sum(time_s.get(k, 0.0) for k in COMM_KEYS)
     rows.append(row("communication share of step", _finite(comm / step_pred) if step_pred else None, None, "ratio"))
     rows += _phase_rows(time_s, run.last_segment_metrics, int(summary.get("warmup_steps", 1)))
@@ -131,7 +132,7 @@ def _segment_prediction(run: RunData, segment: dict, cluster) -> float | None:
     plan = run.segment_plan(segment)
     if plan is None:
         return segment.get("predicted_step_time_s")
-    return predicted_for_run(plan, segment.get("precision"), cluster)["step_time_s"]
+    return predicted_for_run(plan, segment.get("precision"), cluster).step_time_s
 
 
 def _check_finite(rows: list[dict], run: RunData) -> None:
@@ -156,16 +157,16 @@ def _phase_rows(time_s: dict, metrics: list[dict], warmup: int) -> list[dict]:
     return rows
 
 
-def _memory_rows(est: dict, ranks: list[dict]) -> list[dict]:
+def _memory_rows(est: Estimate, ranks: list[dict]) -> list[dict]:
     """Model states of the most-loaded rank per category, and the peak over ranks."""
-    predicted = est.get("memory_bytes", {})
+    predicted = est.memory_bytes
     states = [r["model_state_bytes"] for r in ranks if r and r.get("model_state_bytes")]
     rows = []
     for key in STATE_KEYS:
         measured = max((s.get(key, 0) for s in states), default=None)
         rows.append(row(f"{key} (most-loaded rank)", predicted.get(key), measured, "bytes"))
     peaks = [r["peak_memory_bytes"] for r in ranks if r and r.get("peak_memory_bytes")]
-    rows.append(row("peak memory (most-loaded rank)", est.get("peak_memory_bytes"),
+    rows.append(row("peak memory (most-loaded rank)", est.peak_memory_bytes,
                     max(peaks) if peaks else None, "bytes"))
     return rows
 

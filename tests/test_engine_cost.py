@@ -31,7 +31,7 @@ def test_every_bundled_engine_estimates_a_layout_it_can_run(name):
     layout = Layout(tp=2, pp=2, dp=2, micro_batch=1, zero=eng.can_run.zero_with_pp[0],
                     recompute=eng.can_run.recompute[0], order=eng.can_run.orders[0],
                     sequence_parallel=eng.can_run.sequence_parallel_required)
-    if not eng.can_run.tensor_parallel:
+    if not eng.can_run.tensor_parallel or not eng.can_run.tensor_parallel_with_pp:
         layout = layout.model_copy(update={"tp": 1, "dp": 4, "sequence_parallel": False})
     est = estimate(load_cluster("dgx-h100", nodes=1), GPT, TRAINING, layout, eng)
     assert est.engine == name and est.step_time_s > 0
@@ -42,6 +42,7 @@ def test_every_bundled_engine_estimates_a_layout_it_can_run(name):
     ("megatron-deepspeed", Layout(tp=2, pp=2, dp=2, vpp=2), "interleaved"),
     ("megatron-deepspeed", Layout(tp=2, pp=2, dp=2, sequence_parallel=True), "sequence parallelism"),
     ("megatron-core", Layout(tp=2, pp=2, dp=2, zero=3), "ZeRO-3 with pipeline"),
+    ("deepspeed-0.19", Layout(tp=2, pp=2, dp=2, zero=1), "tensor parallelism only without a pipeline"),
     ("megatron-lm-2021", Layout(tp=2, pp=1, dp=4, zero=1), "ZeRO-1 without pipeline"),
     ("deepspeed", Layout(tp=2, pp=1, dp=4), "no tensor parallelism"),
     ("torchtitan", Layout(tp=2, pp=2, dp=2, zero=1), "ZeRO-1 with pipeline"),

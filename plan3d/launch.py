@@ -94,7 +94,7 @@ def memory_problem(plan: Plan) -> str | None:
 
 def node_layout(plan: Plan, nnodes: int, node_rank: int) -> int:
     """Ranks per node; raises when nnodes/node_rank cannot place the plan's world."""
-    world, gpn = plan.layout.world_size, int(plan.rankmap["gpus_per_node"])
+    world, gpn = plan.layout.world_size, plan.gpus_per_node
     nproc = min(world, gpn)
     if world % nproc or world // nproc != nnodes:
         need = -(-world // nproc)
@@ -263,7 +263,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def nodes_needed(plan: Plan) -> int:
-    world, gpn = plan.layout.world_size, int(plan.rankmap["gpus_per_node"])
+    world, gpn = plan.layout.world_size, plan.gpus_per_node
     return -(-world // min(world, gpn))
 
 

@@ -135,6 +135,11 @@ class Plan(StrictModel):
     def _none_is_empty(self, value, handler):
         return {} if value is None else handler(value)
 
+    @property
+    def gpus_per_node(self) -> int:
+        """Ranks per node as the plan places them (its rank map; the cluster's when it has none)."""
+        return (self.rankmap or self.cluster).gpus_per_node
+
     def specs_digest(self) -> str:
         """The digest of everything the plan holds (specs, layout, engine, estimate, rank map)."""
         return content_digest(self.model_dump(mode="json"))

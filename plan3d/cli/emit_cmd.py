@@ -116,7 +116,7 @@ def emit_torchrun_cmd(plan: PlanArg, out: OutOpt = None, master_addr: MasterAddr
     check_run_flags(steps=steps, master_port=master_port, timeout_s=timeout_s, master_addr=master_addr)
     check_script_flags(run_dir=run_dir, plan=plan, data=data)
     loaded = load_plan(plan)
-    world, gpn = loaded.layout.world_size, int(loaded.rankmap["gpus_per_node"])
+    world, gpn = loaded.layout.world_size, loaded.gpus_per_node
     nnodes = -(-world // min(world, gpn))
     args = worker_argv(Path(run_dir), steps, "auto", ["--timeout-s", timeout_s, *_data_args(loaded, data)])
     commands = torchrun_commands(plan, world, nnodes, gpn, master_addr, master_port, args, python="python",

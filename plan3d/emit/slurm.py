@@ -48,7 +48,7 @@ def sbatch_script(plan: Plan, plan_path: str, steps: int = 100, run_dir: str = "
     check_run_flags(steps=steps, master_port=master_port)
     check_script_flags(job_name=job_name, time_limit=time_limit, partition=partition, cpus_per_task=cpus_per_task,
                        run_dir=run_dir, plan=plan_path, plan3d_bin=plan3d_bin)
-    world, gpn = plan.layout.world_size, int(plan.rankmap.get("gpus_per_node", plan.cluster.gpus_per_node))
+    world, gpn = plan.layout.world_size, plan.gpus_per_node
     per_node = min(world, gpn)
     nnodes = -(-world // per_node)
     cpus = node_cpus(plan, cpus_per_task)

@@ -36,15 +36,21 @@ LATEST = files.LATEST
 
 
 def _dtensor(t: torch.Tensor, mesh, tp_dim: int | None) -> DTensor:
-    placements = [Replicate(), Shard(tp_dim) if tp_dim is not None else Replicate()]
+    """Replicated over every dimension of `mesh` but the last (tp), split over tp along `tp_dim`."""
+    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(tp_dim) if tp_dim is not None else Replicate()]
     return DTensor.from_local(t.contiguous(), mesh, placements, run_check=False)
+
+
+def _state_mesh(ctx):
+    """The stage's (dp, tp) sub-mesh, (dp, cp, tp) with context parallelism (cp ranks hold replicas)."""
+    return ctx.mesh["dp", "cp", "tp"] if ctx.cp.size > 1 else ctx.mesh["dp", "tp"]
 
 
 def save(root: Path, step: int, engine, ctx, meta: dict, written=None, keep_last: int = 0) -> Path:
     """Write step `step` atomically under `root`; returns the final directory. `written()` runs
     on every rank after its shards are on disk and before the commit (fault injection)."""
     state = engine.logical_state()
-    mesh = ctx.mesh["dp", "tp"]
+    mesh = _state_mesh(ctx)
     sd = {f"{k}/{e.name}": _dtensor(state[e.name][k], mesh, e.tp_dim)
           for e in engine.entries if not e.tied_copy for k in state[e.name]}
     final, tmp = _fresh_name(root, step), root / f"step_{step:08d}.tmp"
@@ -116,7 +122,7 @@ def load(path: Path, engine, ctx) -> dict:
     """Load into this layout (resharding as needed); returns the checkpoint's meta."""
     directory = _verified_everywhere(path, ctx.rank)
     meta = json.loads((directory / files.META).read_text())
-    mesh = ctx.mesh["dp", "tp"]
+    mesh = _state_mesh(ctx)
     keys = ("param",) + engine.moment_names()
     sd = {f"{k}/{e.name}": _dtensor(torch.zeros(tuple(e.param.shape), device=ctx.device), mesh, e.tp_dim)
           for e in engine.entries for k in keys}

@@ -2,6 +2,9 @@
 
 The mesh is a (pp, dp, tp) array whose cell [p, d, t] is the rank the plan placed at those
 coordinates, so any `order` of the plan (tp-dp-pp, tp-pp-dp, ...) gives the plan's own groups.
+With context parallelism (cp > 1) it is (pp, dp, cp, tp), and its (dp, cp) dimensions are also
+flattened into one "dp_cp" mesh: the gradient reduction and the ZeRO shards span dp x cp
+(`runtime/cp.py`). With cp == 1 no cp dimension is made and dp_cp is the dp dimension itself.
 One `ParallelContext` object is passed around; there are no module-level group globals.
 """
 from __future__ import annotations
@@ -16,17 +19,27 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from plan3d.errors import LaunchError
+from plan3d.runtime.cp import CPInfo
 from plan3d.runtime.tp import TPInfo
 
 MESH_DIMS = ("pp", "dp", "tp")
+CP_MESH_DIMS = ("pp", "dp", "cp", "tp")
+DP_CP = "dp_cp"
+
+
+def mesh_dims(layout) -> tuple[str, ...]:
+    """The mesh's dimension names: a cp dimension only when cp > 1."""
+    return CP_MESH_DIMS if layout.cp > 1 else MESH_DIMS
 
 
 def mesh_array(rankmap: dict, layout) -> torch.Tensor:
-    """[pp, dp, tp] tensor of global ranks, from the plan's per-rank coordinates."""
-    mesh = torch.full((layout.pp, layout.dp, layout.tp), -1, dtype=torch.int64)
+    """[pp, dp, tp] (cp > 1: [pp, dp, cp, tp]) tensor of global ranks, from the plan's per-rank
+    coordinates."""
+    dims = mesh_dims(layout)
+    mesh = torch.full(tuple(getattr(layout, d) for d in dims), -1, dtype=torch.int64)
     for r in rankmap["ranks"]:
-        mesh[r["pp"], r["dp"], r["tp"]] = r["rank"]
-    assert (mesh >= 0).all(), "rank map does not cover the (pp, dp, tp) grid"
+        mesh[tuple(r.get(d, 0) for d in dims)] = r["rank"]
+    assert (mesh >= 0).all(), f"rank map does not cover the {dims} grid"
     return mesh
 
 
@@ -40,9 +53,27 @@ class ParallelContext:
     tp: TPInfo
     embedding_group: object | None = None
     sizes: dict = field(default_factory=dict)
+    cp: CPInfo = field(default_factory=CPInfo)
+    flat_dp_cp: DeviceMesh | None = None  # the flattened (dp, cp) mesh when cp > 1
 
     def group(self, dim: str):
+        if dim == DP_CP:
+            return self.dp_cp_mesh.get_group()
         return self.mesh.get_group(dim)
+
+    @property
+    def dp_cp_size(self) -> int:
+        """Ranks that hold the same parameters and reduce gradients together: dp x cp."""
+        return self.sizes["dp"] * self.cp.size
+
+    @property
+    def dp_cp_rank(self) -> int:
+        return self.flat_dp_cp.get_local_rank() if self.flat_dp_cp is not None else self.coords["dp"]
+
+    @property
+    def dp_cp_mesh(self) -> DeviceMesh:
+        """1-D mesh of this rank's dp x cp group (FSDP2 shards over it)."""
+        return self.flat_dp_cp if self.flat_dp_cp is not None else self.mesh["dp"]
 
     def local(self, dim: str) -> int:
         return self.coords[dim]
@@ -82,12 +113,19 @@ def group_options(backend: str, timeout: timedelta):
 
 
 def build_mesh(plan, device: torch.device, timeout: timedelta) -> DeviceMesh:
-    """The (pp, dp, tp) DeviceMesh of the plan's rank map; every dimension's groups time out
-    after `timeout`, like the world group."""
-    backend = dist.get_backend()
-    override = tuple((backend, group_options(backend, timeout)) for _ in MESH_DIMS)
-    return DeviceMesh(device.type, mesh_array(plan.rankmap, plan.layout), mesh_dim_names=MESH_DIMS,
+    """The (pp, dp, tp) (cp > 1: (pp, dp, cp, tp)) DeviceMesh of the plan's rank map; every
+    dimension's groups time out after `timeout`, like the world group."""
+    backend, dims = dist.get_backend(), mesh_dims(plan.layout)
+    override = tuple((backend, group_options(backend, timeout)) for _ in dims)
+    return DeviceMesh(device.type, mesh_array(plan.rankmap, plan.layout), mesh_dim_names=dims,
                       backend_override=override)
+
+
+def flatten_dp_cp(mesh: DeviceMesh, timeout: timedelta) -> DeviceMesh:
+    """The (dp, cp) dimensions as one mesh, dp slowest (the rank map's dp_cp group order), as
+    torchtitan 0.3 flattens its ("batch", "cp") loss mesh (`distributed/parallel_dims.py`)."""
+    backend = dist.get_backend()
+    return mesh["dp", "cp"]._flatten(DP_CP, backend_override=(backend, group_options(backend, timeout)))
 
 
 def build_context(plan, device: torch.device, timeout: timedelta) -> ParallelContext:
@@ -95,11 +133,13 @@ def build_context(plan, device: torch.device, timeout: timedelta) -> ParallelCon
     layout, rank = plan.layout, dist.get_rank()
     mesh = build_mesh(plan, device, timeout)
     coords = dict(plan.rankmap["ranks"][rank])
-    sizes = {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp}
+    sizes = {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp, "cp": layout.cp}
     tp = TPInfo(layout.tp, coords["tp"], mesh.get_group("tp") if layout.tp > 1 else None,
                 layout.sequence_parallel)
+    cp = CPInfo(layout.cp, coords.get("cp", 0), mesh.get_group("cp") if layout.cp > 1 else None)
+    flat = flatten_dp_cp(mesh, timeout) if layout.cp > 1 else None
     return ParallelContext(rank, dist.get_world_size(), mesh, coords, device, tp,
-                           _embedding_group(plan, rank, timeout), sizes)
+                           _embedding_group(plan, rank, timeout), sizes, cp, flat)
 
 
 def placement_problems(plan, placements: list[dict]) -> list[str]:

@@ -9,6 +9,8 @@
 
 Hand-written for 0-2 because DDP crashes or gives WRONG losses under the pipelining schedules and
 rejects tensor-parallel parameters, and `ZeroRedundancyOptimizer` has no ZeRO 2 (torch-notes.md).
+With context parallelism "dp" below is the dp x cp group (`ParallelContext.dp_cp_size`,
+Megatron's data-parallel group with context parallel; `runtime/cp.py`).
 Model-parallel gradient reductions (sequence-parallel replicas over tp, tied embedding copies
 over the embedding group) happen first, in `engine.reduce_model_parallel_grads`. Every engine
 satisfies `engine.DataParallel`; `make_dp` picks one.
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 
 from plan3d.runtime.comm import all_reduce_coalesced
-from plan3d.runtime.context import ParallelContext
+from plan3d.runtime.context import DP_CP, ParallelContext
 from plan3d.runtime.engine import DataParallel, Entry, LogicalState, local_tensor, reduce_model_parallel_grads
 from plan3d.runtime.optim import make_optimizer, moment_names, optimizer_state_bytes
 from plan3d.runtime.zero import FlatZeroDP
@@ -32,8 +34,8 @@ class ReplicatedDP:
 
     def __init__(self, entries: list[Entry], ctx: ParallelContext, optimizer: str, lr: float):
         self.entries, self.ctx = entries, ctx
-        self.dp, self.dp_rank = ctx.sizes["dp"], ctx.local("dp")
-        self.dp_group = ctx.group("dp")
+        self.dp, self.dp_rank = ctx.dp_cp_size, ctx.dp_cp_rank  # dp x cp (runtime/cp.py)
+        self.dp_group = ctx.group(DP_CP)
         self.opt = make_optimizer([e.param for e in entries], optimizer, lr)
 
     def reduce_grads(self) -> None:
@@ -132,7 +134,7 @@ def shard_stages(stages: list[nn.Module], ctx: ParallelContext, amp_dtype) -> No
     """FSDP2: one unit per transformer block and one per stage (torchtitan's composition)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # imports DTensor: ZeRO 3 only
 
-    mesh = ctx.mesh["dp"]
+    mesh = ctx.dp_cp_mesh  # dp x cp, as torchtitan folds cp into its FSDP mesh
     mp = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32) if amp_dtype else MixedPrecisionPolicy()
     for stage in stages:
         for block in stage.layers.values():
@@ -148,7 +150,7 @@ def make_dp(entries: list[Entry], ctx: ParallelContext, zero: int, optimizer: st
     an engine that `collects_grads` divides by it, the schedule must then not scale."""
     if zero == 3:
         return FullyShardedDP(entries, ctx, optimizer, lr)
-    if param_dtype is not None or (zero in (1, 2) and ctx.sizes["dp"] > 1):
+    if param_dtype is not None or (zero in (1, 2) and ctx.dp_cp_size > 1):
         return FlatZeroDP(entries, ctx, optimizer, lr, zero, param_dtype or torch.float32,
                           grad_divisor=pipeline_micro_batches)
     return ReplicatedDP(entries, ctx, optimizer, lr)

@@ -6,6 +6,10 @@ arXiv:2305.13245), GELU or SwiGLU MLP (Shazeer 2020, arXiv:2002.05202), LayerNor
 Q, K, V and gate/up are separate matrices so that a tp shard is a plain slice of each, and so that
 a checkpoint holds layout-independent tensors (reshard on load).
 
+With context parallelism (`runtime/cp.py`) each rank holds s/cp tokens of every sequence at known
+global positions: the learned position embedding and RoPE use those positions, and attention
+all-gathers K/V over the cp group under a causal mask of global positions.
+
 Initial weights do not depend on the layout: each parameter's FULL tensor is drawn from a
 generator seeded by (seed, logical name), then this rank's tp slice is kept (GPT-2 init: normal
 0.02, output projections 0.02/sqrt(2 * layers)).
@@ -20,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from plan3d.runtime import cp as cpx
 from plan3d.runtime import tp as tpx
 from plan3d.specs.model import ModelSpec
 
@@ -68,19 +73,22 @@ def _norm(model: ModelSpec) -> nn.Module:
     return norm
 
 
-def rope(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
-    """Rotary embedding of [b, heads, s, d] (rotate-half form)."""
+def rope(x: torch.Tensor, theta: float = 10000.0, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotary embedding of [b, heads, s, d] (rotate-half form); `positions` [s]: the tokens'
+    global positions (default 0 .. s-1)."""
     d, s = x.shape[-1], x.shape[-2]
     freq = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    angle = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), freq)
+    pos = torch.arange(s, device=x.device) if positions is None else positions
+    angle = torch.outer(pos.to(torch.float32), freq)
     cos, sin = angle.cos().repeat(1, 2).to(x.dtype), angle.sin().repeat(1, 2).to(x.dtype)
     half = torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1)
     return x * cos + half * sin
 
 
 class Attention(nn.Module):
-    def __init__(self, model: ModelSpec, tp: tpx.TPInfo, selective_recompute: bool):
+    def __init__(self, model: ModelSpec, tp: tpx.TPInfo, selective_recompute: bool, cp: cpx.CPInfo = cpx.CPInfo()):
         super().__init__()
+        self.cp = cp
         self.d, self.rope = model.head_dim_, model.position == "rope"
         self.heads, self.kv = model.heads // tp.size, model.kv_heads_ // tp.size
         self.recompute = selective_recompute
@@ -96,10 +104,31 @@ class Attention(nn.Module):
             k, v = (t.repeat_interleave(self.heads // self.kv, dim=1) for t in (k, v))
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
+    def _masked_core(self, q, k, v, mask):
+        if self.kv < self.heads:
+            k, v = (t.repeat_interleave(self.heads // self.kv, dim=1) for t in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def _context_parallel(self, q, k, v):
+        """Local queries [b, heads, s/cp, d] against the keys and values of the whole sequence,
+        all-gathered over the cp group (outside any selective recompute: no collective is replayed)."""
+        seq = q.shape[-2] * self.cp.size
+        mine = cpx.positions(seq, self.cp.size, self.cp.rank, q.device)
+        if self.rope:
+            q, k = rope(q, positions=mine), rope(k, positions=mine)
+        k, v = (cpx.gather_sequence(t, self.cp, dim=2) for t in (k, v))
+        mask = cpx.causal_mask(mine, cpx.gathered_positions(seq, self.cp.size, q.device))
+        if self.recompute:
+            return checkpoint(self._masked_core, q, k, v, mask, use_reentrant=False)
+        return self._masked_core(q, k, v, mask)
+
     def forward(self, x):
         b, s, _ = x.shape
         q, k, v = (m(x).view(b, s, -1, self.d).transpose(1, 2) for m in (self.q, self.k, self.v))
-        y = checkpoint(self._core, q, k, v, use_reentrant=False) if self.recompute else self._core(q, k, v)
+        if self.cp.size > 1:
+            y = self._context_parallel(q, k, v)
+        else:
+            y = checkpoint(self._core, q, k, v, use_reentrant=False) if self.recompute else self._core(q, k, v)
         return self.o(y.transpose(1, 2).reshape(b, s, self.heads * self.d))
 
 
@@ -120,11 +149,11 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """x [b, s (or s/tp with SP), h] -> same; the norms run on sequence shards under SP."""
 
-    def __init__(self, model: ModelSpec, tp: tpx.TPInfo, recompute: str):
+    def __init__(self, model: ModelSpec, tp: tpx.TPInfo, recompute: str, cp: cpx.CPInfo = cpx.CPInfo()):
         super().__init__()
         self.tp, self.full_recompute = tp, recompute == "full"
         self.norm1, self.norm2 = _norm(model), _norm(model)
-        self.attn = Attention(model, tp, recompute == "selective")
+        self.attn = Attention(model, tp, recompute == "selective", cp)
         self.mlp = MLP(model, tp)
 
     def _forward(self, x):
@@ -136,9 +165,9 @@ class Block(nn.Module):
 
 
 class Embedding(nn.Module):
-    def __init__(self, model: ModelSpec, tp: tpx.TPInfo):
+    def __init__(self, model: ModelSpec, tp: tpx.TPInfo, cp: cpx.CPInfo = cpx.CPInfo()):
         super().__init__()
-        self.tp = tp
+        self.tp, self.cp = tp, cp
         self.tok = nn.Module()
         self.tok.weight = _param(model.vocab // tp.size, model.hidden, tp_dim=0, kind="normal")
         self.pos = None
@@ -149,8 +178,16 @@ class Embedding(nn.Module):
     def forward(self, tokens):
         x = tpx.vocab_embedding(tokens, self.tok.weight, self.tp)
         if self.pos is not None:
-            x = x + tpx.seq_shard(self.pos.weight[: tokens.shape[1]].unsqueeze(0), self.tp)
+            x = x + tpx.seq_shard(self._positions(tokens.shape[1]).unsqueeze(0), self.tp)
         return x
+
+    def _positions(self, local_seq: int) -> torch.Tensor:
+        """Position embeddings of this rank's tokens: the first s, or under cp the global
+        positions of its two chunks."""
+        if self.cp.size == 1:
+            return self.pos.weight[:local_seq]
+        seq = local_seq * self.cp.size
+        return self.pos.weight[cpx.positions(seq, self.cp.size, self.cp.rank, self.pos.weight.device)]
 
 
 class Head(nn.Module):
@@ -174,11 +211,11 @@ class Stage(nn.Module):
     """One (virtual) pipeline stage: [embedding] + layers [first, last) + [head]."""
 
     def __init__(self, model: ModelSpec, tp: tpx.TPInfo, layers: range, first: bool, last: bool,
-                 recompute: str = "none", amp_dtype: torch.dtype | None = None):
+                 recompute: str = "none", amp_dtype: torch.dtype | None = None, cp: cpx.CPInfo = cpx.CPInfo()):
         super().__init__()
         self.amp_dtype = amp_dtype
-        self.embed = Embedding(model, tp) if first else None
-        self.layers = nn.ModuleDict({str(i): Block(model, tp, recompute) for i in layers})
+        self.embed = Embedding(model, tp, cp) if first else None
+        self.layers = nn.ModuleDict({str(i): Block(model, tp, recompute, cp) for i in layers})
         self.shares_embedding = model.tied_embeddings and first and last
         self.head = Head(model, tp, own_weight=not self.shares_embedding) if last else None
         self.tied_copy = "head.out.weight" if model.tied_embeddings and last and not first else None

@@ -36,7 +36,7 @@ def build_stages(plan, ctx: ParallelContext, seed: int, amp_dtype=None) -> tuple
     stages = []
     for sid in ids:
         stage = Stage(plan.model, ctx.tp, ranges[sid], first=sid == 0, last=sid == len(ranges) - 1,
-                      recompute=plan.layout.recompute, amp_dtype=amp_dtype)
+                      recompute=plan.layout.recompute, amp_dtype=amp_dtype, cp=ctx.cp)
         init_stage(stage, ctx.tp, seed, plan.model.layers)
         stages.append(stage.to(ctx.device))
     return stages, ids
@@ -56,7 +56,8 @@ def _io_shapes(plan, ctx: ParallelContext, sid: int, seq: int, dtype):
 
 def make_schedule(plan, ctx: ParallelContext, stages, ids, seq: int, n_micro: int,
                   dtype=torch.float32, scale_grads: bool = True):
-    """The native schedule for this rank, or None when pp == 1. `scale_grads=False` when the
+    """The native schedule for this rank, or None when pp == 1. `seq`: the tokens of a sequence
+    this rank holds (seq / cp under context parallelism). `scale_grads=False` when the
     gradients live outside `param.grad` (mixed precision) and are divided by the engine."""
     if plan.layout.pp == 1:
         return None

@@ -14,6 +14,7 @@ from plan3d.errors import LaunchError
 from plan3d.runtime import history, memory
 from plan3d.runtime.clip import clip_global_norm
 from plan3d.runtime.context import build_context, check_placement
+from plan3d.runtime.cp import check_seq, split_sequence
 from plan3d.runtime.data import replica_batch
 from plan3d.runtime.dp import make_dp, shard_stages
 from plan3d.runtime.engine import collect_entries, rebind_entries
@@ -88,6 +89,8 @@ class Runner:
         self.ctx = build_context(self.plan, self.device, timeout)
         self.precision, amp = run_precision(self.plan, self.device, args.precision)
         layout, training = self.plan.layout, self.plan.training
+        self.seq = training.seq_len or self.plan.model.seq_len
+        check_seq(self.seq, layout.cp)
         self.stages, self.ids = build_stages(self.plan, self.ctx, args.seed, amp)
         entries = collect_entries(self.stages, self.ctx)
         if args.compile:
@@ -96,20 +99,22 @@ class Runner:
         if layout.zero == 3:
             shard_stages(self.stages, self.ctx, amp)
             rebind_entries(entries, self.stages)
-        self.seq = training.seq_len or self.plan.model.seq_len
         self.n_micro = layout.micro_batches(training.global_batch)
         self.engine = make_dp(entries, self.ctx, layout.zero, training.optimizer, args.lr, amp,
                               pipeline_micro_batches=self.n_micro if layout.pp > 1 else 1)
-        self.schedule = make_schedule(self.plan, self.ctx, self.stages, self.ids, self.seq, self.n_micro,
+        self.schedule = make_schedule(self.plan, self.ctx, self.stages, self.ids, self.seq // layout.cp, self.n_micro,
                                       amp or torch.float32, scale_grads=not self.engine.collects_grads)
         self.state_bytes: dict = {}
         self.tokens = map_tokens(args.data, self.seq + 1) if args.data else None  # checked by the launcher
         self.data_record = token_file_record(args.data) if args.data else SYNTHETIC
 
     def batch(self, step: int):
+        """(inputs, targets) of this rank: its dp replica's rows, and under context parallelism
+        its cp rank's two chunks of each sequence (runtime/cp.py)."""
         t = self.plan.training
-        return replica_batch(self.args.seed, step, t.global_batch, self.seq, self.plan.model.vocab,
+        rows = replica_batch(self.args.seed, step, t.global_batch, self.seq, self.plan.model.vocab,
                              self.plan.layout.dp, self.ctx.local("dp"), self.tokens)
+        return tuple(split_sequence(x, self.ctx.cp.size, self.ctx.cp.rank) for x in rows)
 
     def step(self, step: int) -> dict:
         clock = PhaseClock(self.device)
@@ -133,10 +138,11 @@ class Runner:
                 "tokens_per_s": tokens / elapsed, "phases_s": clock.phases}
 
     def _global_loss(self, loss) -> float:
-        """Mean loss over the global batch, known on every rank (one all-reduce)."""
+        """Mean loss over the global batch, known on every rank (one all-reduce); each cp rank's
+        loss is the mean over its equal share of every sequence's tokens."""
         mine = torch.zeros(1, device=self.device, dtype=torch.float64)
         if loss is not None and self.ctx.tp.rank == 0:
-            mine += loss.double() / self.plan.layout.dp
+            mine += loss.double() / (self.plan.layout.dp * self.plan.layout.cp)
         dist.all_reduce(mine)
         return float(mine)
 
@@ -221,6 +227,12 @@ def _summary(runner: Runner, records: list[dict], peaks: list, start_step: int) 
     }
 
 
+def _mesh_groups(ctx) -> dict[str, list[int]]:
+    """This rank's group of every mesh dimension (and of dp x cp when cp > 1), as global ranks."""
+    dims = ("tp", "dp", "pp") + (("cp", "dp_cp") if ctx.cp.size > 1 else ())
+    return {d: dist.get_process_group_ranks(ctx.group(d)) for d in dims}
+
+
 def train(args, run_dir: Path, rank: int, inject) -> None:
     runner = Runner(args, run_dir, rank)
     start_step = runner.resume()
@@ -248,7 +260,7 @@ def train(args, run_dir: Path, rank: int, inject) -> None:
             _poison(runner)
     mine = {"rank": rank, "model_state_bytes": runner.state_bytes, "peak_memory_bytes": memory.peak_bytes(runner.device),
             "pp": runner.ctx.local("pp"), "dp": runner.ctx.local("dp"), "tp": runner.ctx.local("tp"),
-            "mesh_groups": {d: dist.get_process_group_ranks(runner.ctx.group(d)) for d in ("tp", "dp", "pp")}}
+            "cp": runner.ctx.cp.rank, "mesh_groups": _mesh_groups(runner.ctx)}
     peaks: list = [None] * runner.ctx.world
     dist.all_gather_object(peaks, mine)
     if rank == 0:

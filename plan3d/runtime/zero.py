@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plan3d.runtime.comm import all_gather_flat, reduce_scatter_flat
-from plan3d.runtime.context import ParallelContext
+from plan3d.runtime.context import DP_CP, ParallelContext
 from plan3d.runtime.engine import Entry, LogicalState, reduce_model_parallel_grads
 from plan3d.runtime.optim import make_optimizer, moment_names, optimizer_state_bytes
 
@@ -43,8 +43,8 @@ class FlatZeroDP:
     def __init__(self, entries: list[Entry], ctx: ParallelContext, optimizer: str, lr: float, zero: int,
                  param_dtype: torch.dtype = torch.float32, grad_divisor: int = 1):
         self.entries, self.ctx, self.zero, self.grad_divisor = entries, ctx, zero, grad_divisor
-        self.dp, self.dp_rank = ctx.sizes["dp"], ctx.local("dp")
-        self.dp_group = ctx.group("dp") if self.dp > 1 else None
+        self.dp, self.dp_rank = ctx.dp_cp_size, ctx.dp_cp_rank  # dp x cp (runtime/cp.py)
+        self.dp_group = ctx.group(DP_CP) if self.dp > 1 else None
         self.slices = self.dp if zero in (1, 2) else 1
         self.offsets, total = {}, 0
         for e in entries:

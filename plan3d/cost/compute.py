@@ -14,6 +14,8 @@ import numpy as np
 from plan3d.cost.context import CostContext
 
 GEMMS_PER_LAYER = 6  # fused QKV, scores, scores x V, output projection, MLP up (+gate), MLP down
+LINEAR_GEMMS = 4  # the weight GEMMs: fused QKV, output projection, MLP up (+gate), MLP down
+ATTENTION_GEMMS = GEMMS_PER_LAYER - LINEAR_GEMMS  # scores, scores x V
 
 
 def layer_gemm_flops(ctx: CostContext, tokens):
@@ -46,6 +48,38 @@ def gemm_s(ctx: CostContext, flops, kernels):
     return (flops + kernels * ctx.gemm_half_work_flops) / (ctx.gemm_max_fraction * ctx.peak_flops)
 
 
+def fp8_linear_s(ctx: CostContext, flops, kernels):
+    """Time of `kernels` linear-layer GEMMs totalling `flops` in FP8: the FLOPs at the fp8
+    ceiling (fp8_max_fraction of the fp8 peak), the fixed cost per kernel as long as a bf16
+    kernel's (tile fill, launch and wave quantisation do not shrink with the data type, so small
+    per-GPU matrices gain little from FP8)."""
+    fixed = kernels * ctx.gemm_half_work_flops / (ctx.gemm_max_fraction * ctx.peak_flops)
+    return flops / (ctx.fp8_max_fraction * ctx.fp8_peak_flops) + fixed
+
+
+def fp8_cast_elements(ctx: CostContext, tokens, tp):
+    """Elements one GPU casts to FP8 for one layer's forward and backward of `tokens` tokens:
+    each linear GEMM's input (forward: the QKV and FC1 inputs, hidden-wide and whole on every tp
+    rank; the projection and FC2 inputs, split by tp) and each one's output gradient (backward:
+    the projection and FC2 ones hidden-wide, the QKV and FC1 ones split by tp)."""
+    whole = 4 * tokens * ctx.hidden
+    split = tokens * (ctx.q_dim + ctx.ffn + ctx.q_dim + 2 * ctx.kv_dim + ctx.mlp_mats * ctx.ffn) / tp
+    return whole + split
+
+
+def layer_gemms_s(ctx: CostContext, mb, tp):
+    """Forward time of one layer's six GEMMs for one micro-batch on one GPU. 16/32-bit: all at
+    one peak. FP8: the four linear GEMMs in FP8 (`fp8_linear_s`), the attention pair in bf16,
+    plus a third of the layer's cast traffic (`fp8_cast_elements`: forward and backward together;
+    the backward counts twice the forward, so forward + backward pay it once)."""
+    tokens = mb * ctx.seq
+    if not ctx.fp8_peak_flops:
+        return gemm_s(ctx, (layer_gemm_flops(ctx, tokens) + layer_attention_flops(ctx, mb)) / tp, GEMMS_PER_LAYER)
+    cast = memory_bound_s(ctx, fp8_cast_elements(ctx, tokens, tp), ctx.fp8_cast_bytes)
+    return (fp8_linear_s(ctx, layer_gemm_flops(ctx, tokens) / tp, LINEAR_GEMMS)
+            + gemm_s(ctx, layer_attention_flops(ctx, mb) / tp, ATTENTION_GEMMS) + cast / 3)
+
+
 def memory_bound_s(ctx: CostContext, elements, bytes_per_element):
     """Time of memory-bound kernels that move `bytes_per_element` per element over HBM."""
     return elements * bytes_per_element / ctx.hbm_bytes_per_s
@@ -53,15 +87,14 @@ def memory_bound_s(ctx: CostContext, elements, bytes_per_element):
 
 def layer_forward_s(ctx: CostContext, mb, tp, sp_div):
     """Forward time of one layer for one micro-batch on one GPU (no communication):
-    weight GEMMs and attention GEMMs split by tp, the elementwise work on the hidden-size
+    weight GEMMs and attention GEMMs split by tp (`layer_gemms_s`: FP8 for the weight GEMMs under fp8), the elementwise work on the hidden-size
     activations (replicated over tp unless sequence parallel) and on the tp-split ones, and
     the attention-score traffic of an unfused softmax (zero with flash attention)."""
     tokens = mb * ctx.seq
-    flops = (layer_gemm_flops(ctx, tokens) + layer_attention_flops(ctx, mb)) / tp
     split_elements = tokens * (ctx.q_dim + 2 * ctx.kv_dim + ctx.mlp_mats * ctx.ffn) / tp
     elements = tokens * ctx.hidden / sp_div + split_elements
     scores = mb * ctx.heads / tp * ctx.seq**2
-    return (gemm_s(ctx, flops, GEMMS_PER_LAYER)
+    return (layer_gemms_s(ctx, mb, tp)
             + memory_bound_s(ctx, elements, ctx.elementwise_bytes)
             + memory_bound_s(ctx, scores, ctx.attention_score_bytes))
 

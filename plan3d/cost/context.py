@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from plan3d.cost.fp8 import compute_dtype, fp8_fields
 from plan3d.cost.params import norm_params
 from plan3d.specs.cluster import ClusterSpec
 from plan3d.specs.engine import EngineSpec
@@ -59,6 +60,9 @@ class CostContext:
     param_gather_overlap: bool = False  # ZeRO-1/2 weight all-gather hidden behind the first forward
     cpu_cores_per_node: int = 0  # CPU "GPUs": the cores a node's ranks share (0: not shared)
     gpus_per_node: int = 1
+    fp8_peak_flops: float = 0.0  # fp8 training: the linear-layer GEMMs' peak (0: no fp8; plan3d.cost.fp8)
+    fp8_max_fraction: float = 0.0
+    fp8_cast_bytes: float = 0.0
 
 
 def bytes_per_param(training: TrainingSpec) -> tuple[int, int, int]:
@@ -93,13 +97,15 @@ def make_context(cluster: ClusterSpec | None, model: ModelSpec, training: Traini
     if engine is not None:
         eff = eff.model_copy(update=engine.software_values())
     runs_as = engine.runs_as if engine is not None else None
+    max_fraction = eff.max_fraction * (engine.efficiency.gemm_efficiency_scale if engine else 1.0)
     return CostContext(
         **_model_fields(model, training),
         reserve_bytes=reserve_bytes(cluster, training),
         capacity_bytes=cluster.gpu.memory_bytes * (1 - training.memory_headroom_fraction),
-        peak_flops=cluster.gpu.peak_flops(training.precision),
+        peak_flops=cluster.gpu.peak_flops(compute_dtype(training.precision)),
+        **fp8_fields(cluster.gpu, eff, max_fraction, training),
         hbm_bytes_per_s=cluster.gpu.hbm_tbytes_per_s * 1e12,
-        gemm_max_fraction=eff.max_fraction * (engine.efficiency.gemm_efficiency_scale if engine else 1.0),
+        gemm_max_fraction=max_fraction,
         gemm_half_work_flops=eff.half_work_flops,
         elementwise_bytes=eff.elementwise_bytes, attention_score_bytes=eff.attention_score_bytes,
         layer_overhead_s=eff.layer_overhead_s, micro_batch_overhead_s=eff.micro_batch_overhead_s,

@@ -5,7 +5,8 @@ An estimate is only as good as the values behind it. The GPU spec carries the ha
 the engine profile carries its software values (`efficiency.fitted_on`) and the GPUs of the runs
 they were fitted on (`efficiency.calibrated_gpus`). A prediction is inside the validated region
 when some calibration run had this engine on this GPU; outside it (an engine never measured on
-this GPU, a datasheet-only GPU, an engine profile without measured runs, FP8) it is flagged, so
+this GPU, a datasheet-only GPU, an engine profile without measured runs, FP8 with its prior GEMM
+efficiency) it is flagged, so
 that a user reads it as a first guess.
 """
 from __future__ import annotations
@@ -46,5 +47,7 @@ def provenance(cluster: ClusterSpec, engine: EngineSpec | None, training: Traini
     if not gpu_fit and not engine_on_gpu:
         warnings.append(f"{gpu.name} has no fitted efficiency values (datasheet only): treat times as a first guess")
     if training.precision == "fp8":
-        warnings.append("fp8 is not calibrated: GEMMs run at the fp8 peak with the bf16 efficiency curve")
+        warnings.append(f"fp8 is not calibrated: the linear-layer GEMMs run at the fp8 peak with a prior "
+                        f"{gpu.compute_efficiency.fp8_gemm_fraction:g} x the bf16 GEMM efficiency, plus the FP8 "
+                        "casts (no measured fp8 run fitted it; docs/cost-model.md, FP8)")
     return Trust(lines, warnings)

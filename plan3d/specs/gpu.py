@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
+from plan3d.errors import SpecError
 from plan3d.specs.base import (BYTES_PER_ELEMENT, EFFICIENCY, FLOPS, FRACTION, MEMORY_GIB, OVERHEAD_S,
                                TBYTES_PER_S, TFLOPS, Name, SpecModel, Text, bounded)
 
@@ -38,6 +39,12 @@ class ComputeEfficiency(SpecModel):
     `host_overlap`: whether the host issues work while the device computes (a GPU's asynchronous
     launch queue: a pass costs about the larger of the two) or one core does both in turn (a CPU
     process: the host time and the kernel time add).
+    `fp8_gemm_fraction`: under fp8 training, the share of the bf16 GEMM efficiency an fp8 GEMM
+    reaches against the fp8 peak (its ceiling is fp8_gemm_fraction * max_fraction of the fp8
+    peak). A stated prior, not fitted on any fp8 run: DeepSeek's DeepGEMM announcement (Feb.
+    2025) reports 1,350+ FP8 TFLOP/s on Hopper, 68% of the 1,979 dense FP8 peak, where bf16
+    GEMMs of training shapes reach about 75% of 989 (the max_fraction fitted here): 0.68 / 0.75
+    is about 0.9.
     Values are fitted by `benchmarks/accuracy.py` (and later `plan3d calibrate`).
     """
 
@@ -49,6 +56,7 @@ class ComputeEfficiency(SpecModel):
     micro_batch_overhead_s: float = bounded(0.0, OVERHEAD_S)
     dp_overlap_fraction: float = bounded(0.8, FRACTION)
     host_overlap: bool = True
+    fp8_gemm_fraction: float = bounded(0.9, EFFICIENCY)
     fitted_on: Text = Field("", description="The measured data these values were fitted on (empty: datasheet "
                            "defaults, not calibrated).")
 
@@ -58,7 +66,7 @@ class GPUSpec(SpecModel):
     memory_gib: float = bounded(..., MEMORY_GIB, description="Device memory in GiB (2^30 bytes).")
     peak_tflops: dict[Dtype, Annotated[float, Field(**TFLOPS)]] = Field(
         description="Dense (no sparsity) peak tensor throughput per dtype, in TFLOP/s (1e12); at least one of "
-        "bf16, fp16, tf32, fp32 (fp8 falls back to bf16)."
+        "bf16, fp16, tf32, fp32; fp8 training needs an fp8 peak (a GPU without one has no FP8 tensor cores)."
     )
     hbm_tbytes_per_s: float = bounded(..., TBYTES_PER_S, description="HBM bandwidth in TB/s (1e12 bytes/s).")
     reserved_memory_gib: float = bounded(
@@ -80,8 +88,25 @@ class GPUSpec(SpecModel):
     def memory_bytes(self) -> float:
         return self.memory_gib * GIB
 
+    @property
+    def has_fp8(self) -> bool:
+        """Whether the GPU has FP8 tensor cores: its spec states an fp8 peak (H100, H200, B200,
+        GB200, MI300X; not A100, V100 or a CPU)."""
+        return "fp8" in self.peak_tflops
+
+    def require_precision(self, precision: str) -> None:
+        """Raise a SpecError where the GPU cannot train in `precision` (fp8 without FP8 units):
+        the one rule estimate, recommend and check all reach through the cost context."""
+        if precision == "fp8" and not self.has_fp8:
+            instead = next(d for d in FALLBACK_DTYPES if d in self.peak_tflops)
+            raise SpecError(f"gpu {self.name}", [
+                f"has no FP8 tensor cores (its spec states no fp8 peak), so it cannot train in fp8: use "
+                f"--precision {instead} (or a GPU with fp8 in peak_tflops: H100, H200, B200, MI300X)"])
+
     def peak_flops(self, dtype: str) -> float:
-        """Peak FLOP/s for `dtype`; fp8 falls back to bf16 where the GPU has no fp8 units."""
+        """Peak FLOP/s for `dtype`: a missing 16/32-bit dtype falls back to the next one stated;
+        fp8 needs its own peak (`require_precision`)."""
+        self.require_precision(dtype)
         if dtype in self.peak_tflops:
             return self.peak_tflops[dtype] * 1e12
         fallback = next(d for d in FALLBACK_DTYPES if d in self.peak_tflops)  # the validator saw one

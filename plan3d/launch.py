@@ -58,8 +58,11 @@ def runtime_problems(plan: Plan) -> list[str]:
     """What the bundled runtime cannot run (each says what to change)."""
     layout, model = plan.layout, plan.model
     problems = []
-    if layout.cp > 1 or layout.ep > 1:
-        problems.append("the bundled runtime has no context or expert parallelism; set cp=1 and ep=1")
+    if layout.ep > 1:
+        problems.append("the bundled runtime has no expert parallelism; set ep=1")
+    if layout.cp > 1 and (plan.training.seq_len or model.seq_len) % (2 * layout.cp):
+        problems.append(f"cp={layout.cp} splits each sequence into 2*cp chunks: seq="
+                        f"{plan.training.seq_len or model.seq_len} must be divisible by {2 * layout.cp}")
     if model.position == "alibi":
         problems.append("the bundled runtime has no ALiBi; use position: learned or rope")
     if model.vocab % layout.tp:

@@ -121,11 +121,11 @@ def build_mesh(plan, device: torch.device, timeout: timedelta) -> DeviceMesh:
                       backend_override=override)
 
 
-def flatten_dp_cp(mesh: DeviceMesh, timeout: timedelta) -> DeviceMesh:
+def flatten_dp_cp(mesh: DeviceMesh, backend_override) -> DeviceMesh:
     """The (dp, cp) dimensions as one mesh, dp slowest (the rank map's dp_cp group order), as
-    torchtitan 0.3 flattens its ("batch", "cp") loss mesh (`distributed/parallel_dims.py`)."""
-    backend = dist.get_backend()
-    return mesh["dp", "cp"]._flatten(DP_CP, backend_override=(backend, group_options(backend, timeout)))
+    torchtitan 0.3 flattens its ("batch", "cp") loss mesh (`distributed/parallel_dims.py`).
+    `backend_override`: (backend, options) of its group, as `build_mesh` gives each dimension."""
+    return mesh["dp", "cp"]._flatten(DP_CP, backend_override=backend_override)
 
 
 def build_context(plan, device: torch.device, timeout: timedelta) -> ParallelContext:
@@ -137,7 +137,8 @@ def build_context(plan, device: torch.device, timeout: timedelta) -> ParallelCon
     tp = TPInfo(layout.tp, coords["tp"], mesh.get_group("tp") if layout.tp > 1 else None,
                 layout.sequence_parallel)
     cp = CPInfo(layout.cp, coords.get("cp", 0), mesh.get_group("cp") if layout.cp > 1 else None)
-    flat = flatten_dp_cp(mesh, timeout) if layout.cp > 1 else None
+    backend = dist.get_backend()
+    flat = flatten_dp_cp(mesh, (backend, group_options(backend, timeout))) if layout.cp > 1 else None
     return ParallelContext(rank, dist.get_world_size(), mesh, coords, device, tp,
                            _embedding_group(plan, rank, timeout), sizes, cp, flat)
 

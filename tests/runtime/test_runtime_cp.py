@@ -1,0 +1,242 @@
+"""Context parallelism in the bundled runtime (plan3d/runtime/cp.py).
+
+Fast single-process checks: Megatron's 2*cp chunk split and its inverse, the causal mask of global
+positions, attention and position embeddings of every cp rank against the full sequence, the
+DeviceMesh's cp and dp x cp groups, the refusal of a sequence not divisible by 2*cp.
+
+Launched (slow; three multi-process runs, losses within 1e-5 of one process):
+- cp4 alone (4 ranks, selective recompute, checkpoint written at the end);
+- cp2 tp2 pp2 (8 ranks) on the Llama-style tiny model (RoPE, GQA, SwiGLU, tied embeddings over
+  two stages) against one process of the same model;
+- cp2 dp2 tp2 with sequence parallelism and ZeRO-1 (8 ranks): gradients and the optimizer shards
+  over dp x cp, model-state bytes checked.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime_helpers import STEPS, assert_same_losses, make_plan, metrics, run, summary
+
+
+# ---- the sequence split -----------------------------------------------------------------------
+@pytest.mark.parametrize("cp", [2, 4])
+def test_split_keeps_chunks_r_and_2cp_minus_1_minus_r_and_merge_inverts_it(cp):
+    from plan3d.runtime.cp import merge_sequence, positions, split_sequence
+
+    seq = 8 * cp
+    tokens = torch.arange(3 * seq).reshape(3, seq)
+    parts = [split_sequence(tokens, cp, r) for r in range(cp)]
+    chunk = seq // (2 * cp)
+    for r, part in enumerate(parts):
+        assert part.shape == (3, seq // cp)
+        want = list(range(r * chunk, (r + 1) * chunk)) + list(range((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk))
+        assert part[0].tolist() == want
+        assert positions(seq, cp, r).tolist() == want
+    assert torch.equal(merge_sequence(parts), tokens)
+    assert sorted(torch.cat([positions(seq, cp, r) for r in range(cp)]).tolist()) == list(range(seq))
+
+
+def test_every_cp_rank_attends_the_same_number_of_key_query_pairs():
+    """The reason for the 2*cp chunks: each rank's causal work is equal (Megatron's balancing)."""
+    from plan3d.runtime.cp import causal_mask, gathered_positions, positions
+
+    seq, cp = 32, 4
+    keys = gathered_positions(seq, cp)
+    work = [int(causal_mask(positions(seq, cp, r), keys).sum()) for r in range(cp)]
+    assert len(set(work)) == 1 and sum(work) == seq * (seq + 1) // 2
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_causal_mask_of_global_positions_is_the_full_causal_mask_permuted(cp):
+    from plan3d.runtime.cp import causal_mask, gathered_positions, positions
+
+    seq = 4 * cp
+    full = torch.ones(seq, seq, dtype=torch.bool).tril()
+    keys = gathered_positions(seq, cp)
+    for r in range(cp):
+        mine = positions(seq, cp, r)
+        assert torch.equal(causal_mask(mine, keys), full[mine][:, keys])
+
+
+@pytest.mark.parametrize("seq, cp", [(36, 4), (6, 2)])
+def test_a_sequence_not_divisible_by_2cp_is_refused_in_one_line(seq, cp):
+    from plan3d.errors import LaunchError
+    from plan3d.launch import runtime_problems
+    from plan3d.runtime.cp import check_seq, split_sequence
+
+    with pytest.raises(LaunchError) as err:
+        check_seq(seq, cp)
+    assert f"cp={cp}" in str(err.value) and f"seq={seq}" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(LaunchError):
+        split_sequence(torch.zeros(1, seq), cp, 0)
+    plan = make_plan(cp=cp)
+    plan = plan.model_copy(update={"training": plan.training.model_copy(update={"seq_len": seq})})
+    problems = runtime_problems(plan)
+    assert any(f"cp={cp}" in p and f"seq={seq}" in p for p in problems), problems
+    assert not runtime_problems(make_plan(cp=cp))
+
+
+# ---- the model pieces on every cp rank against the full sequence ------------------------------
+def _llama(model):
+    return model.model_copy(update=dict(kv_heads=2, activation="swiglu", ffn_hidden=128, norm="rmsnorm",
+                                        bias=False, position="rope", tied_embeddings=True))
+
+
+class _ReplayGather:
+    """Stands in for the cp all-gather in one process: a first pass records what every cp rank
+    contributes (K then V), a second pass returns the concatenation of all ranks' contributions."""
+
+    def __init__(self):
+        self.sent: dict[int, list[torch.Tensor]] = {}
+        self.calls: dict[int, int] = {}
+        self.replay = False
+
+    def __call__(self, x, cp, dim):
+        if not self.replay:
+            self.sent.setdefault(cp.rank, []).append(x.detach())
+            return torch.cat([x] * cp.size, dim=dim)
+        i = self.calls.get(cp.rank, 0) % len(self.sent[cp.rank])  # K, V, K, V, ...
+        self.calls[cp.rank] = i + 1
+        return torch.cat([self.sent[r][i] for r in range(cp.size)], dim=dim)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("llama", [False, True])
+def test_attention_of_every_cp_rank_equals_its_rows_of_full_attention(cp, llama, monkeypatch):
+    """RoPE at global positions, GQA, the gathered K/V order and the mask together: the local
+    outputs of all cp ranks, merged, are the single-process attention output."""
+    from plan3d.runtime import cp as cpx
+    from plan3d.runtime.model import Attention
+    from plan3d.runtime.tp import TPInfo
+
+    model = make_plan().model
+    model = _llama(model) if llama else model
+    tp = TPInfo(1, 0, None, False)
+    torch.manual_seed(0)
+    full = Attention(model, tp, selective_recompute=False)
+    with torch.no_grad():
+        for param in full.parameters():
+            param.normal_(0.0, 0.2)
+    x = torch.randn(2, model.seq_len, model.hidden)
+    want = full(x)
+    ranks = [Attention(model, tp, selective_recompute=r % 2 == 1, cp=cpx.CPInfo(cp, r)) for r in range(cp)]
+    for attn in ranks:
+        attn.load_state_dict(full.state_dict())
+    gather = _ReplayGather()
+    monkeypatch.setattr(cpx, "gather_sequence", gather)
+    local = [cpx.split_sequence(x, cp, r) for r in range(cp)]
+    for attn, xr in zip(ranks, local):
+        attn(xr)
+    gather.replay = True
+    got = cpx.merge_sequence([attn(xr) for attn, xr in zip(ranks, local)])
+    assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
+    shifted = cpx.merge_sequence([ranks[0](xr) for xr in local])  # every rank's tokens at rank 0's positions
+    assert not torch.allclose(shifted, want, atol=1e-3)
+
+
+def test_learned_position_embedding_uses_the_global_positions_of_the_chunks():
+    from plan3d.runtime.cp import CPInfo, merge_sequence, split_sequence
+    from plan3d.runtime.model import Embedding, Stage, init_stage
+    from plan3d.runtime.tp import TPInfo
+
+    plan, tp, cp = make_plan(), TPInfo(1, 0, None, False), 4
+    stage = Stage(plan.model, tp, range(0), first=True, last=False)
+    init_stage(stage, tp, seed=3, layers=plan.model.layers)
+    tokens = torch.randint(plan.model.vocab, (2, plan.model.seq_len))
+    want = stage.embed(tokens)
+    parts = []
+    for r in range(cp):
+        embed = Embedding(plan.model, tp, CPInfo(cp, r))
+        embed.load_state_dict(stage.embed.state_dict())
+        parts.append(embed(split_sequence(tokens, cp, r)))
+    assert torch.equal(merge_sequence(parts), want)
+
+
+# ---- the DeviceMesh -----------------------------------------------------------------------------
+@pytest.mark.parametrize("order", ["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"])
+def test_cp_mesh_holds_the_plans_cp_dp_and_dp_cp_groups(order):
+    """The runtime's own mesh builders on torch's in-process fake backend, every rank in turn."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from plan3d.runtime.context import flatten_dp_cp, mesh_array, mesh_dims
+
+    plan = make_plan(tp=2, cp=2, dp=2, order=order)
+    groups = plan.rankmap["groups"]
+    for rank in range(plan.layout.world_size):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.layout.world_size)
+        try:
+            mesh = DeviceMesh("cpu", mesh_array(plan.rankmap, plan.layout), mesh_dim_names=mesh_dims(plan.layout))
+            for dim in ("tp", "cp", "dp", "pp"):
+                assert dist.get_process_group_ranks(mesh.get_group(dim)) == next(g for g in groups[dim] if rank in g)
+            flat = flatten_dp_cp(mesh, backend_override=None)
+            want = next(g for g in groups["dp_cp"] if rank in g)
+            assert dist.get_process_group_ranks(flat.get_group()) == want
+            assert flat.get_local_rank() == want.index(rank)
+        finally:
+            dist.destroy_process_group()
+
+
+# ---- launched: losses equal to one process ------------------------------------------------------
+def _check_groups(plan, ranks: list[dict]) -> None:
+    """Every rank's tp, cp, dp, pp and dp x cp groups are the plan's."""
+    for dim in ("tp", "cp", "dp", "pp", "dp_cp"):
+        got = sorted({tuple(r["mesh_groups"][dim]) for r in ranks})
+        assert got == sorted(tuple(g) for g in plan.rankmap["groups"][dim]), dim
+
+
+def _check_model_state(plan, ranks: list[dict]) -> None:
+    """Model states equal the memory model's for the same layout with dp x cp data-parallel ranks:
+    cp changes no parameter or gradient, and ZeRO shards over dp x cp (Megatron's distributed
+    optimizer over the data-parallel group with context parallel)."""
+    from plan3d.cost.memory import model_state_bytes
+
+    layout = plan.layout.model_copy(update={"dp": plan.layout.dp * plan.layout.cp, "cp": 1})
+    assert len(ranks) == plan.layout.world_size
+    for r in ranks:
+        want = model_state_bytes(plan.model, plan.training, layout, r["pp"])
+        for kind in ("weights", "gradients", "optimizer"):
+            got = r["model_state_bytes"][kind]
+            assert abs(got - want[kind]) <= 0.01 * want[kind], f"rank {r['rank']} {kind}: {got} vs model {want[kind]}"
+
+
+def _launch(plan, run_dir, extra=("--no-save",)) -> list[dict]:
+    result = run(plan, run_dir, extra=list(extra))
+    assert result.ok, f"{result.failed_rank}: {result.error}"
+    return summary(run_dir)["ranks"]
+
+
+@pytest.mark.slow
+def test_cp4_alone_matches_single_process(reference, tmp_path):
+    plan = make_plan(cp=4, recompute="selective")
+    ranks = _launch(plan, tmp_path, extra=())
+    assert_same_losses(metrics(tmp_path), reference, range(1, STEPS + 1))
+    assert sorted(r["cp"] for r in ranks) == [0, 1, 2, 3]
+    _check_groups(plan, ranks)
+    _check_model_state(plan, ranks)
+    assert (tmp_path / "checkpoints" / f"step_{STEPS:08d}").is_dir()
+
+
+@pytest.mark.slow
+def test_llama_style_cp2_tp2_pp2_matches_single_process(tmp_path):
+    """RoPE at global positions, GQA and tied embeddings over two stages, with tp and pp."""
+    from test_runtime_equivalence import llama_style
+
+    single = llama_style(make_plan())
+    _launch(single, tmp_path / "one")
+    plan = llama_style(make_plan(cp=2, tp=2, pp=2))
+    ranks = _launch(plan, tmp_path / "eight")
+    assert_same_losses(metrics(tmp_path / "eight"), metrics(tmp_path / "one"), range(1, STEPS + 1))
+    _check_groups(plan, ranks)
+    _check_model_state(plan, ranks)
+
+
+@pytest.mark.slow
+def test_cp2_dp2_tp2_sequence_parallel_zero1_matches_single_process(reference, tmp_path):
+    plan = make_plan(cp=2, dp=2, tp=2, sequence_parallel=True, zero=1)
+    ranks = _launch(plan, tmp_path)
+    assert_same_losses(metrics(tmp_path), reference, range(1, STEPS + 1))
+    _check_groups(plan, ranks)
+    _check_model_state(plan, ranks)

@@ -28,22 +28,35 @@ What DeepSpeed 0.19 cannot run raises `InfeasibleError` (exit 1): the profile's 
 (`target_engine`) and AutoTP together with a pipeline: AutoTP builds a 2-D (data, tensor) mesh of
 the whole world with dp = world // tp and no pipeline axis (utils/groups.py `_init_tp_mesh_device`),
 which PipelineEngine's `assert self.dp_world_size == self.grid.data_parallel_size`
-(runtime/pipe/engine.py) rejects.
+(runtime/pipe/engine.py) rejects; and fp8: DeepSpeed 0.19.8's config has no FP8 training
+(`DeepSpeedConfig` reads the fp16, bf16 and torch_autocast precision sections, runtime/config.py
+and runtime/precision_config.py, and refuses Apex "amp"; its ops/fp_quantizer FP8 GEMM is a
+quantization kernel no config key turns on for training), so an fp8 plan would
+silently train in bf16 at a slower step than predicted.
 """
 from __future__ import annotations
 
 from plan3d.render.units import json_text
 
 from plan3d.emit.common import Emitted, target_engine
+from plan3d.errors import InfeasibleError
 from plan3d.plan import Plan
 
 PROFILE = "deepspeed-0.19"
 VERSIONS = "0.19"
-HALF = {"bf16": "bf16", "fp8": "bf16", "fp16": "fp16"}  # DeepSpeed's model dtype per plan precision
+HALF = {"bf16": "bf16", "fp16": "fp16"}  # DeepSpeed's model dtype per plan precision (fp8: refused)
+
+
+def refuse_fp8(plan: Plan) -> None:
+    """DeepSpeed 0.19's config trains in fp16, bf16 or fp32 only: an fp8 plan has no config."""
+    if plan.training.precision == "fp8":
+        raise InfeasibleError(f"DeepSpeed {VERSIONS} has no FP8 training in its config (its precision sections "
+                              "are fp16, bf16 and torch_autocast): re-plan with --precision bf16, or emit "
+                              "megatron or torchtitan for fp8")
 
 
 def model_dtype(plan: Plan) -> str:
-    """The parameter dtype DeepSpeed trains in: bf16 (also under fp8: TE's fp8 GEMMs live in user code), fp16, fp32."""
+    """The parameter dtype DeepSpeed trains in: bf16, fp16, fp32."""
     return HALF.get(plan.training.precision, "fp32")
 
 
@@ -87,8 +100,6 @@ def _notes(plan: Plan) -> list[str]:
                      f"of {model_dtype(plan)} parameters at ZeRO-0): the plan budgets 4-byte fp32 gradients, "
                      "DeepSpeed uses 2 bytes per parameter and accumulates micro-batches in half precision; "
                      "use ZeRO-1 to keep fp32 accumulation")
-    if training.precision == "fp8":
-        notes.append("fp8: DeepSpeed's config trains in bf16; fp8 GEMMs come from Transformer Engine in your model code")
     if layout.pp > 1:
         notes.append(f"build the model as deepspeed.pipe.PipelineModule(num_stages={layout.pp}, "
                      f"partition_method='uniform'); pipeline degree is not a config key; DeepSpeed's pipeline "
@@ -106,5 +117,6 @@ def _notes(plan: Plan) -> list[str]:
 def emit_deepspeed(plan: Plan) -> Emitted:
     """The config as JSON, with the settings that live in user code as notes."""
     _, notes = target_engine(plan, PROFILE, VERSIONS)
+    refuse_fp8(plan)
     text = json_text(ds_config(plan), indent=2) + "\n"
     return Emitted(text, notes + _notes(plan))

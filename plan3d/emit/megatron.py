@@ -208,8 +208,9 @@ def _recompute_args(layout: Layout) -> list[str]:
 
 def _precision_args(plan: Plan) -> list[str]:
     precision = plan.training.precision
-    if precision == "fp8":
-        return ["--bf16", "--fp8-format", "hybrid"]
+    plan.cluster.gpu.require_precision(precision)  # fp8 needs FP8 units (Transformer Engine: sm_89+)
+    if precision == "fp8":  # TransformerConfig.fp8 / fp8_recipe (megatron-core 0.19): TE's hybrid E4M3/E5M2
+        return ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"]
     if precision in ("bf16", "fp16"):
         return [f"--{precision}"]
     return []

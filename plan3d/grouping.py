@@ -17,7 +17,7 @@ import numpy as np
 
 from plan3d.layout import Layout, short_order
 
-DECISION_KNOBS = ("tp", "pp", "dp", "micro_batch", "zero")
+DECISION_KNOBS = ("tp", "pp", "dp", "cp", "micro_batch", "zero")
 TIE_FRACTION = 0.02
 
 
@@ -53,7 +53,7 @@ def group_decisions(layouts: dict[str, np.ndarray], values: np.ndarray, ranked: 
     decisions: list[Decision] = []
     by_shape: dict[tuple, Decision] = {}
     for row in (int(r) for r in ranked):
-        shape = tuple(int(layouts[k][row]) for k in DECISION_KNOBS)
+        shape = tuple(int(layouts[k][row]) for k in DECISION_KNOBS if k in layouts)
         decision = by_shape.get(shape)
         if decision is not None:
             if ties(values[decision.head], values[row]):

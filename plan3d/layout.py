@@ -164,6 +164,7 @@ class RuleFacts:
         self.per_replica = self.batch // dp
         self.micro_batches = self.per_replica // micro_batch
         self.gpus = tp * pp * dp * cp
+        self.cp_chunks = cp * (1 + (cp > 1))  # pieces context parallelism cuts a sequence into: 2*cp, or 1
         self.world_size = self.gpus if world_size is None else world_size
         self.split_sum = self.layers if split_sum is None else split_sum
 
@@ -217,6 +218,31 @@ def _too_few_micro_batches(x: RuleFacts) -> str:
             f"use micro-batch <= {max(1, x.per_replica // x.pp)} or raise the global batch")
 
 
+def _cp_chunks_fail(x: RuleFacts):
+    return (x.cp > 1) & (x.seq % (2 * x.cp) != 0)
+
+
+def _sp_tokens_fail(x: RuleFacts):
+    return x.sp & (x.seq % (x.tp * x.cp_chunks) != 0)
+
+
+def _cp_chunks_uneven(x: RuleFacts) -> str:
+    valid = [c for c in divisors(x.seq // 2) if c > 1] if x.seq % 2 == 0 else []
+    return (f"cp={x.cp} splits each sequence into 2*cp = {2 * x.cp} load-balanced chunks (Megatron-Core), but "
+            f"the sequence length {x.seq} is not divisible by {2 * x.cp}; valid cp: {_fmt(valid) or 'none (odd length)'}")
+
+
+def _sp_tokens_uneven(x: RuleFacts) -> str:
+    split = f"tp*2*cp={x.tp * x.cp_chunks}" if x.cp > 1 else f"tp={x.tp}"
+    return (f"sequence length {x.seq} is not divisible by {split} (sequence parallelism splits each rank's "
+            f"tokens over tp); change tp or cp, or drop sequence parallelism")
+
+
+# Context parallelism (Megatron-Core, megatron/training/arguments.py: seq_length % (2 * cp) == 0)
+# cuts each sequence into 2 * cp chunks and gives rank i chunks i and 2cp-1-i, so causal attention
+# costs every rank the same; sequence parallelism then splits a rank's tokens over tp. torchtitan
+# 0.3.0 (trainer.py) asks seq % (tp * 2cp) with sequence parallelism; the rule takes that, the
+# stricter of the two, so one layout runs on both.
 LAYOUT_RULES = (
     LayoutRule(None, "world", "more GPUs than the cluster has", lambda x: x.gpus > x.world_size, _too_many_gpus),
     LayoutRule(1, "heads", "tp does not divide the attention / KV heads",
@@ -241,9 +267,9 @@ LAYOUT_RULES = (
     LayoutRule(8, "batch", "interleaved 1F1B: micro-batches not a multiple of pp",
                lambda x: (x.vpp > 1) & (x.micro_batches % x.pp != 0),
                lambda x: f"interleaved 1F1B needs micro-batches ({x.micro_batches}) to be a multiple of pp={x.pp}"),
-    LayoutRule(9, "sequence", "sequence length not divisible by tp (sequence parallel)",
-               lambda x: (x.sp | (x.cp > 1)) & (x.seq % (x.tp * x.cp) != 0),
-               lambda x: f"sequence length {x.seq} is not divisible by tp*cp={x.tp * x.cp} (sequence parallel)"),
+    LayoutRule(9, "sequence", "sequence length not divisible by tp (sequence parallel) or 2*cp (context parallel)",
+               lambda x: _cp_chunks_fail(x) | _sp_tokens_fail(x),
+               lambda x: _cp_chunks_uneven(x) if _cp_chunks_fail(x) else _sp_tokens_uneven(x)),
 )
 SEARCHED_RULES = tuple(rule for rule in LAYOUT_RULES if rule.code is not None)  # what the search's grid can break
 

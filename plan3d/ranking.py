@@ -47,7 +47,8 @@ def moving_parts(layouts: dict[str, np.ndarray]) -> np.ndarray:
     """How many optional mechanisms a layout switches on (fewer is simpler to run and debug)."""
     return ((layouts["zero"] > 0).astype(int) + layouts["zero"] // 3 + (layouts["recompute"] > 0)
             + (layouts["vpp"] > 1) + layouts["sequence_parallel"].astype(int) + (layouts["order"] > 0)
-            + (layouts["pp"] > 1) + (layouts["tp"] > 1) + layouts["uneven"].astype(int))
+            + (layouts["pp"] > 1) + (layouts["tp"] > 1) + layouts["uneven"].astype(int)
+            + ((layouts["cp"] > 1) if "cp" in layouts else 0))
 
 
 def memory_fraction(result: SearchResult) -> np.ndarray:
@@ -133,11 +134,13 @@ def why_wins(result: SearchResult, order: np.ndarray, objective: str = "throughp
 
 
 def other_degrees(result: SearchResult, rows: np.ndarray) -> int | None:
-    """The first of `rows` whose (tp, pp, dp) differ from the first row's."""
+    """The first of `rows` whose (tp, pp, dp, cp) differ from the first row's."""
     lay = result.layouts
     first = rows[0]
-    differ = (lay["tp"][rows] != lay["tp"][first]) | (lay["pp"][rows] != lay["pp"][first]) | \
-             (lay["dp"][rows] != lay["dp"][first])
+    differ = np.zeros(len(rows), dtype=bool)
+    for knob in ("tp", "pp", "dp", "cp"):
+        if knob in lay:
+            differ |= lay[knob][rows] != lay[knob][first]
     hits = np.flatnonzero(differ)
     return int(rows[hits[0]]) if len(hits) else None
 

@@ -1,10 +1,10 @@
 """The search space of layouts, pruned with a recorded reason for every rejection.
 
-A layout here is (tp, pp, dp, micro-batch, vpp, ZeRO stage, recompute, sequence parallel, rank
-order) with tp * pp * dp equal to the GPU count (cp = ep = 1). The space is enumerated in two
+A layout here is (tp, pp, dp, cp, micro-batch, vpp, ZeRO stage, recompute, sequence parallel,
+rank order) with tp * pp * dp * cp equal to the GPU count (ep = 1). The space is enumerated in two
 levels so that it is exhaustive yet cheap:
 
-1. *Shapes* (tp, pp, dp, micro_batch, vpp, sequence_parallel): every rule of
+1. *Shapes* (tp, pp, dp, cp, micro_batch, vpp, sequence_parallel): every rule of
    `plan3d.layout.LAYOUT_RULES` (the table `layout_problems` reads) depends only on these, so each
    shape is checked once, over numpy arrays, and its first failing rule is its reason.
 2. *Layouts*: each valid shape times every allowed (ZeRO stage, recompute, order). A rejected
@@ -20,6 +20,12 @@ A search predicts for one training engine (`plan3d.specs.engine.EngineSpec`) and
 what it can run: `engine_space` narrows the Space to the engine's `can_run` (the narrowed-away
 knobs are not counted), and a ZeRO stage the engine runs only without pipeline parallelism is
 rejected per layout under its own reason (code 15).
+
+Context parallelism (cp) is searched where it can pay: by default up to the degree that leaves
+each rank CP_AUTO_MIN_TOKENS tokens of a sequence (seq 131,072 -> cp <= 16, Llama 3 405B's
+long-context CP16, Dubey et al. 2024 section 3.3.1; seq <= 8,191 -> cp = 1 only, so short-sequence
+searches are unchanged), and only for an engine whose `can_run.context_parallel` is true.
+`Space.max_cp` / `min_cp` override the default bound.
 """
 from __future__ import annotations
 
@@ -38,7 +44,8 @@ from plan3d.specs.training import TrainingSpec
 from plan3d.vocab import RECOMPUTE_CODES, RECOMPUTE_MODES
 
 DEFAULT_ORDERS = (DEFAULT_ORDER, "tp-cp-ep-pp-dp")
-SHAPE_KNOBS = ("tp", "pp", "dp", "micro_batch", "vpp", "sequence_parallel")
+SHAPE_KNOBS = ("tp", "pp", "dp", "cp", "micro_batch", "vpp", "sequence_parallel")
+CP_AUTO_MIN_TOKENS = 8192  # default bound on cp: each rank keeps at least this many tokens of a sequence
 LAYOUT_KNOBS = SHAPE_KNOBS + ("uneven", "zero", "recompute", "order")
 
 # (code, short reason); code 0 is "valid". Codes 1-9 are the layout rules (LAYOUT_RULES, in order),
@@ -78,6 +85,8 @@ class Space:
     sequence_parallel_required: bool = False  # tp > 1 only with sequence parallelism (the engine's rule)
     zero_with_pp: tuple[int, ...] = (0, 1, 2, 3)  # ZeRO stages allowed with pp > 1 (the engine's rule)
     tensor_parallel_with_pp: bool = True  # tp > 1 together with pp > 1 (the engine's rule)
+    min_cp: int = 1
+    max_cp: int | None = None  # None: the default bound (CP_AUTO_MIN_TOKENS per rank); 0: no bound
 
     def __post_init__(self) -> None:
         full = tuple(dict.fromkeys(full_order(o) for o in self.orders))  # 'pp-dp' as the table prints it
@@ -87,8 +96,9 @@ class Space:
             raise LayoutError(f"recompute {bad[0] if bad else 'set'!r}: choose from {', '.join(RECOMPUTE_MODES)}")
         if not self.zero or any(z not in (0, 1, 2, 3) for z in self.zero):
             raise LayoutError(f"ZeRO stages {self.zero}: choose from 0, 1, 2, 3")
-        for knob in ("tp", "pp", "dp", "micro_batch", "vpp"):
+        for knob in ("tp", "pp", "dp", "cp", "micro_batch", "vpp"):
             lo, hi = self.bounds(knob)
+            hi = hi or 0
             if lo < 1 or (hi and hi < lo):
                 raise LayoutError(f"--min-{knob.replace('_', '-')}={lo} / --max-{knob.replace('_', '-')}={hi}: "
                                   "bounds must be >= 1 with min <= max")
@@ -99,6 +109,13 @@ class Space:
     def allows(self, knob: str, values: np.ndarray) -> np.ndarray:
         lo, hi = self.bounds(knob)
         return (values >= lo) & ((values <= hi) if hi else True)
+
+    def cp_bound(self, seq_len: int) -> int:
+        """The largest cp searched (0: no bound): `max_cp`, or by default seq // CP_AUTO_MIN_TOKENS
+        (at least 1, and at least min_cp)."""
+        if self.max_cp is not None:
+            return self.max_cp
+        return max(1, self.min_cp, seq_len // CP_AUTO_MIN_TOKENS)
 
     @property
     def layouts_per_shape(self) -> int:
@@ -115,16 +132,30 @@ def degree_triples(world_size: int, space: Space) -> np.ndarray:
     return triples[keep]
 
 
-def shape_grid(world_size: int, space: Space, layers: int = 0) -> dict[str, np.ndarray]:
+def degree_tuples(world_size: int, space: Space, seq_len: int = 0) -> np.ndarray:
+    """Every (tp, pp, dp, cp) with tp * pp * dp * cp == world_size inside the bounds, as a (k, 4)
+    array: cp = 1 first (the rows `degree_triples` gives), then each larger cp allowed."""
+    hi = space.cp_bound(seq_len)
+    cps = [c for c in divisors(world_size) if c >= space.min_cp and (not hi or c <= hi)]
+    parts = [_with_cp(degree_triples(world_size // cp, space), cp) for cp in cps]
+    return np.concatenate(parts) if parts else np.zeros((0, 4), dtype=np.int64)
+
+
+def _with_cp(triples: np.ndarray, cp: int) -> np.ndarray:
+    return np.column_stack([triples, np.full(len(triples), cp, dtype=np.int64)])
+
+
+def shape_grid(world_size: int, space: Space, layers: int = 0, seq_len: int = 0) -> dict[str, np.ndarray]:
     """Every well-formed shape as equal-length arrays keyed by SHAPE_KNOBS (refused with a
-    SearchBudgetError when there would be more than MAX_SHAPES)."""
-    triples = degree_triples(world_size, space)
+    SearchBudgetError when there would be more than MAX_SHAPES). `seq_len` sets the default cp
+    bound (`Space.cp_bound`); 0: cp = 1 unless the space bounds it."""
+    tuples = degree_tuples(world_size, space, seq_len)
     sps = np.array(sorted(set(space.sequence_parallel)), dtype=bool)
-    require_shape_budget(len(triples), space, len(sps), world_size, layers)
+    require_shape_budget(len(tuples), space, len(sps), world_size, layers)
     mbs = np.arange(space.min_micro_batch, space.max_micro_batch + 1, dtype=np.int64)
     vpps = np.arange(space.min_vpp, space.max_vpp + 1, dtype=np.int64)
-    t, m, v, s = (a.ravel() for a in np.meshgrid(np.arange(len(triples)), mbs, vpps, sps, indexing="ij"))
-    grid = {"tp": triples[t, 0], "pp": triples[t, 1], "dp": triples[t, 2],
+    t, m, v, s = (a.ravel() for a in np.meshgrid(np.arange(len(tuples)), mbs, vpps, sps, indexing="ij"))
+    grid = {"tp": tuples[t, 0], "pp": tuples[t, 1], "dp": tuples[t, 2], "cp": tuples[t, 3],
             "micro_batch": m, "vpp": v, "sequence_parallel": s, "uneven": np.zeros(len(t), dtype=bool)}
     well_formed = ((grid["vpp"] == 1) | (grid["pp"] > 1)) & (~grid["sequence_parallel"] | (grid["tp"] > 1))
     if space.sequence_parallel_required:
@@ -144,7 +175,8 @@ class SearchBudgetError(LayoutError):
 
 
 def require_shape_budget(triples: int, space: Space, sps: int, world_size: int, layers: int = 0) -> None:
-    """Refuse a grid of more than MAX_SHAPES shapes before it is built."""
+    """Refuse a grid of more than MAX_SHAPES shapes before it is built (`triples`: the
+    (tp, pp, dp, cp) splits)."""
     mbs = space.max_micro_batch - space.min_micro_batch + 1
     vpps = space.max_vpp - space.min_vpp + 1
     shapes = triples * mbs * vpps * sps
@@ -156,8 +188,8 @@ def require_shape_budget(triples: int, space: Space, sps: int, world_size: int, 
     if vpps > 64 or (layers and space.max_vpp > layers):
         hints.append(f"--max-vpp (now {space.max_vpp}; at most the {layers} layers can be useful)" if layers
                      else f"--max-vpp (now {space.max_vpp})")
-    hints += ["--tp/--pp/--dp or their --min/--max bounds", "fewer --nodes"]
-    raise SearchBudgetError(f"the search space of {world_size:,} GPUs holds {shapes:,} shapes ({triples:,} tp/pp/dp "
+    hints += ["--tp/--pp/--dp/--cp or their --min/--max bounds", "fewer --nodes"]
+    raise SearchBudgetError(f"the search space of {world_size:,} GPUs holds {shapes:,} shapes ({triples:,} tp/pp/dp/cp "
                             f"splits x {mbs:,} micro-batch sizes x {vpps:,} vpp values x {sps} sequence-parallel "
                             f"settings), more than the {MAX_SHAPES:,} searched at once; narrow it with "
                             + ", ".join(hints))
@@ -167,8 +199,8 @@ def placed_ranks(layouts: dict[str, np.ndarray], world_size: int) -> tuple[int, 
     """(distinct rank placements among `layouts`, ranks the rank maps of them place in all)."""
     if not len(layouts["tp"]):
         return 0, 0
-    key = np.zeros(len(layouts["tp"]), dtype=np.int64)  # dp follows from tp, pp
-    for k in ("tp", "pp", "order"):  # mixed-radix code: a 1-D unique is far faster than unique(axis=0)
+    key = np.zeros(len(layouts["tp"]), dtype=np.int64)  # dp follows from tp, pp, cp
+    for k in ("tp", "pp", "order") + (("cp",) if "cp" in layouts else ()):  # mixed-radix code: a 1-D unique is far faster than unique(axis=0)
         key = key * (int(layouts[k].max()) + 1) + layouts[k]
     placements = len(np.unique(key))
     return placements, placements * world_size
@@ -191,7 +223,8 @@ def shape_reasons(grid: dict[str, np.ndarray], model: ModelSpec, training: Train
 
     A shape marked `uneven` carries `balanced_split` as pp_layers, so the even-split rules skip it."""
     uneven = grid.get("uneven")
-    facts = RuleFacts(model, training, tp=grid["tp"], pp=grid["pp"], dp=grid["dp"], micro_batch=grid["micro_batch"],
+    facts = RuleFacts(model, training, tp=grid["tp"], pp=grid["pp"], dp=grid["dp"], cp=grid.get("cp", 1),
+                      micro_batch=grid["micro_batch"],
                       vpp=grid["vpp"], sequence_parallel=grid["sequence_parallel"],
                       uneven=np.zeros(len(grid["tp"]), dtype=bool) if uneven is None else uneven)
     codes = np.zeros(len(grid["tp"]), dtype=np.int8)
@@ -238,13 +271,14 @@ def expand_layouts(shapes: dict[str, np.ndarray], space: Space) -> dict[str, np.
 def same_placement(layouts: dict[str, np.ndarray], orders: tuple[str, ...]) -> np.ndarray:
     """True where an earlier order of `orders` places every rank the same way for this shape
     (`plan3d.layout.same_groups`, the rule the emitters apply too), looked up per row in a table
-    over which of tp, pp, dp exceed 1."""
-    table = np.zeros((8, len(orders)), dtype=bool)  # [which of tp, pp, dp exceed 1, order]
-    for pattern in range(8):
-        sizes = {axis: 2 if pattern >> bit & 1 else 1 for bit, axis in enumerate(("tp", "pp", "dp"))}
+    over which of tp, pp, dp, cp exceed 1."""
+    axes = ("tp", "pp", "dp", "cp")
+    table = np.zeros((16, len(orders)), dtype=bool)  # [which of tp, pp, dp, cp exceed 1, order]
+    for pattern in range(16):
+        sizes = {axis: 2 if pattern >> bit & 1 else 1 for bit, axis in enumerate(axes)}
         for i, order in enumerate(orders):
             table[pattern, i] = any(same_groups(order, earlier, sizes) for earlier in orders[:i])
-    pattern = (layouts["tp"] > 1) * 1 + (layouts["pp"] > 1) * 2 + (layouts["dp"] > 1) * 4
+    pattern = sum((layouts[axis] > 1) * 2**bit for bit, axis in enumerate(axes) if axis in layouts)
     return table[pattern, layouts["order"]]
 
 
@@ -252,7 +286,8 @@ def layout_at(layouts: dict[str, np.ndarray], orders: tuple[str, ...], i: int, l
     """The Layout of row i (recompute, order and an uneven split of `layers` decoded)."""
     pp, vpp = int(layouts["pp"][i]), int(layouts["vpp"][i])
     split = balanced_split(layers, pp * vpp) if layouts.get("uneven", np.zeros(i + 1, bool))[i] else None
-    return Layout(tp=int(layouts["tp"][i]), pp=pp, dp=int(layouts["dp"][i]), pp_layers=split,
+    cp = int(layouts["cp"][i]) if "cp" in layouts else 1
+    return Layout(tp=int(layouts["tp"][i]), pp=pp, dp=int(layouts["dp"][i]), cp=cp, pp_layers=split,
                   micro_batch=int(layouts["micro_batch"][i]), vpp=int(layouts["vpp"][i]),
                   zero=int(layouts["zero"][i]), recompute=RECOMPUTE_MODES[int(layouts["recompute"][i])],
                   sequence_parallel=bool(layouts["sequence_parallel"][i]),
@@ -265,7 +300,7 @@ def is_uneven(layout: Layout) -> bool:
 
 def layout_row(layout: Layout, orders: tuple[str, ...]) -> dict[str, int | bool]:
     """The inverse of `layout_at` for one Layout (its order must be in `orders`)."""
-    return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "micro_batch": layout.micro_batch,
+    return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "micro_batch": layout.micro_batch,
             "vpp": layout.vpp, "sequence_parallel": layout.sequence_parallel, "uneven": is_uneven(layout),
             "zero": layout.zero,
             "recompute": RECOMPUTE_CODES[layout.recompute], "order": orders.index(layout.order)}
@@ -275,7 +310,8 @@ def drop_duplicates(layouts: dict[str, np.ndarray], space: Space, rejected: dict
     """Remove layouts that are another one under a second name, and those the engine does not run
     with pipeline parallelism (their ZeRO stage, or tensor parallelism), counting them in `rejected`."""
     same_order = same_placement(layouts, space.orders)
-    zero_dp1 = ~same_order & (layouts["zero"] > 0) & (layouts["dp"] == 1) & (0 in space.zero)
+    shards = layouts["dp"] * layouts["cp"] if "cp" in layouts else layouts["dp"]  # ZeRO shards over dp x cp
+    zero_dp1 = ~same_order & (layouts["zero"] > 0) & (shards == 1) & (0 in space.zero)
     zero_pp = ~(same_order | zero_dp1) & (layouts["pp"] > 1) & ~np.isin(layouts["zero"], space.zero_with_pp)
     rejected[SAME_ORDER_CODE] = int(same_order.sum())
     rejected[ZERO_DP1_CODE] = int(zero_dp1.sum())
@@ -316,6 +352,9 @@ def engine_space(space: Space, engine: EngineSpec) -> Space:
         if not allowed:
             _require(space.bounds(knob)[0] == 1, f"{name} has no {what}")
             bounds[f"max_{knob}"] = 1
+    if not can.context_parallel:
+        _require(space.min_cp == 1, f"{name} has no context parallelism: cp 1 only (drop --cp / --min-cp)")
+        bounds["max_cp"] = 1
     if space.uneven and can.uneven_pipeline == "none":
         raise LayoutError(f"--uneven: {name} splits layers evenly over pipeline stages only; drop --uneven")
     # an engine that splits unevenly on its own (Megatron-DeepSpeed) is searched with uneven
@@ -371,7 +410,7 @@ class SearchResult:
 
     def find(self, layout: Layout) -> int | None:
         """Row of `layout` among the evaluated ones, or None (invalid, or outside the space)."""
-        if layout.order not in self.orders or layout.cp != 1:
+        if layout.order not in self.orders:
             return None
         if is_uneven(layout) and layout.pp_layers != balanced_split(self.model.layers, layout.pp * layout.vpp):
             return None
@@ -466,7 +505,7 @@ def evaluate_even(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec
     cands = Candidates(tp=layouts["tp"], pp=layouts["pp"], dp=layouts["dp"],
                        micro_batch=layouts["micro_batch"], vpp=layouts["vpp"], zero=layouts["zero"],
                        recompute=layouts["recompute"], sequence_parallel=layouts["sequence_parallel"],
-                       order=layouts["order"])
+                       order=layouts["order"], cp=layouts.get("cp"))
     return estimate_batch(cluster, model, training, cands, tuple(orders), engine, layers_per_rank)
 
 
@@ -478,7 +517,7 @@ def search(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space
     start = time.perf_counter()
     if engine is not None:
         space = engine_space(space, engine)
-    shapes = shape_grid(cluster.world_size, space, model.layers)
+    shapes = shape_grid(cluster.world_size, space, model.layers, training.seq_len or model.seq_len)
     codes = shape_reasons(shapes, model, training)
     if space.uneven:
         codes = allow_uneven(shapes, codes, model, training)

@@ -70,6 +70,8 @@ __all__ = ["DEFAULT_ORDER", "load_engine_opt", "load_specs", "make_layout", "mak
 TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel degree.")]
 PpOpt = Annotated[int, typer.Option("--pp", help="Pipeline-parallel degree.")]
 DpOpt = Annotated[int, typer.Option("--dp", help="Data-parallel degree.")]
+CpOpt = Annotated[int, typer.Option("--cp", help="Context-parallel degree: each sequence split over cp GPUs "
+                                    "(2*cp load-balanced chunks; the sequence length must divide into them).")]
 MicroBatchOpt = Annotated[int, typer.Option("--micro-batch", help="Sequences per micro-batch.")]
 VppOpt = Annotated[int, typer.Option("--vpp", help="Virtual pipeline stages per rank (interleaved 1F1B).")]
 ZeroOpt = Annotated[int, typer.Option("--zero", help="ZeRO stage 0-3.")]

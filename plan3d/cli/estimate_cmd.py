@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 import typer
 
 from plan3d.cli.app import app
-from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, EngineOpt, GlobalBatchOpt, GpnOpt, JsonOpt, MicroBatchOpt,
+from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, CpOpt, EngineOpt, GlobalBatchOpt, GpnOpt, JsonOpt, MicroBatchOpt,
                                ModelOpt, NodesOpt, OrderOpt, PlotOpt, PpOpt, PrecisionOpt, RecomputeOpt,
                                SeqLenOpt, SeqParallelOpt, TpOpt, VppOpt, ZeroOpt, load_engine_opt, load_specs,
                                make_layout)
@@ -28,6 +28,7 @@ def estimate_command(
     tp: TpOpt = 1,
     pp: PpOpt = 1,
     dp: DpOptional = None,
+    cp: CpOpt = 1,
     micro_batch: MicroBatchOpt = 1,
     global_batch: GlobalBatchOpt = None,
     seq_len: SeqLenOpt = None,
@@ -47,7 +48,7 @@ def estimate_command(
     cluster_spec, model_spec, training = load_specs(cluster, model, nodes, gpus_per_node, global_batch,
                                                     seq_len, precision)
     engine_spec = load_engine_opt(engine, cluster_spec)
-    flags = dict(tp=tp, pp=pp, micro_batch=micro_batch, vpp=vpp, zero=zero, recompute=recompute,
+    flags = dict(tp=tp, pp=pp, cp=cp, micro_batch=micro_batch, vpp=vpp, zero=zero, recompute=recompute,
                  sequence_parallel=sequence_parallel, order=order)
     if dp is None:
         dp = _fill_dp(cluster_spec.world_size, make_layout(dp=1, **flags), model_spec, training)
@@ -63,10 +64,11 @@ def estimate_command(
 
 
 def _fill_dp(world: int, layout, model, training) -> int:
-    """dp that fills the cluster when --dp is not given; problems of tp and pp come first."""
-    model_parallel = layout.tp * layout.pp
+    """dp that fills the cluster when --dp is not given; problems of tp, pp and cp come first."""
+    model_parallel = layout.tp * layout.pp * layout.cp
     if world % model_parallel == 0:
         return world // model_parallel
     check_layout(layout.model_copy(update={"micro_batch": 1}), model, training, world)
-    raise LayoutError(f"tp*pp = {model_parallel} does not divide the cluster's {world} GPUs, so dp cannot fill it; "
-                      f"pass --dp or choose tp*pp among the divisors of {world}")
+    product = "tp*pp*cp" if layout.cp > 1 else "tp*pp"
+    raise LayoutError(f"{product} = {model_parallel} does not divide the cluster's {world} GPUs, so dp cannot fill it; "
+                      f"pass --dp or choose {product} among the divisors of {world}")

@@ -52,6 +52,10 @@ def recommend(
     dp: Annotated[IntOpt, _opt("--dp", "Fix the data-parallel degree.")] = None,
     min_dp: Annotated[int, _opt("--min-dp", "Lower bound on dp.")] = 1,
     max_dp: Annotated[IntOpt, _opt("--max-dp", "Upper bound on dp.")] = None,
+    cp: Annotated[IntOpt, _opt("--cp", "Fix the context-parallel degree.")] = None,
+    min_cp: Annotated[int, _opt("--min-cp", "Lower bound on cp.")] = 1,
+    max_cp: Annotated[IntOpt, _opt("--max-cp", "Upper bound on cp (default: seq-len / 8192, so that each GPU "
+                                   "keeps at least 8,192 tokens of a sequence; cp 1 for shorter sequences).")] = None,
     micro_batch: Annotated[IntOpt, _opt("--micro-batch", "Fix the micro-batch size.")] = None,
     max_micro_batch: Annotated[int, _opt("--max-micro-batch", "Largest micro-batch tried.")] = 8,
     vpp: Annotated[IntOpt, _opt("--vpp", "Fix the virtual pipeline stages per rank.")] = None,
@@ -143,15 +147,32 @@ def space_from_flags(flags: dict):
     sp = (False, True) if flags["sequence_parallel"] is None else (flags["sequence_parallel"],)
     orders = tuple(flags["order"] or DEFAULT_ORDERS)
     return Space(**bound("tp", flags["min_tp"], flags["max_tp"]), **bound("pp", flags["min_pp"], flags["max_pp"]),
-                 **bound("dp", flags["min_dp"], flags["max_dp"]),
+                 **bound("dp", flags["min_dp"], flags["max_dp"]), **_cp_bounds(flags),
                  **bound("micro_batch", 1, max(flags["max_micro_batch"], flags["micro_batch"] or 1)),
                  **bound("vpp", 1, max(flags["max_vpp"], flags["vpp"] or 1)),
                  zero=tuple(flags["zero"] or (0, 1, 2, 3)), recompute=recompute, sequence_parallel=sp, orders=orders,
                  uneven=flags["uneven"])
 
 
+def _cp_bounds(flags: dict) -> dict:
+    """min_cp / max_cp of the flags; no --cp / --max-cp leaves max_cp None (the search's default
+    bound, `Space.cp_bound`)."""
+    if flags.get("cp") is None and flags.get("max_cp") is None:
+        _require_at_least_1("min_cp", flags.get("min_cp", 1))
+        return {"min_cp": flags.get("min_cp", 1)}
+    lo, hi = flags.get("min_cp", 1), flags.get("max_cp")
+    fixed = flags.get("cp")
+    if fixed is not None:
+        _require_at_least_1("cp", fixed)
+        return {"min_cp": fixed, "max_cp": fixed}
+    _require_at_least_1("min_cp", lo)
+    _require_at_least_1("max_cp", hi)
+    return {"min_cp": lo, "max_cp": hi}
+
+
 MAX_INT_FLAG = 1_000_000_000  # no degree, batch or count is larger (and pp * vpp stays inside int64)
 INT_FLAGS = ("top", "pick", "tp", "min_tp", "max_tp", "pp", "min_pp", "max_pp", "dp", "min_dp", "max_dp",
+             "cp", "min_cp", "max_cp",
              "micro_batch", "max_micro_batch", "vpp", "max_vpp", "min_nodes", "max_nodes")
 
 

@@ -21,14 +21,29 @@ class LayoutArrays:
     recompute: np.ndarray  # plan3d.vocab.RECOMPUTE_CODES: 0 none, 1 selective, 2 full
     sp: np.ndarray  # 1.0 with sequence parallelism
     m: np.ndarray
+    cp: np.ndarray | float = 1.0  # context parallel degree: each rank holds seq / cp tokens of a sequence
 
     @property
     def sp_div(self) -> np.ndarray:
         """What sequence parallelism divides the replicated activations by: tp with it, else 1."""
         return np.where(self.sp > 0, self.tp, 1.0)
 
+    @property
+    def mb_share(self) -> np.ndarray:
+        """A micro-batch's sequences one rank holds, counted in whole sequences: mb / cp (context
+        parallelism splits every sequence into cp equal shares; Megatron-Core
+        `get_batch_on_this_cp_rank`). Every per-token count of the cost model is this times seq."""
+        return self.mb / self.cp
 
-def layout_arrays(global_batch: int, tp, pp, dp, mb, vpp, zero, recompute, sp) -> LayoutArrays:
+    @property
+    def grad_ranks(self) -> np.ndarray:
+        """Ranks a gradient is reduced (and ZeRO-sharded) over: dp * cp. Megatron-Core reduces
+        over its dp_cp group (DistributedDataParallel.dp_cp_group) and shards the distributed
+        optimizer over it; torchtitan's FSDP mesh is dp_shard_cp."""
+        return self.dp * self.cp
+
+
+def layout_arrays(global_batch: int, tp, pp, dp, mb, vpp, zero, recompute, sp, cp=1) -> LayoutArrays:
     f = lambda x: np.asarray(x, dtype=np.float64)  # noqa: E731
     m = global_batch // (np.asarray(mb, dtype=np.int64) * np.asarray(dp, dtype=np.int64))
-    return LayoutArrays(f(tp), f(pp), f(dp), f(mb), f(vpp), f(zero), f(recompute), f(sp), f(m))
+    return LayoutArrays(f(tp), f(pp), f(dp), f(mb), f(vpp), f(zero), f(recompute), f(sp), f(m), f(cp))

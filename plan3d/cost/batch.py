@@ -34,22 +34,27 @@ class Candidates:
     recompute: np.ndarray  # 0 none, 1 selective, 2 full
     sequence_parallel: np.ndarray  # bool
     order: np.ndarray  # index into the `orders` tuple
+    cp: np.ndarray | None = None  # context parallel degree (None: 1 for every candidate)
 
     def __len__(self) -> int:
         return len(self.tp)
 
+    @property
+    def cp_degrees(self) -> np.ndarray:
+        return np.ones(len(self.tp), dtype=np.int64) if self.cp is None else np.asarray(self.cp, dtype=np.int64)
+
 
 def _links(cluster: ClusterSpec, cands: Candidates, orders: tuple[str, ...]) -> Links:
     """Bandwidth and latency arrays of each group, one rank-map look-up per unique shape."""
-    columns = [np.asarray(x, dtype=np.int64) for x in (cands.tp, cands.pp, cands.dp, cands.order)]
+    columns = [np.asarray(x, dtype=np.int64) for x in (cands.tp, cands.pp, cands.dp, cands.order, cands.cp_degrees)]
     key = np.zeros(len(columns[0]), dtype=np.int64)
     for col in columns:  # mixed-radix code: a 1-D unique is ~100x faster than unique(axis=0)
         key = key * (int(col.max()) + 1) + col
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     unique = np.stack([col[first] for col in columns], axis=1)
     tiers = tuple(cluster.tiers())
-    table = np.array([link_row(layout_links(tp, pp, dp, orders[order], tiers, cluster.gpus_per_node))
-                      for tp, pp, dp, order in unique.tolist()], dtype=np.float64)
+    table = np.array([link_row(layout_links(tp, pp, dp, orders[order], tiers, cluster.gpus_per_node, cp))
+                      for tp, pp, dp, order, cp in unique.tolist()], dtype=np.float64)
     return Links.from_rows(table[inverse.reshape(-1)])
 
 
@@ -77,7 +82,8 @@ def estimate_batch(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpe
     for uneven splits; None: every candidate splits its layers evenly."""
     ctx = make_context(cluster, model, training, engine)
     la = layout_arrays(training.global_batch, cands.tp, cands.pp, cands.dp, cands.micro_batch, cands.vpp,
-                       cands.zero, cands.recompute, np.asarray(cands.sequence_parallel, dtype=np.float64))
+                       cands.zero, cands.recompute, np.asarray(cands.sequence_parallel, dtype=np.float64),
+                       cands.cp_degrees)
     if rank_layers is None:
         pp_rank, layers, weights = even_stages(la.pp, model.layers)
     else:

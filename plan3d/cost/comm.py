@@ -25,8 +25,10 @@ from plan3d.vocab import COLLECTIVE_KINDS
 
 GROUPS = ("tp", "pp", "dp")
 # the data-parallel group once more, with one NIC share per GPU across nodes (no multi-rail rings):
-# what an engine that issues one small collective per parameter gets (RunsAs.zero3_collectives)
-LINK_GROUPS = GROUPS + ("dp_nic",)
+# what an engine that issues one small collective per parameter gets (RunsAs.zero3_collectives);
+# the context-parallel ring (`cp`) and the group gradients are reduced over (`dp_cp`: dp x cp,
+# Megatron-Core's dp_cp_group). With cp = 1, dp_cp is the dp group and the cp ring carries nothing.
+LINK_GROUPS = GROUPS + ("dp_nic", "cp", "dp_cp")
 
 
 @dataclass(frozen=True)
@@ -71,10 +73,16 @@ def group_link(layout: Layout, name: str, tiers: tuple[ResolvedTier, ...], gpus_
 @lru_cache(maxsize=65536)
 def layout_links(tp: int, pp: int, dp: int, order: str, tiers: tuple[ResolvedTier, ...],
                  gpus_per_node: int, cp: int = 1) -> dict[str, GroupLink]:
-    """GroupLink of tp, pp and dp for one shape (cached: the search asks many times)."""
+    """GroupLink of every LINK_GROUPS group for one shape (cached: the search asks many times).
+
+    With cp = 1 the dp_cp group is the dp group (same link) and the cp ring is never priced, so
+    neither costs a rank-map look-up."""
     layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, order=order)
     links = {name: group_link(layout, name, tiers, gpus_per_node) for name in GROUPS}
-    links["dp_nic"] = group_link(layout, "dp", tiers, gpus_per_node, single_rail=True)
+    reduce_group = "dp_cp" if cp > 1 else "dp"
+    links["dp_nic"] = group_link(layout, reduce_group, tiers, gpus_per_node, single_rail=True)
+    links["cp"] = group_link(layout, "cp", tiers, gpus_per_node) if cp > 1 else links["tp"]
+    links["dp_cp"] = group_link(layout, "dp_cp", tiers, gpus_per_node) if cp > 1 else links["dp"]
     return links
 
 

@@ -51,26 +51,59 @@ def stage_micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_ran
 
     Each layer pass (forward, recompute, backward = 2x forward) costs its GPU time (kernels plus
     its two blocking TP all-reduces) combined with the host time to issue it; what the host adds
-    beyond the GPU time is reported as `overhead`."""
+    beyond the GPU time is reported as `overhead`.
+
+    With context parallelism every formula reads the rank's share of each sequence
+    (`LayoutArrays.mb_share` = mb / cp: Megatron-Core's 2 x cp load-balanced chunks give every
+    rank the same GEMM and causal-attention work), and the exposed ring exchange of K/V
+    (`cp_ring_exposed_s`) is added to `tp_comm`: the model-parallel traffic inside a layer."""
     first, last = pp_rank == 0, pp_rank == la.pp - 1
-    layer_fwd = compute.layer_forward_s(ctx, la.mb, la.tp, la.sp_div)
-    boundary_bytes = la.mb * ctx.seq * ctx.hidden * ctx.act_bytes
+    share = la.mb_share
+    layer_fwd = compute.layer_forward_s(ctx, share, la.tp, la.sp_div)
+    boundary_bytes = share * ctx.seq * ctx.hidden * ctx.act_bytes
     tp_pair = 2 * _tp_exchange_s(la, links, boundary_bytes) * (1 - ctx.tp_overlap_fraction)  # exposed, per pass
     full = la.recompute >= FULL
-    redo = np.where(full, layer_fwd,
-                    np.where(la.recompute == SELECTIVE, compute.attention_core_forward_s(ctx, la.mb, la.tp), 0.0))
+    attention_fwd = compute.attention_core_forward_s(ctx, share, la.tp)
+    redo = np.where(full, layer_fwd, np.where(la.recompute == SELECTIVE, attention_fwd, 0.0))
     host = ctx.layer_overhead_s
     passes = (compute.pass_s(ctx, layer_fwd + tp_pair, host)
               + compute.pass_s(ctx, 2 * layer_fwd + tp_pair, 2 * host)
               + np.where(full, compute.pass_s(ctx, layer_fwd + tp_pair, host), redo))
     gpu_layer = 3 * layer_fwd + redo + np.where(full, 3, 2) * tp_pair
-    logits_fwd = np.where(last, compute.logits_forward_s(ctx, la.mb, la.tp), 0.0)
-    embed = np.where(first, compute.memory_bound_s(ctx, la.mb * ctx.seq * ctx.hidden, ctx.elementwise_bytes), 0.0)
+    logits_fwd = np.where(last, compute.logits_forward_s(ctx, share, la.tp), 0.0)
+    embed = np.where(first, compute.memory_bound_s(ctx, share * ctx.seq * ctx.hidden, ctx.elementwise_bytes), 0.0)
+    ring_fwd, ring_bwd = cp_ring_exposed_s(ctx, la, links, attention_fwd)
+    ring = np.where(full, 2 * ring_fwd, ring_fwd) + ring_bwd
     return {"compute": 3 * (layers * layer_fwd + logits_fwd + embed), "recompute": layers * redo,
-            "tp_comm": layers * np.where(full, 3, 2) * tp_pair + _vocab_parallel_s(ctx, la, links, first, last),
+            "tp_comm": (layers * np.where(full, 3, 2) * tp_pair + _vocab_parallel_s(ctx, la, links, first, last)
+                        + np.where(la.cp > 1, layers * ring, 0.0)),
             "pp_comm": _p2p_s(ctx, la, links, boundary_bytes),
             "overhead": layers * (passes - gpu_layer) + ctx.micro_batch_overhead_s,
             "backward": 2 * (layers * layer_fwd + logits_fwd)}
+
+
+def cp_kv_chunk_bytes(ctx: CostContext, la: LayoutArrays):
+    """Bytes of the K and V one rank holds for its share of a micro-batch's sequences (one step
+    of the ring): 2 * (seq / cp) * mb * kv_heads * head_dim / tp * bytes per element."""
+    return 2 * la.mb_share * ctx.seq * ctx.kv_dim / la.tp * ctx.act_bytes
+
+
+def cp_ring_exposed_s(ctx: CostContext, la: LayoutArrays, links: Links, attention_fwd):
+    """Exposed seconds of one layer's context-parallel ring, (forward, backward), per micro-batch.
+
+    Megatron-Core's default cp_comm_type "p2p" (TransformerConfig.cp_comm_type; Transformer
+    Engine's AttnFuncWithCPAndKVP2P) runs cp steps: in each, a rank computes attention of its
+    queries against one K/V chunk while it sends that chunk to the next rank and receives the
+    next one (cp - 1 transfers, asynchronous). A transfer hides behind its step's attention
+    (the rank's attention time / cp); what is left shows: (cp - 1) * max(0, send - step). The
+    backward circulates K/V and their gradients dK/dV (twice the bytes) against the backward
+    attention (twice the forward's FLOPs)."""
+    chunk = cp_kv_chunk_bytes(ctx, la)
+    steps = np.maximum(la.cp - 1, 0.0)
+    step_fwd = attention_fwd / la.cp
+    send = comm.p2p_s(chunk, *links.of("cp", "p2p"))
+    send_bwd = comm.p2p_s(2 * chunk, *links.of("cp", "p2p"))
+    return steps * np.maximum(send - step_fwd, 0.0), steps * np.maximum(send_bwd - 2 * step_fwd, 0.0)
 
 
 def _collective_s(links: Links, group: str, op: str, size_bytes, n):
@@ -93,8 +126,8 @@ def _vocab_parallel_s(ctx: CostContext, la: LayoutArrays, links: Links, first, l
     sequence parallelism) and the output layer's input gradient likewise; the cross entropy over
     vocabulary shards all-reduces three per-token fp32 values (max logit, sum of exponentials,
     target logit). Latency-bound on GPUs, but milliseconds per call on an oversubscribed CPU."""
-    boundary = _tp_exchange_s(la, links, la.mb * ctx.seq * ctx.hidden * ctx.act_bytes)
-    loss = 3 * _collective_s(links, "tp", "all_reduce", la.mb * ctx.seq * 4, la.tp)
+    boundary = _tp_exchange_s(la, links, la.mb_share * ctx.seq * ctx.hidden * ctx.act_bytes)
+    loss = 3 * _collective_s(links, "tp", "all_reduce", la.mb_share * ctx.seq * 4, la.tp)
     return np.where(first, boundary, 0.0) + np.where(last, boundary + loss, 0.0)
 
 
@@ -104,9 +137,9 @@ def _step_sync_s(la: LayoutArrays, links: Links):
     2 ceil(log2 n) hops (NCCL's tree for small messages; Thakur et al. 2005), at the slowest
     latency the layout's groups see. Measured on 8 gloo ranks: the two together take 4-15 ms a
     step against 17 ms predicted (a 14-hop ring would be 39 ms)."""
-    world = la.tp * la.pp * la.dp
+    world = la.tp * la.pp * la.grad_ranks
     hops = 2 * np.ceil(np.log2(np.maximum(world, 1.0)))
-    latency = np.maximum(np.maximum(links.of("tp")[1], links.of("pp")[1]), links.of("dp")[1])
+    latency = np.maximum(np.maximum(links.of("tp")[1], links.of("pp")[1]), links.of("dp_cp")[1])
     return 2 * hops * latency
 
 
@@ -128,13 +161,18 @@ def stage_step_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, para
     backward (and in the recompute) of every micro-batch, and reduce-scatters that micro-batch's
     gradients, since an unsharded gradient buffer would undo the sharding (Rajbhandari et al.
     2020, section 7: 1.5x the all-reduce volume per pass; DeepSpeed and FSDP both reduce per
-    micro-batch)."""
+    micro-batch).
+
+    With context parallelism the group is dp x cp (`LayoutArrays.grad_ranks`): each cp rank
+    holds gradients of its share of the tokens, reduced with the data-parallel replicas
+    (Megatron-Core DistributedDataParallel.dp_cp_group)."""
     grads = params * ctx.grad_bytes
-    gather_weights = _collective_s(links, "dp", "all_gather", params * ctx.weight_bytes, la.dp)
-    scatter_grads = _collective_s(links, "dp", "reduce_scatter", grads, la.dp)
-    zero3_link = "dp_nic" if ctx.zero3_per_gpu_nic else "dp"
-    zero3_gather = _collective_s(links, zero3_link, "all_gather", params * ctx.weight_bytes, la.dp)
-    zero3_scatter = _collective_s(links, zero3_link, "reduce_scatter", grads, la.dp)
+    ranks = la.grad_ranks
+    gather_weights = _collective_s(links, "dp_cp", "all_gather", params * ctx.weight_bytes, ranks)
+    scatter_grads = _collective_s(links, "dp_cp", "reduce_scatter", grads, ranks)
+    zero3_link = "dp_nic" if ctx.zero3_per_gpu_nic else "dp_cp"
+    zero3_gather = _collective_s(links, zero3_link, "all_gather", params * ctx.weight_bytes, ranks)
+    zero3_scatter = _collective_s(links, zero3_link, "reduce_scatter", grads, ranks)
     overlap = ctx.dp_overlap_fraction
     shared = (pp_rank == 0) | (pp_rank == la.pp - 1)
     tied = ctx.tied & (la.pp > 1) & shared
@@ -148,7 +186,7 @@ def stage_step_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, para
                    + np.maximum(gather_weights - overlap * backward_s / 2, 0.0))
     else:
         sharded = np.maximum(scatter_grads + gather_weights + tied_s - overlap * backward_s, 0.0)
-    all_reduce = _collective_s(links, "dp", "all_reduce", grads, la.dp)
+    all_reduce = _collective_s(links, "dp_cp", "all_reduce", grads, ranks)
     replicated = np.maximum(all_reduce + tied_s - overlap * backward_s, 0.0)
     zero3_tied = np.maximum(tied_s - overlap * backward_s, 0.0)  # ZeRO-3 grads: per micro-batch, below
     dp = np.where(la.zero >= 3, zero3_tied, np.where(la.zero >= 1, sharded, replicated))
@@ -158,7 +196,7 @@ def stage_step_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, para
     zero3_overlap = overlap if ctx.zero3_overlap_fraction is None else ctx.zero3_overlap_fraction
     return {"dp_comm": dp + _step_sync_s(la, links),
             "zero_comm": np.maximum(zero3 - zero3_overlap * compute_s, 0.0),
-            "optimizer": compute.optimizer_s(ctx, params, np.where(la.zero >= 1, la.dp, 1.0))}
+            "optimizer": compute.optimizer_s(ctx, params, np.where(la.zero >= 1, ranks, 1.0))}
 
 
 def core_share(ctx: CostContext, la: LayoutArrays):
@@ -166,7 +204,7 @@ def core_share(ctx: CostContext, la: LayoutArrays):
     on GPUs). A layout smaller than a node fills one node's first slots."""
     if not ctx.cpu_cores_per_node:
         return 1.0
-    ranks_on_node = np.minimum(la.tp * la.pp * la.dp, ctx.gpus_per_node)
+    ranks_on_node = np.minimum(la.tp * la.pp * la.grad_ranks, ctx.gpus_per_node)
     return np.minimum(1.0, ctx.cpu_cores_per_node / ranks_on_node)
 
 
@@ -198,7 +236,7 @@ def _summary(ctx: CostContext, la: LayoutArrays, mem: dict, time: dict, weights)
     step = sum(time[k] for k in TIME_TERMS)
     shape = np.broadcast_shapes(*(np.shape(v) for v in mem.values()))
     totals = np.broadcast_to(mem["total"], shape)
-    world = la.tp * la.pp * la.dp
+    world = la.tp * la.pp * la.grad_ranks
     model_flops = compute.model_flops_per_step(ctx)
     achieved = model_flops / (step * world)
     return {

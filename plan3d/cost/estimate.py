@@ -37,7 +37,7 @@ class Estimate:
     memory_bytes: dict  # categories of the most-loaded rank
     stage_memory_bytes: list  # total per pipeline rank
     time_s: dict
-    tiers: dict  # tp, pp, dp -> name of the tier the group spans
+    tiers: dict  # tp, pp, dp (and cp, dp_cp when cp > 1) -> name of the tier the group spans
     worst_pp_rank: int
     warnings: list = field(default_factory=list)
     layout: dict = field(default_factory=dict)
@@ -66,17 +66,24 @@ def estimate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, lay
     links = layout_links(layout.tp, layout.pp, layout.dp, layout.order, tiers, cluster.gpus_per_node, layout.cp)
     la = layout_arrays(training.global_batch, [layout.tp], [layout.pp], [layout.dp], [layout.micro_batch],
                        [layout.vpp], [layout.zero], [RECOMPUTE_CODES[layout.recompute]],
-                       [float(layout.sequence_parallel)])
+                       [float(layout.sequence_parallel)], [layout.cp])
     link_arrays = Links.from_rows(np.array([link_row(links)], dtype=np.float64))
     chunks = layout.stage_layers(model.layers)
     layers = np.array([sum(chunks[r::layout.pp]) for r in range(layout.pp)], dtype=np.float64)[:, None]
     pp_rank = np.arange(layout.pp, dtype=np.float64)[:, None]
     out = evaluate(ctx, la, link_arrays, pp_rank, layers, np.ones_like(layers))
-    result = _to_estimate(out, layout, {k: links[k].tier for k in GROUPS}, _warnings(cluster, model, layout))
+    result = _to_estimate(out, layout, _tiers(links, layout), _warnings(cluster, model, layout))
     require_finite(_numbers(result), cluster, model, training, engine)
     trust = provenance(cluster, engine, training, layout.zero)
     return replace(result, engine=engine.name if engine else "", provenance=trust.lines,
                    warnings=result.warnings + trust.warnings)
+
+
+def _tiers(links: dict, layout: Layout) -> dict:
+    """The tier each group spans: tp, pp, dp; with context parallelism also cp (its ring) and
+    dp_cp (the group gradients are reduced over)."""
+    shown = GROUPS + (("cp", "dp_cp") if layout.cp > 1 else ())
+    return {k: links[k].tier for k in shown}
 
 
 def _numbers(est: Estimate) -> dict:
@@ -109,9 +116,6 @@ def _to_estimate(out: dict, layout: Layout, tiers: dict, warnings: list[str]) ->
 
 def _warnings(cluster: ClusterSpec, model: ModelSpec, layout: Layout) -> list[str]:
     out = list(rankmap_for(layout, cluster.gpus_per_node).warnings(cluster.tiers()))
-    if layout.cp > 1:
-        out.append(f"context parallelism is not modelled: times and memory are those of cp=1 "
-                   f"(the groups still span the tiers of the cp={layout.cp} rank map)")
     if model.moe is not None:
         out.append("mixture-of-experts layers are modelled as dense layers")
     idle = idle_gpus_warning(layout.world_size, cluster.world_size)

@@ -65,7 +65,7 @@ def model_state_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, 
     ctx = make_context(None, model, training)
     layers = _rank_layers(layout, model.layers, pp_rank)
     params = stage_params(ctx, float(layout.tp), float(layout.pp), float(pp_rank), float(layers))
-    states = model_states(ctx, params, float(layout.dp), float(layout.zero))
+    states = model_states(ctx, params, float(layout.dp * layout.cp), float(layout.zero))
     return {k: float(v) for k, v in states.items()}
 
 
@@ -78,8 +78,9 @@ def _rank_layers(layout: Layout, layers: int, pp_rank: int) -> int:
 def layer_activation_bytes(ctx: CostContext, la: LayoutArrays):
     """Bytes one layer stores for one micro-batch without recompute (Korthikanti Table 2 with
     flash attention): 10*s*B*h replicated (norm inputs, dropout masks; divided by tp under
-    sequence parallelism), plus Q, K, V, the attention output and the MLP activations per tp."""
-    sb = ctx.seq * la.mb
+    sequence parallelism), plus Q, K, V, the attention output and the MLP activations per tp.
+    Context parallelism stores the rank's seq / cp tokens only (`LayoutArrays.mb_share`)."""
+    sb = ctx.seq * la.mb_share
     replicated = 10 * sb * ctx.hidden / la.sp_div
     attention = 2 * sb * (2 * ctx.q_dim + 2 * ctx.kv_dim) / la.tp
     mlp = 2 * sb * ctx.ffn * ctx.mlp_mats / la.tp  # GELU: in, out; SwiGLU: gate, up, product
@@ -98,30 +99,45 @@ def in_flight(la: LayoutArrays, pp_rank):
 def stage_activation_bytes(ctx: CostContext, la: LayoutArrays, pp_rank, layers_on_rank):
     """Activations at the peak of rank `pp_rank`: in-flight micro-batches times its layers
     (full recompute keeps only each layer's input, 2*s*B*h, plus one layer's working set), and
-    the fp32 logits of one micro-batch on the last stage."""
+    the fp32 logits of one micro-batch on the last stage (its seq / cp tokens with context parallelism)."""
     per_layer = layer_activation_bytes(ctx, la)
-    checkpoint = 2 * ctx.seq * la.mb * ctx.hidden / la.sp_div * ctx.act_bytes / 2
+    checkpoint = 2 * ctx.seq * la.mb_share * ctx.hidden / la.sp_div * ctx.act_bytes / 2
     stored = np.where(la.recompute >= RECOMPUTE_CODES["full"], checkpoint, per_layer)
     working = np.where(la.recompute >= RECOMPUTE_CODES["full"], per_layer, 0.0)
     acts = in_flight(la, pp_rank) * layers_on_rank * stored + working
-    logits = ctx.seq * la.mb * padded_vocab(ctx, la.tp) / la.tp * LOGITS_BYTES
+    logits = ctx.seq * la.mb_share * padded_vocab(ctx, la.tp) / la.tp * LOGITS_BYTES
     return acts + np.where(pp_rank == la.pp - 1, logits, 0.0)
 
 
 def buffer_bytes(ctx: CostContext, la: LayoutArrays):
     """Communication buffers: pipeline send/receive (forward and backward), the sequence-parallel
-    all-gather output, and under ZeRO-3 two gathered layers (one in use, one prefetched)."""
-    boundary = ctx.seq * la.mb * ctx.hidden * ctx.act_bytes
+    all-gather output, under ZeRO-3 two gathered layers (one in use, one prefetched), and with
+    context parallelism the ring's K/V buffers (`cp_ring_buffer_bytes`)."""
+    boundary = ctx.seq * la.mb_share * ctx.hidden * ctx.act_bytes
     p2p = np.where(la.pp > 1, 2 * boundary / la.sp_div, 0.0)
     sp_gather = np.where(la.sp > 0, boundary, 0.0)
     layer_full = (layer_params_split(ctx) / la.tp + layer_params_replicated(ctx)) * ctx.weight_bytes
-    return p2p + sp_gather + np.where(la.zero >= 3, 2 * layer_full, 0.0)
+    return (p2p + sp_gather + np.where(la.zero >= 3, 2 * layer_full, 0.0)
+            + np.where(la.cp > 1, cp_ring_buffer_bytes(ctx, la), 0.0))
+
+
+CP_RING_BUFFERS = 4  # K/V-chunk-sized buffers at the ring's peak (the backward), see cp_ring_buffer_bytes
+
+
+def cp_ring_buffer_bytes(ctx: CostContext, la: LayoutArrays):
+    """The ring's communication buffers of the layer being computed: its peak is the backward,
+    which double-buffers (K/V, dK/dV) pairs -- two buffers of twice a K/V chunk, i.e. 4 chunks
+    (Transformer Engine AttnFuncWithCPAndKVP2P.backward, `p2p_comm_buffers` of shape (2, *kv.shape));
+    the forward holds two K/V chunks in flight (received, being sent). One K/V chunk is
+    2 * (seq / cp) * mb * kv_heads * head_dim / tp elements."""
+    chunk = 2 * ctx.seq * la.mb_share * ctx.kv_dim / la.tp * ctx.act_bytes
+    return CP_RING_BUFFERS * chunk
 
 
 def stage_memory(ctx: CostContext, la: LayoutArrays, pp_rank, layers_on_rank) -> dict:
     """Every memory category of one rank of pipeline rank `pp_rank`, and their total."""
     params = stage_params(ctx, la.tp, la.pp, pp_rank, layers_on_rank)
-    out = model_states(ctx, params, la.dp, la.zero)
+    out = model_states(ctx, params, la.grad_ranks, la.zero)
     out["activations"] = stage_activation_bytes(ctx, la, pp_rank, layers_on_rank)
     out["buffers"] = buffer_bytes(ctx, la) + 0.0 * pp_rank
     out["reserve"] = np.full_like(out["buffers"], ctx.reserve_bytes)

@@ -47,7 +47,7 @@ def summary_lines(est, cluster, model, training) -> list[str]:
     stages = ", ".join(f"{b / 2**30:.1f}" for b in est.stage_memory_bytes)
     return [
         printable(f"{model.name} on {cluster.name}: {_layout_text(est.layout)}, global batch {training.global_batch}"),
-        f"groups span: tp {est.tiers['tp']}, pp {est.tiers['pp']}, dp {est.tiers['dp']}",
+        "groups span: " + ", ".join(f"{group.replace('_', 'x')} {tier}" for group, tier in est.tiers.items()),
         f"step {ms(est.step_time_s)}, {est.tokens_per_s:,.0f} tokens/s, "
         f"{est.model_tflops_per_gpu:.1f} model TFLOP/s per GPU, MFU {est.mfu:.1%}, bubble {est.bubble_fraction:.1%}",
         f"memory: {fits} ({gib(est.peak_memory_bytes)} of {gib(est.capacity_bytes)}); per pipeline rank GiB: {stages}",
@@ -55,7 +55,8 @@ def summary_lines(est, cluster, model, training) -> list[str]:
 
 
 def _layout_text(layout: dict) -> str:
-    parts = [f"tp {layout['tp']}", f"pp {layout['pp']}", f"dp {layout['dp']}", f"micro-batch {layout['micro_batch']}"]
+    cp = [f"cp {layout['cp']}"] if layout.get("cp", 1) > 1 else []
+    parts = [f"tp {layout['tp']}", f"pp {layout['pp']}", f"dp {layout['dp']}", *cp, f"micro-batch {layout['micro_batch']}"]
     if layout["vpp"] > 1:
         parts.append(f"vpp {layout['vpp']}")
     parts += [f"ZeRO {layout['zero']}", f"recompute {layout['recompute']}"]

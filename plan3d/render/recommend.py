@@ -175,8 +175,15 @@ def layout_cells(result: SearchResult, row: int) -> list[str]:
     lay = result.layout(row)
     order = short_order(lay.order)
     pp = f"{lay.pp}*" if lay.pp_layers is not None else str(lay.pp)
-    return [str(lay.tp), pp, str(lay.dp), str(lay.micro_batch), str(lay.vpp), str(lay.zero),
+    cp = [str(lay.cp)] if shows_cp(result) else []
+    return [str(lay.tp), pp, str(lay.dp), *cp, str(lay.micro_batch), str(lay.vpp), str(lay.zero),
             lay.recompute, "y" if lay.sequence_parallel else "", order]
+
+
+def shows_cp(result: SearchResult) -> bool:
+    """Whether the table has a cp column: only when the search evaluated some cp > 1."""
+    cp = result.layouts.get("cp")
+    return cp is not None and bool((cp > 1).any())
 
 
 def metric_cells(result: SearchResult, row: int, tokens: float | None) -> list[str]:
@@ -196,7 +203,8 @@ ALSO_SHOWN = 3  # alternatives named per row under the table; --json lists all
 
 def layouts_table(result: SearchResult, rows, title: str, tokens: float | None = None) -> Table:
     table = Table(title=title)
-    for header in HEADERS + (["days"] if tokens else []):
+    headers = HEADERS[:4] + ["cp"] + HEADERS[4:] if shows_cp(result) else HEADERS
+    for header in headers + (["days"] if tokens else []):
         table.add_column(header, justify="left" if header in ("recompute", "order", "top comm") else "right")
     for i, row in enumerate(rows):
         table.add_row(str(i + 1), *layout_cells(result, int(row)), *metric_cells(result, int(row), tokens))
@@ -226,7 +234,8 @@ def alternatives_lines(report: Recommendation) -> list[str]:
 def decisions_line(report: Recommendation) -> str:
     """How rows were folded, and the next different choice after the shown ones."""
     r = report.result
-    line = (f"one row per decision: layouts of one tp/pp/dp/mb/ZeRO within {grouping.TIE_FRACTION:.0%} "
+    knobs = "tp/pp/dp/cp/mb/ZeRO" if shows_cp(r) else "tp/pp/dp/mb/ZeRO"
+    line = (f"one row per decision: layouts of one {knobs} within {grouping.TIE_FRACTION:.0%} "
             "of each other are one row, their alternatives named below (--json: `alternatives`)")
     nxt = report.next_decision
     if nxt is not None:

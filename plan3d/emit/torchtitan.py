@@ -38,6 +38,13 @@ distributed/fsdp.py, distributed/pipeline_parallel.py):
   kernel, scores never reach HBM; 0.3 refuses `sdpa` for language models,
   models/common/config_utils.py `get_attention_config`).
 - the torchtitan-compile profile switches `compile.enable` on (model and loss).
+- fp8: torchao float8 training through torchtitan's `Float8LinearConverter`
+  (components/quantization/float8.py; `model_registry(flavor, converters=[...])`, which builds
+  each converter and applies it to the model config): every layer `Linear` becomes a
+  `Float8Linear` (recipe "rowwise", the 0.3 default: dynamic per-row scales), `lm_head` kept in
+  bf16 (`filter_fqns`), as the time model keeps the output layer; `model_compile_enabled` follows
+  the profile. torchao must be installed where the job runs (the converter imports it), and the
+  converter refuses GPUs before SM 8.9.
 
 The model is a registered llama3 flavor when the shapes are one (models/llama3/__init__.py),
 otherwise the same builder with the plan's layers, width, heads, KV heads, FFN and vocabulary.
@@ -96,7 +103,8 @@ def emit_torchtitan(plan: Plan, compile: bool | None = None, module: str = DEFAU
     _check_expressible(plan)
     flavor = matching_flavor(plan.model)
     notes += _notes(plan, flavor)
-    body = [_header(plan, profile, module), _imports(flavor), _function(plan, flavor, compile)]
+    fp8 = plan.training.precision == "fp8"
+    body = [_header(plan, profile, module), _imports(flavor, fp8), _function(plan, flavor, compile)]
     return Emitted("\n".join(body), notes)
 
 
@@ -136,6 +144,7 @@ def _check_expressible(plan: Plan) -> None:
     if model.tied_embeddings and layout.pp > 1:  # models/common/decoder.py update_from_config raises
         raise InfeasibleError(f"torchtitan {VERSIONS} does not tie embeddings with pipeline parallelism "
                               "('Weight tying is not supported with Pipeline Parallel'); re-plan with pp=1")
+    plan.cluster.gpu.require_precision(plan.training.precision)  # fp8 needs FP8 units
     if plan.training.precision == "fp16":  # TrainingConfig.mixed_precision_param: "bfloat16" | "float32"
         raise InfeasibleError(f"torchtitan {VERSIONS} trains in bf16 or fp32 (training.mixed_precision_param); "
                               "re-plan with --precision bf16")
@@ -164,7 +173,11 @@ def _notes(plan: Plan, flavor: Flavor | None) -> list[str]:
                      f"torchtitan's llama3 builder (RoPE theta {rope_theta(plan.model):g}); point "
                      f"hf_assets_path at a tokenizer with {plan.model.vocab} tokens")
     if plan.training.precision == "fp8":
-        notes.append("fp8: add torchtitan's Float8LinearConverter to model_registry(converters=[...]) (needs torchao)")
+        notes.append("fp8: torchao float8 (Float8LinearConverter, recipe 'rowwise') on the layers' Linear modules, "
+                      "lm_head in bf16; install torchao where the job runs")
+        if plan.engine is None or plan.engine.name != "torchtitan-compile":
+            notes.append("fp8 without torch.compile runs torchao's casts as separate kernels: expect a slower "
+                         "step than predicted; plan with --engine torchtitan-compile")
     if plan.layout.recompute == "selective":
         notes.append("torchtitan's selective recompute is per-op (it saves matmul and attention outputs and "
                      "recomputes every second matmul), not Megatron's attention-only recompute")
@@ -189,11 +202,12 @@ def _header(plan: Plan, profile: str, module: str) -> str:
     )
 
 
-def _imports(flavor: Flavor | None) -> str:
+def _imports(flavor: Flavor | None, fp8: bool = False) -> str:
     recipe = flavor.recipe if flavor else "llama3_8b"
     lines = ["import dataclasses", ""] if flavor is None else []
     lines += [
         "from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss",
+        *(["from torchtitan.components.quantization import Float8LinearConverter"] if fp8 else []),
         "from torchtitan.config import CompileConfig, ParallelismConfig",
         "from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC",
         "from torchtitan.models.common.config_utils import decoder_vocab_size",
@@ -209,7 +223,8 @@ def _imports(flavor: Flavor | None) -> str:
 
 
 def _function(plan: Plan, flavor: Flavor | None, compile: bool) -> str:
-    model_lines = _flavor_model(flavor) if flavor else _custom_model(plan)
+    converter = float8_converter(compile) if plan.training.precision == "fp8" else None
+    model_lines = _flavor_model(flavor, converter) if flavor else _custom_model(plan, converter)
     return (
         f"\ndef {CONFIG_FUNCTION}() -> Trainer.Config:\n"
         "    config = recipe()\n"
@@ -236,11 +251,19 @@ def _literal(value) -> str:
     return repr(value)
 
 
-def _flavor_model(flavor: Flavor) -> list[str]:
-    return [f'config.model_spec = model_registry("{flavor.name}", attn_backend="flex")']
+def float8_converter(compile: bool) -> str:
+    """torchtitan 0.3's float8 converter config: layer Linears in FP8, the output head in bf16."""
+    return f'Float8LinearConverter.Config(filter_fqns=["lm_head"], model_compile_enabled={compile!r})'
 
 
-def _custom_model(plan: Plan) -> list[str]:
+def _flavor_model(flavor: Flavor, converter: str | None = None) -> list[str]:
+    if converter is None:
+        return [f'config.model_spec = model_registry("{flavor.name}", attn_backend="flex")']
+    return [f'config.model_spec = model_registry("{flavor.name}", attn_backend="flex",',
+            f"                                  converters=[{converter}])"]
+
+
+def _custom_model(plan: Plan, converter: str | None = None) -> list[str]:
     """The plan's shapes through torchtitan 0.3.0's own llama3 builder (what its flavors call)."""
     model = plan.model
     seq = max(ROPE_MAX_SEQ_LEN, plan.training.seq_len or model.seq_len)
@@ -260,6 +283,8 @@ def _custom_model(plan: Plan) -> list[str]:
          f'theta={rope_theta(model)!r}, scaling="llama"),'),
         "    ),",
         ")",
+        *([f"model = {converter}.build().convert(model)  # what model_registry(converters=...) does"]
+          if converter else []),
         f'config.model_spec = dataclasses.replace(llama3.model_registry("8B"), flavor="{model.name}", model=model)',
     ]
 

@@ -102,7 +102,8 @@ def test_only_the_linear_gemms_change_attention_and_logits_stay_bf16():
     assert compute.attention_core_forward_s(fp8, 1, 8) == compute.attention_core_forward_s(bf16, 1, 8)
     assert compute.logits_forward_s(fp8, 1, 8) == compute.logits_forward_s(bf16, 1, 8)
     assert fp8.fp8_peak_flops == cluster.gpu.peak_flops("fp8")
-    assert fp8.fp8_max_fraction == pytest.approx(bf16.gemm_max_fraction * cluster.gpu.compute_efficiency.fp8_gemm_fraction)
+    prior = cluster.gpu.compute_efficiency.fp8_gemm_fraction
+    assert fp8.fp8_max_fraction == pytest.approx(bf16.gemm_max_fraction * prior)
 
 
 def test_the_layer_gemms_are_fp8_linear_plus_bf16_attention_plus_a_third_of_the_casts():
@@ -150,7 +151,8 @@ def test_small_per_gpu_matrices_gain_less_from_fp8():
 def test_the_gpu_specs_fp8_gemm_fraction_drives_the_prediction():
     cluster = load_cluster("dgx-h100", nodes=8)
     eff = cluster.gpu.compute_efficiency
-    slower_gpu = cluster.gpu.model_copy(update={"compute_efficiency": eff.model_copy(update={"fp8_gemm_fraction": 0.6})})
+    slower_eff = eff.model_copy(update={"fp8_gemm_fraction": 0.6})
+    slower_gpu = cluster.gpu.model_copy(update={"compute_efficiency": slower_eff})
     slower = cluster.model_copy(update={"gpu": slower_gpu})
     assert h100_step("fp8", cluster=slower).step_time_s > h100_step("fp8").step_time_s
     with pytest.raises(ValueError):

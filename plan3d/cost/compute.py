@@ -89,7 +89,8 @@ def layer_forward_s(ctx: CostContext, mb, tp, sp_div):
     """Forward time of one layer for one micro-batch on one GPU (no communication):
     weight GEMMs and attention GEMMs split by tp (`layer_gemms_s`: the weight GEMMs in FP8 under
     fp8), the elementwise work on the hidden-size activations (replicated over tp unless
-    sequence parallel) and on the tp-split ones, and the attention-score traffic of an unfused softmax (zero with flash attention)."""
+    sequence parallel) and on the tp-split ones, and the attention-score traffic of an unfused
+    softmax (zero with flash attention)."""
     tokens = mb * ctx.seq
     split_elements = tokens * (ctx.q_dim + 2 * ctx.kv_dim + ctx.mlp_mats * ctx.ffn) / tp
     elements = tokens * ctx.hidden / sp_div + split_elements

@@ -11,7 +11,10 @@ from plan3d.specs.base import MEMORY_GIB, SpecModel, Text, bounded
 class TrainingSpec(SpecModel):
     global_batch: PositiveInt = Field(le=1_000_000_000, description="Sequences per optimizer step.")
     seq_len: PositiveInt | None = Field(None, le=1_000_000_000, description="Overrides the model's sequence length.")
-    precision: Literal["bf16", "fp16", "fp8", "fp32"] = "bf16"
+    precision: Literal["bf16", "fp16", "fp8", "fp32"] = Field(
+        "bf16", description="Compute precision. fp8: the linear layers' GEMMs in FP8 (Transformer Engine hybrid "
+        "E4M3/E5M2, torchao float8) with bf16 attention, norms, embedding, output layer and master weights; "
+        "needs a GPU with an fp8 peak (H100, H200, B200, MI300X; refused on A100, V100, CPUs).")
     optimizer: Literal["adam", "adamw", "sgd"] = "adam"
     fp32_grad_accum: bool = Field(True, description="Gradients kept in fp32 (Megatron-LM's default).")
     memory_headroom_fraction: float = Field(

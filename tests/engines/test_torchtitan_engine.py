@@ -49,6 +49,10 @@ EXTRA = {
                                               pp_layers=(7, 9, 9, 7)),
     "tp8-pp4-dp4-llama70b-vpp5-zero3": lambda: _plan("llama3-70b", 16, 512, tp=8, pp=4, dp=4, vpp=5, zero=3,
                                                      sequence_parallel=True, recompute="selective"),
+    "tp8-pp7-dp2-llama405b-zero3-bf16": lambda: _plan("llama3-405b", 14, 512, tp=8, pp=7, dp=2, zero=3,
+                                                      sequence_parallel=True, recompute="full"),
+    "tp8-cp2-dp4-llama8b-zero3": lambda: _plan("llama3-8b", 8, 64, tp=8, cp=2, dp=4, zero=3,
+                                               sequence_parallel=True),
     "pp2-dp4-custom-28l-zero0": lambda: _plan(_custom_llama(28, rope_theta=10000.0), 1, pp=2, dp=4, zero=0,
                                               recompute="full"),
     "tp2-dp4-compile-zero3": lambda: _plan("llama3-8b", 1, tp=2, dp=4, zero=3, sequence_parallel=True).model_copy(

@@ -2,7 +2,8 @@
 
 Covers tp 1-8, pp 1-16, interleaving (vpp), ZeRO 0-3, every recompute mode, sequence parallelism
 on and off, uneven pipeline splits, both of Megatron's rank orders and one no engine builds,
-grouped-query attention (llama3) and multi-head attention (gpt3), bf16 / fp16 / fp32. Each entry
+grouped-query attention (llama3) and multi-head attention (gpt3), bf16 / fp16 / fp32, context
+parallelism (cp 2 and 4, with tp, pp and dp). Each entry
 is one plan; an emitter either emits it (and the engine's own code must accept it with the same
 values) or refuses it (and the engine's own code must confirm the refusal).
 """
@@ -58,6 +59,10 @@ CASES = [
          global_batch=512),
     Case("tp1-pp2-dp4-fp32", "llama3-8b", 1, dict(pp=2, dp=4, zero=1), precision="fp32"),
     Case("tp2-dp4-seq4096", "llama3-8b", 1, dict(tp=2, dp=4, zero=1, sequence_parallel=True), seq_len=4096),
+    Case("tp8-cp4-dp2-seq32k", "llama3-8b", 8, dict(tp=8, cp=4, dp=2, zero=1, sequence_parallel=True),
+         seq_len=32768),
+    Case("tp4-cp2-pp2-dp2-seq16k", "llama3-70b", 4, dict(tp=4, cp=2, pp=2, dp=2, zero=1, sequence_parallel=True,
+                                                        recompute="full"), global_batch=32, seq_len=16384),
 ]
 
 

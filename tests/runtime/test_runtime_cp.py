@@ -188,15 +188,14 @@ def _check_groups(plan, ranks: list[dict]) -> None:
 
 
 def _check_model_state(plan, ranks: list[dict]) -> None:
-    """Model states equal the memory model's for the same layout with dp x cp data-parallel ranks:
-    cp changes no parameter or gradient, and ZeRO shards over dp x cp (Megatron's distributed
-    optimizer over the data-parallel group with context parallel)."""
+    """Model states equal the memory model's: cp changes no parameter or gradient, and ZeRO
+    shards over dp x cp (Megatron's distributed optimizer over the data-parallel group with
+    context parallel), in the runtime and in plan3d.cost.memory alike."""
     from plan3d.cost.memory import model_state_bytes
 
-    layout = plan.layout.model_copy(update={"dp": plan.layout.dp * plan.layout.cp, "cp": 1})
     assert len(ranks) == plan.layout.world_size
     for r in ranks:
-        want = model_state_bytes(plan.model, plan.training, layout, r["pp"])
+        want = model_state_bytes(plan.model, plan.training, plan.layout, r["pp"])
         for kind in ("weights", "gradients", "optimizer"):
             got = r["model_state_bytes"][kind]
             assert abs(got - want[kind]) <= 0.01 * want[kind], f"rank {r['rank']} {kind}: {got} vs model {want[kind]}"

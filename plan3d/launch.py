@@ -30,6 +30,7 @@ from typing import Callable
 from plan3d.emit.torchrun import WORKER_MODULE, node_command
 from plan3d.errors import LaunchError, SpecError, os_error_message
 from plan3d.plan import Plan
+from plan3d.run.compare import predicted_for_run
 from plan3d.run.record import PLAN, is_digest, plan_path
 
 STOP_GRACE_S = 10.0
@@ -73,12 +74,10 @@ def runtime_problems(plan: Plan) -> list[str]:
 def predicted_memory(plan: Plan) -> tuple[float, float, int]:
     """(peak bytes of the fullest rank, usable bytes per rank, its pipeline rank): the plan's own
     estimate, or the prediction for plan3d's runtime (plan3d/run/compare.py) when it carries none."""
-    est = plan.estimate or {}  # None: a plan made without an estimate
-    if not all(k in est for k in ("peak_memory_bytes", "capacity_bytes")):
-        from plan3d.run.compare import predicted_for_run
-
+    est = plan.estimate  # None: a plan made without an estimate
+    if est is None or est.capacity_bytes is None:
         est = predicted_for_run(plan)
-    return float(est["peak_memory_bytes"]), float(est["capacity_bytes"]), int(est.get("worst_pp_rank", 0))
+    return float(est.peak_memory_bytes), float(est.capacity_bytes), int(est.worst_pp_rank or 0)
 
 
 def memory_problem(plan: Plan) -> str | None:

@@ -46,9 +46,7 @@ class _Record(BaseModel):
     """A section of a plan file as typed fields. Fields the file leaves out stay out when the plan is
     written back (`model_dump`), so a plan round-trips to the JSON it was read from and keeps its digest.
 
-    Read the attributes. `record["key"]`, `"key" in record` and `record.get("key", default)` read
-    it as the plain dict it was before issue 13, for code written against that dict (the runtime's
-    rank look-ups, the emitters); a key counts as present when the file or the producer gave it."""
+    Read the attributes; `given(key)` says whether the file or the producer gave a field."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
@@ -57,19 +55,8 @@ class _Record(BaseModel):
         given = self.model_fields_set | set(self.model_extra or {})
         return {k: v for k, v in handler(self).items() if k in given}
 
-    def _given(self, key: str) -> bool:
+    def given(self, key: str) -> bool:
         return key in self.model_fields_set or key in (self.model_extra or {})
-
-    def __getitem__(self, key: str):
-        if not self._given(key):
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def __contains__(self, key: str) -> bool:
-        return self._given(key)
-
-    def get(self, key: str, default=None):
-        return getattr(self, key) if self._given(key) else default
 
     @classmethod
     def unchecked(cls, values: dict[str, Any]):

@@ -169,8 +169,8 @@ def test_plan_json_round_trips_the_engine(capsys, tmp_path):
     data = ok_json(capsys, "recommend", *SMALL, "--engine", "torchtitan", "--out", path)
     plan = load_plan(str(path))
     assert plan.engine == load_engine("torchtitan")
-    assert plan.estimate["engine"] == "torchtitan"
-    assert plan.estimate["tokens_per_s"] == pytest.approx(data["top"][0]["tokens_per_s"], rel=1e-9)
+    assert plan.estimate.engine == "torchtitan"
+    assert plan.estimate.tokens_per_s == pytest.approx(data["top"][0]["tokens_per_s"], rel=1e-9)
     assert plan.digest == plan.specs_digest() != digest_of({k: getattr(plan, k).model_dump(mode="json")
                                                             for k in DIGESTED})
     raw = json.loads(path.read_text())
@@ -213,7 +213,7 @@ def test_launch_predicts_for_the_runtime_and_says_so(capsys, tmp_path):
     as_run = estimate_as_run(plan, plan.training.precision)
     runtime = estimate(plan.cluster, plan.model, plan.training, plan.layout, load_engine(RUNTIME_ENGINE))
     assert as_run["engine"] == RUNTIME_ENGINE and as_run["step_time_s"] == pytest.approx(runtime.step_time_s)
-    assert as_run["step_time_s"] != pytest.approx(plan.estimate["step_time_s"], rel=1e-6)
+    assert as_run["step_time_s"] != pytest.approx(plan.estimate.step_time_s, rel=1e-6)
     assert "megatron-core" in engine_note(plan) and RUNTIME_ENGINE in engine_note(plan)
     code, out, err = run_cli(capsys, "launch", path, "--dry-run", "--run-dir", tmp_path / "run")
     assert code == 0, err

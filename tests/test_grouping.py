@@ -113,7 +113,7 @@ def test_pick_and_plot_follow_the_table_rows(capsys, tmp_path):
 
     data = recommend_json(capsys, "--pick", "3", "--out", str(tmp_path / "plan.json"))
     plan = load_plan(str(tmp_path / "plan.json"))
-    assert plan.estimate["tokens_per_s"] == pytest.approx(data["top"][2]["tokens_per_s"], rel=1e-9)
+    assert plan.estimate.tokens_per_s == pytest.approx(data["top"][2]["tokens_per_s"], rel=1e-9)
 
 
 def test_table_names_alternatives_under_it_and_the_next_choice(capsys):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from plan3d.layout import Layout
-from plan3d.plan import rankmap_dict
+from plan3d.plan import RankMapRecord, rankmap_dict
 from plan3d.rankmap import RankMap
 
 pytestmark = pytest.mark.runtime  # DeviceMesh: torch
@@ -27,7 +27,7 @@ def test_device_mesh_groups_equal_rankmap_groups(tp, pp, dp, order):
 
     layout = Layout(tp=tp, pp=pp, dp=dp, order=order)
     rmap = RankMap(layout, gpus_per_node=4)
-    mesh = mesh_array(rankmap_dict(rmap), layout)
+    mesh = mesh_array(RankMapRecord(**rankmap_dict(rmap)), layout)
     assert (mesh >= 0).all()
     for rank in range(layout.world_size):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)

@@ -46,7 +46,7 @@ def test_out_writes_the_plan_of_the_picked_layout(capsys, tmp_path, pick):
     plan = load_plan(str(path))
     wanted = data["top"][pick - 1]["layout"]
     assert plan.layout.model_dump(mode="json", include=set(wanted)) == wanted
-    assert plan.estimate["tokens_per_s"] == pytest.approx(data["top"][pick - 1]["tokens_per_s"], rel=1e-9)
+    assert plan.estimate.tokens_per_s == pytest.approx(data["top"][pick - 1]["tokens_per_s"], rel=1e-9)
 
 
 @pytest.mark.parametrize("flags, check", [

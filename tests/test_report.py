@@ -169,7 +169,7 @@ def test_launch_ends_with_the_table_of_report_predicted_for_what_the_run_did(tmp
     launch_out = capsys.readouterr().out
     assert launch_out.startswith("losses (steps 1..3): 5.5000, 5.2500, 5.1250\n") and launch_out.endswith(report_out)
     fp32 = estimate(cluster, model, bf16.model_copy(update={"precision": "fp32"}), layout).to_dict()
-    assert fp32["step_time_s"] != pytest.approx(bf16_plan.estimate["step_time_s"])
+    assert fp32["step_time_s"] != pytest.approx(bf16_plan.estimate.step_time_s)
     assert f"step time | {fmt(fp32['step_time_s'], 's')}" in " ".join(report_out.replace("│", "|").split())
 
 

@@ -43,7 +43,7 @@ def test_an_old_summary_with_a_prediction_reads_and_its_prediction_is_ignored(tm
     run = read_run(tmp_path)
     assert "predicted" not in run.summary
     step = compare(run).rows[0]
-    assert step["term"] == "step time" and step["predicted"] == pytest.approx(plan.estimate["step_time_s"])
+    assert step["term"] == "step time" and step["predicted"] == pytest.approx(plan.estimate.step_time_s)
 
 
 def test_each_launch_is_predicted_from_the_plan_it_ran(tmp_path):
@@ -58,8 +58,8 @@ def test_each_launch_is_predicted_from_the_plan_it_ran(tmp_path):
         {"first_step": 3, "target_step": 4, "resumed_at_step": 2, "layout": last.layout.short(), "precision": "fp32",
          "plan_digest": last.digest}])
     one, two = compare(read_run(tmp_path)).segments
-    assert one["predicted_step_time_s"] == pytest.approx(first.estimate["step_time_s"])
-    assert two["predicted_step_time_s"] == pytest.approx(last.estimate["step_time_s"])
+    assert one["predicted_step_time_s"] == pytest.approx(first.estimate.step_time_s)
+    assert two["predicted_step_time_s"] == pytest.approx(last.estimate.step_time_s)
     assert one["predicted_step_time_s"] != pytest.approx(two["predicted_step_time_s"])
 
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from plan3d.errors import LaunchError
+from plan3d.plan import RankMapRecord
 from plan3d.runtime.cp import CPInfo
 from plan3d.runtime.tp import TPInfo
 
@@ -32,12 +33,12 @@ def mesh_dims(layout) -> tuple[str, ...]:
     return CP_MESH_DIMS if layout.cp > 1 else MESH_DIMS
 
 
-def mesh_array(rankmap: dict, layout) -> torch.Tensor:
+def mesh_array(rankmap: RankMapRecord, layout) -> torch.Tensor:
     """[pp, dp, tp] (cp > 1: [pp, dp, cp, tp]) tensor of global ranks, from the plan's per-rank
     coordinates."""
     dims = mesh_dims(layout)
     mesh = torch.full(tuple(getattr(layout, d) for d in dims), -1, dtype=torch.int64)
-    for r in rankmap["ranks"]:
+    for r in rankmap.ranks:
         mesh[tuple(r.get(d, 0) for d in dims)] = r["rank"]
     assert (mesh >= 0).all(), f"rank map does not cover the {dims} grid"
     return mesh
@@ -92,7 +93,7 @@ def _embedding_group(plan, rank: int, timeout: timedelta):
     mine = None
     if plan.layout.pp == 1 or not plan.model.tied_embeddings:
         return None
-    for members in plan.rankmap["groups"]["embedding"]:
+    for members in plan.rankmap.groups["embedding"]:
         group = dist.new_group(members, timeout=timeout)
         mine = group if rank in members else mine
     return mine
@@ -132,7 +133,7 @@ def build_context(plan, device: torch.device, timeout: timedelta) -> ParallelCon
     """After init_process_group: the mesh, this rank's coordinates, tp facts, embedding group."""
     layout, rank = plan.layout, dist.get_rank()
     mesh = build_mesh(plan, device, timeout)
-    coords = dict(plan.rankmap["ranks"][rank])
+    coords = dict(plan.rankmap.ranks[rank])
     sizes = {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp, "cp": layout.cp}
     tp = TPInfo(layout.tp, coords["tp"], mesh.get_group("tp") if layout.tp > 1 else None,
                 layout.sequence_parallel)
@@ -147,7 +148,7 @@ def placement_problems(plan, placements: list[dict]) -> list[str]:
     """Ranks whose actual (node, local rank) differ from the plan's rank map."""
     problems = []
     for got in placements:
-        want = plan.rankmap["ranks"][got["rank"]]
+        want = plan.rankmap.ranks[got["rank"]]
         if (got["node"], got["local_rank"]) != (want["node"], want["local_rank"]):
             problems.append(f"rank {got['rank']} runs on node {got['node']} local rank {got['local_rank']} "
                             f"({got['host']}), the plan puts it on node {want['node']} local rank {want['local_rank']}")

@@ -106,7 +106,7 @@ def megatron_groups(args, name: str) -> set[tuple[int, ...]]:
 
 
 def plan_groups(plan: Plan, name: str) -> set[tuple[int, ...]]:
-    return {tuple(group) for group in plan.rankmap["groups"][name]}
+    return {tuple(group) for group in plan.rankmap.groups[name]}
 
 
 def assert_values_match(args, config, plan: Plan) -> None:

@@ -164,7 +164,7 @@ def test_cp_mesh_holds_the_plans_cp_dp_and_dp_cp_groups(order):
     from plan3d.runtime.context import flatten_dp_cp, mesh_array, mesh_dims
 
     plan = make_plan(tp=2, cp=2, dp=2, order=order)
-    groups = plan.rankmap["groups"]
+    groups = plan.rankmap.groups
     for rank in range(plan.layout.world_size):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.layout.world_size)
         try:
@@ -184,7 +184,7 @@ def _check_groups(plan, ranks: list[dict]) -> None:
     """Every rank's tp, cp, dp, pp and dp x cp groups are the plan's."""
     for dim in ("tp", "cp", "dp", "pp", "dp_cp"):
         got = sorted({tuple(r["mesh_groups"][dim]) for r in ranks})
-        assert got == sorted(tuple(g) for g in plan.rankmap["groups"][dim]), dim
+        assert got == sorted(tuple(g) for g in plan.rankmap.groups[dim]), dim
 
 
 def _check_model_state(plan, ranks: list[dict]) -> None:

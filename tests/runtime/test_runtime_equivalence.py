@@ -43,7 +43,7 @@ def _check_mesh_groups(plan, ranks: list[dict]) -> None:
     """The DeviceMesh built from the rank map holds exactly the plan's groups."""
     for dim in ("tp", "dp", "pp"):
         got = sorted({tuple(r["mesh_groups"][dim]) for r in ranks})
-        assert got == sorted(tuple(g) for g in plan.rankmap["groups"][dim]), dim
+        assert got == sorted(tuple(g) for g in plan.rankmap.groups[dim]), dim
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ def test_mesh_from_rank_map_holds_the_plans_groups(order, shape):
     mesh = mesh_array(plan.rankmap, plan.layout)
     for axis, dim in enumerate(MESH_DIMS):
         groups = sorted(tuple(row) for row in mesh.movedim(axis, -1).reshape(-1, mesh.shape[axis]).tolist())
-        assert groups == sorted(tuple(g) for g in plan.rankmap["groups"][dim])
+        assert groups == sorted(tuple(g) for g in plan.rankmap.groups[dim])
 
 
 def _params(tp_size: int, tp_rank: int, ranges) -> dict[str, torch.Tensor]:

@@ -212,8 +212,8 @@ def test_launch_predicts_for_the_runtime_and_says_so(capsys, tmp_path):
     assert plan.engine.name == "megatron-core"
     as_run = estimate_as_run(plan, plan.training.precision)
     runtime = estimate(plan.cluster, plan.model, plan.training, plan.layout, load_engine(RUNTIME_ENGINE))
-    assert as_run["engine"] == RUNTIME_ENGINE and as_run["step_time_s"] == pytest.approx(runtime.step_time_s)
-    assert as_run["step_time_s"] != pytest.approx(plan.estimate.step_time_s, rel=1e-6)
+    assert as_run.engine == RUNTIME_ENGINE and as_run.step_time_s == pytest.approx(runtime.step_time_s)
+    assert as_run.step_time_s != pytest.approx(plan.estimate.step_time_s, rel=1e-6)
     assert "megatron-core" in engine_note(plan) and RUNTIME_ENGINE in engine_note(plan)
     code, out, err = run_cli(capsys, "launch", path, "--dry-run", "--run-dir", tmp_path / "run")
     assert code == 0, err

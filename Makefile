@@ -9,7 +9,7 @@ MEGATRON_CORE := megatron-core==0.19.2
 CORE_VENV := .venv-core
 CORE_STAMP := $(CORE_VENV)/.installed
 
-.PHONY: demo test test-core test-runtime venv engines clean
+.PHONY: demo test test-core test-runtime runtime-venv venv engines clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -52,7 +52,12 @@ demo: $(STAMP)
 
 # Every test, once, in three tiers (tests/conftest.py): the torch-free tier in a venv without
 # torch, then the runtime (torch, multi-process gloo) and engines tiers; a missing engine fails.
-test: test-core test-runtime
+# The torch-free tier runs while pip installs torch and the engines (network and disk, mostly).
+test: $(CORE_STAMP)
+	$(MAKE) -j2 test-core runtime-venv
+	$(MAKE) test-runtime
+
+runtime-venv: $(STAMP) $(ENGINES_STAMP)
 
 test-core: $(CORE_STAMP)
 	PLAN3D_TORCH_FREE=1 $(CORE_VENV)/bin/python -m pytest -q -m "not runtime and not engines"

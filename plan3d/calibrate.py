@@ -23,14 +23,17 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import platform
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+import yaml
 
 from plan3d.cost.comm import RING_TERMS
-from plan3d.errors import SpecError
+from plan3d.errors import Plan3dError, SpecError
 from plan3d.rankmap import innermost_tier
 from plan3d.specs.cluster import ClusterSpec
 from plan3d.specs.gpu import ComputeEfficiency
@@ -264,8 +267,6 @@ def calibrated_cluster(cluster: ClusterSpec, fit: CalibrationFit, source: str, m
 
 def this_machine() -> str:
     """The host name (lower case, letters, digits and dashes), for a calibrated spec's name."""
-    import platform
-    import re
 
     return re.sub(r"[^a-z0-9-]+", "-", platform.node().lower()).strip("-")[:40] or "unknown-host"
 
@@ -273,7 +274,6 @@ def this_machine() -> str:
 def calibrated_name(base: str, machine: str) -> str:
     """`local-cpu-calibrated-HOST-20250101`: never the bundled spec's own name (a spec calibrated
     before keeps its base name, not a chain of suffixes)."""
-    import re
 
     base = re.sub(r"-calibrated-.*$", "", base)
     machine = re.sub(r"[^A-Za-z0-9._-]+", "-", machine).strip("-.") or "host"  # a spec name is one plain word
@@ -360,9 +360,7 @@ def row(scope: str, quantity: str, catalog, fitted, unit: str) -> dict[str, Any]
 def write_calibrated_spec(cluster: ClusterSpec, raw: dict, path: Path, warnings: list[str] = ()) -> Path:
     """Write the spec (YAML) and the raw measurements beside it; return the measurements' path.
     `warnings` (unusable fits) head the file, one `# WARNING:` comment each."""
-    import yaml
 
-    from plan3d.errors import Plan3dError
 
     measurements = path.with_name(path.name + MEASUREMENTS_SUFFIX)
     header = (f"# Written by `plan3d calibrate`; raw measurements in {measurements.name}.\n"

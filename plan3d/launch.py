@@ -13,6 +13,7 @@ here, from the launcher's side.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
@@ -28,10 +29,16 @@ from pathlib import Path
 from typing import Callable
 
 from plan3d.emit.torchrun import WORKER_MODULE, node_command
-from plan3d.errors import LaunchError, SpecError, os_error_message
+from plan3d.errors import (
+    LaunchError,
+    SpecError,
+    os_error_message,
+    refuse_special_target,
+)
 from plan3d.plan import Plan
 from plan3d.run.compare import predicted_for_run
 from plan3d.run.record import PLAN, is_digest, plan_path
+from plan3d.tokens import BUNDLED, open_tokens
 
 STOP_GRACE_S = 10.0
 AFTER_ERROR_S = 20.0
@@ -168,7 +175,6 @@ def sequence_window(plan: Plan) -> int:
 def checked_data(plan: Plan, data: str) -> str:
     """The absolute path of the token file `--data` names (a path or a bundled corpus), checked
     before any rank starts: whole tokens, at least one sequence, ids inside the model's vocabulary."""
-    from plan3d.tokens import open_tokens
 
     try:
         tokens = open_tokens(data, plan.model.vocab, sequence_window(plan))
@@ -184,7 +190,6 @@ def emitted_data(plan: Plan, data: str) -> str | None:
     """`emit torchrun|slurm --data`: a file or bundled name readable here is checked as launch
     checks it; one that is not (it lives on the cluster, or names $VARIABLES) is passed as written.
     Returns a note for the user in the second case."""
-    from plan3d.tokens import BUNDLED
 
     if Path(data).is_file() or (BUNDLED / f"{data}.bin").is_file():
         checked_data(plan, data)
@@ -217,7 +222,6 @@ def prepare_run_dir(plan: Plan, run_dir: Path) -> Path:
 def _write_once(path: Path, text: str) -> None:
     """Atomic write through a private temp name: several launchers may share one run directory.
     A FIFO or device at `path` is refused, never read nor renamed over."""
-    from plan3d.errors import refuse_special_target
 
     refuse_special_target(path)
     if path.exists() and path.read_text() == text:
@@ -322,7 +326,6 @@ def _read_log(path: Path) -> str:
 def _term_with_parent() -> None:
     """In the child (Linux): SIGTERM torchrun if this launcher dies, so it stops its workers."""
     try:
-        import ctypes
 
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
     except OSError:

@@ -16,17 +16,29 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator,
-                      model_serializer)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_serializer,
+)
 
 from plan3d import __version__
-from plan3d.layout import Layout
-from plan3d.rankmap import RankMap
+from plan3d.errors import SpecError, refuse_special_target
+from plan3d.layout import Layout, layout_problems
+from plan3d.rankmap import MAX_PLAN_RANKS, RankMap, rankmap_for
 from plan3d.specs.base import StrictModel, Text
 from plan3d.specs.cluster import ClusterSpec
 from plan3d.specs.engine import EngineSpec
-from plan3d.errors import SpecError, refuse_special_target
-from plan3d.specs.loader import MAX_RUN_FILE_BYTES, read_mapping, validate, validation_problems
+from plan3d.specs.loader import (
+    MAX_RUN_FILE_BYTES,
+    read_mapping,
+    validate,
+    validation_problems,
+)
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
 
@@ -171,7 +183,6 @@ def build_plan(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, l
                estimate: Estimate | dict[str, Any] | None = None, engine: EngineSpec | None = None) -> Plan:
     """The plan of `layout` with its rank map; `estimate`: `plan3d.cost.estimate.Estimate.to_dict()`
     (or its record), None or {} for a plan made without one (the runtime's tests, calibrate)."""
-    from plan3d.rankmap import rankmap_for
 
     record = Estimate.unchecked(estimate) if isinstance(estimate, dict) and estimate else estimate or None
     rankmap = RankMapRecord.unchecked(rankmap_dict(rankmap_for(layout, cluster.gpus_per_node)))
@@ -223,7 +234,6 @@ def load_plan(path_str: str) -> Plan:
 
 def _require_plan_size(plan: Plan, path_str: str) -> None:
     """A plan of more ranks than `recommend --out` writes is refused before its rank map is re-derived."""
-    from plan3d.rankmap import MAX_PLAN_RANKS
 
     if plan.layout.world_size > MAX_PLAN_RANKS:
         raise SpecError(path_str, [f"layout: {plan.layout.world_size:,} ranks, more than a plan may list "
@@ -263,7 +273,6 @@ def _accepted_digests(data: dict, plan: Plan, sections: dict[str, dict]) -> set[
 def plan_problems(plan: Plan, sections: dict[str, dict] | None = None) -> list[str]:
     """Every reason the plan contradicts itself (each naming the section), or []. `sections`: the
     estimate and rank map as a file holds them (default: the plan's own, as it writes them)."""
-    from plan3d.layout import layout_problems
 
     if sections is None:
         sections = plan.model_dump(mode="json", include=set(SECTIONS))
@@ -278,7 +287,6 @@ def plan_problems(plan: Plan, sections: dict[str, dict] | None = None) -> list[s
 
 
 def _rankmap_problems(plan: Plan, rankmap: dict[str, Any]) -> list[str]:
-    from plan3d.rankmap import rankmap_for
 
     expected = json.loads(json.dumps(rankmap_dict(rankmap_for(plan.layout, plan.cluster.gpus_per_node))))
     if rankmap == expected:

@@ -17,8 +17,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from plan3d.cost.estimate import estimate, idle_gpus_warning
+from plan3d.errors import LayoutError
 from plan3d.fit_rules import FitFacts, Thresholds, broken_fit_rules
-from plan3d.search import LAYOUT_KNOBS, SearchResult
+from plan3d.layout import Layout, layout_problems
+from plan3d.search import (
+    DEFAULT_ORDERS,
+    LAYOUT_KNOBS,
+    SearchResult,
+    nodes_to_fit,
+    search,
+)
 from plan3d.vocab import COMM_TERMS, TIME_TERMS, seconds_column
 
 OBJECTIVES = ("throughput", "mfu", "memory")
@@ -31,7 +40,6 @@ TIE_PPM = 1e-6
 def objective_cost(metrics: dict[str, np.ndarray], objective: str) -> np.ndarray:
     """Lower is better, quantised so values within TIE_PPM of the best tie."""
     if objective not in OBJECTIVES:
-        from plan3d.errors import LayoutError
 
         raise LayoutError(f"--objective {objective!r}: use one of {', '.join(OBJECTIVES)}")
     if objective == "memory":
@@ -211,8 +219,6 @@ def layout_suggestions(cluster, model, training, base, orders: tuple[str, ...] =
     its predicted memory.
 
     Scalar `estimate()` per variant (a handful), so uneven `pp_layers` splits are handled too."""
-    from plan3d.cost.estimate import estimate
-    from plan3d.layout import Layout, layout_problems
 
     out = []
     for label, update in memory_variants(base):
@@ -283,7 +289,6 @@ def check_job(cluster, model, training, layout, min_mfu: float | None = None,
               max_memory_fraction: float | None = None, engine=None, strict: bool = False) -> CheckReport:
     """Is this job valid for `engine` and predicted to fit with headroom (and meet the thresholds)?
     Each error has a fix. `strict`: GPUs of the job that the layout leaves idle are an error."""
-    from plan3d.layout import layout_problems
 
     report = CheckReport([], engine=engine)
     if layout is None:
@@ -303,14 +308,12 @@ def check_job(cluster, model, training, layout, min_mfu: float | None = None,
 
 def _check_fit(report: CheckReport, cluster, model, training, layout, min_mfu, max_memory_fraction,
                engine=None, strict: bool = False) -> None:
-    from plan3d.cost.estimate import estimate, idle_gpus_warning
 
     est = estimate(cluster, model, training, layout, engine).to_dict()
     report.estimate = est
     errors = fit_findings(est, cluster.gpu.memory_bytes, min_mfu, max_memory_fraction)
     report.findings += errors
     if errors and (not est["fits"] or max_memory_fraction is not None):
-        from plan3d.search import DEFAULT_ORDERS
 
         report.findings += suggestion_findings(layout_suggestions(cluster, model, training, layout, DEFAULT_ORDERS,
                                                                   engine))
@@ -323,7 +326,6 @@ def _check_fit(report: CheckReport, cluster, model, training, layout, min_mfu, m
 
 def _recommend_instead(report: CheckReport, cluster, model, training, min_mfu, max_memory_fraction,
                        engine=None) -> None:
-    from plan3d.search import nodes_to_fit, search
 
     result = search(cluster, model, training, min_mfu=min_mfu, max_memory_fraction=max_memory_fraction,
                     engine=engine)

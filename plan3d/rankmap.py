@@ -25,8 +25,10 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 
+from plan3d.errors import LayoutError
 from plan3d.layout import Layout
 from plan3d.specs.cluster import ResolvedTier
+from plan3d.specs.loader import MAX_VALUES
 
 
 @dataclass(frozen=True)
@@ -256,8 +258,6 @@ def require_loadable_plan(layout: Layout) -> None:
     """Refuse, before building it, a plan listing more than MAX_PLAN_RANKS ranks (every load re-checks
     the whole rank map: 16,384 ranks take ~2 s, 131,072 ~14 s) or one whose rank map the plan loader would refuse (it reads at most
     `plan3d.specs.loader.MAX_VALUES` JSON values per file; 625,000 ranks take 23 s and 220 MB)."""
-    from plan3d.errors import LayoutError
-    from plan3d.specs.loader import MAX_VALUES
 
     if layout.world_size > MAX_PLAN_RANKS:
         raise LayoutError(f"--out: the plan of {layout.short()} would list {layout.world_size:,} ranks, more than a "

@@ -34,9 +34,19 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from plan3d.cost.batch import Candidates, estimate_batch
+from plan3d.cost.estimate import estimate
 from plan3d.errors import LayoutError
 from plan3d.fit_rules import FIT_RULES, FitFacts, Thresholds, fit_codes
-from plan3d.layout import DEFAULT_ORDER, SEARCHED_RULES, Layout, RuleFacts, divisors, full_order, same_groups
+from plan3d.layout import (
+    DEFAULT_ORDER,
+    SEARCHED_RULES,
+    Layout,
+    RuleFacts,
+    divisors,
+    full_order,
+    same_groups,
+)
 from plan3d.specs.cluster import MAX_NODES, ClusterSpec
 from plan3d.specs.engine import EngineSpec
 from plan3d.specs.model import ModelSpec
@@ -480,7 +490,6 @@ def evaluate_scalar(cluster: ClusterSpec, model: ModelSpec, training: TrainingSp
                     engine: EngineSpec | None = None) -> dict[str, np.ndarray]:
     """The same metrics as `evaluate_even`, from `estimate()` one layout at a time (the reference
     the vectorised paths are tested against)."""
-    from plan3d.cost.estimate import estimate
 
     rows = []
     for i in range(len(layouts["tp"])):
@@ -500,7 +509,6 @@ def evaluate_even(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec
                   engine: EngineSpec | None = None, layers_per_rank: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Predicted metrics of valid layouts, one vectorised call of the cost model (even splits, or
     the split `layers_per_rank` lists)."""
-    from plan3d.cost.batch import Candidates, estimate_batch
 
     cands = Candidates(tp=layouts["tp"], pp=layouts["pp"], dp=layouts["dp"],
                        micro_batch=layouts["micro_batch"], vpp=layouts["vpp"], zero=layouts["zero"],

@@ -109,7 +109,7 @@ def test_the_plan_budget_is_the_loaders(monkeypatch):
     layout = Layout(dp=100_000)
     monkeypatch.setattr(rankmap, "MAX_PLAN_RANKS", 10**9)
     rankmap.require_loadable_plan(layout)  # 2.6M values: fits
-    monkeypatch.setattr("plan3d.specs.loader.MAX_VALUES", rankmap.rankmap_json_values(layout))
+    monkeypatch.setattr(rankmap, "MAX_VALUES", rankmap.rankmap_json_values(layout))  # the loader's, as rankmap reads it
     with pytest.raises(LayoutError, match="more than a plan file may hold"):
         rankmap.require_loadable_plan(layout)
     assert MAX_VALUES == 20_000_000
@@ -171,6 +171,6 @@ def test_a_plan_file_over_the_plan_budget_is_refused_before_its_rank_map_is_chec
     code, _, err = run_cli(capsys, "recommend", "-c", "local-cpu", "-m", "tiny-gpt", "--tp", "2", "--pp", "2", "--dp",
                            "2", "--precision", "fp32", "--top", "1", "--out", tmp_path / "plan.json")
     assert code == 0, err
-    monkeypatch.setattr(rankmap, "MAX_PLAN_RANKS", 4)
+    monkeypatch.setattr("plan3d.plan.MAX_PLAN_RANKS", 4)  # rankmap's, as the plan loader reads it
     with pytest.raises(SpecError, match="more than a plan may list"):
         load_plan(str(tmp_path / "plan.json"))

@@ -1,6 +1,7 @@
 """Tables and JSON for `plan3d recommend` and `plan3d explain`. SI inside, human units here."""
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -10,7 +11,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from plan3d import grouping, ranking
+from plan3d.cost.trust import provenance
 from plan3d.layout import short_order
+from plan3d.ranking import pareto_front
+from plan3d.render.engine import engine_line, provenance_lines
 from plan3d.render.units import GIB, gib, ms, printable
 from plan3d.search import SearchResult
 from plan3d.vocab import seconds_column
@@ -105,7 +109,6 @@ def recommendation_dict(report: Recommendation, explain: bool = False) -> dict:
 def trust_warnings(report: Recommendation) -> list[str]:
     """What is outside the validated region for the #1 layout (a datasheet-only GPU, an engine never
     calibrated on it, ...): `plan3d.cost.trust`, so a ranking on guessed values says so."""
-    from plan3d.cost.trust import provenance
 
     r = report.result
     zero = r.layout(report.decisions[0].head).zero if report.decisions else 0
@@ -158,7 +161,6 @@ def no_fit_message(report: Recommendation) -> str:
 # ---- rich tables ---------------------------------------------------------------------------------
 def wide_console() -> Console:
     """A terminal's own width; 160 columns when piped (CI logs), so the table is not squeezed."""
-    import sys
 
     return Console() if sys.stdout.isatty() else Console(width=160)
 
@@ -246,7 +248,6 @@ def decisions_line(report: Recommendation) -> str:
 
 
 def print_engine(result: SearchResult, console: Console) -> None:
-    from plan3d.render.engine import engine_line
 
     if result.engine is not None:
         console.print(engine_line(result.engine))
@@ -379,7 +380,6 @@ def explanation_dict(ex: Explanation) -> dict:
 
 def explanation_trust(ex: Explanation):
     """Which fitted values the explained numbers used, from what data (`plan3d.cost.trust`)."""
-    from plan3d.cost.trust import provenance
 
     r = ex.result
     return provenance(r.cluster, r.engine, r.training)
@@ -397,9 +397,7 @@ def _fmt(key: str, value: float) -> str:
 
 def print_explanation(ex: Explanation, console: Console | None = None, engine: bool = True) -> None:
     """The term table and sentences; `engine`: also the engine line (off under `recommend`, which printed it)."""
-    from rich.markup import escape
 
-    from plan3d.render.engine import provenance_lines
 
     console = console or wide_console()
     r, m = ex.result, ex.result.metrics
@@ -425,7 +423,6 @@ def print_explanation(ex: Explanation, console: Console | None = None, engine: b
 def pareto_points(result, order, picked: int | None = None, pick: int = 1) -> list[dict]:
     """Every feasible layout as a point for `plots.plot_pareto`: the Pareto front and the `picked`
     row labelled, the picked one with its rank `pick` in the table."""
-    from plan3d.ranking import pareto_front
 
     front = set(pareto_front(result, order).tolist())
     rows = order[result.feasible[order]].tolist()

@@ -8,6 +8,7 @@ from typing import Callable
 
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from plan3d.render.units import gib, ms, printable
@@ -134,7 +135,6 @@ def print_calibration(rows: list[dict], spec: Path, measurements: Path | None, c
 
 def progress_while(work: Callable[[], None], progress_file: Path, description: str, poll_s: float = 0.2) -> None:
     """Run `work()` while a progress bar follows `progress_file` ('done total'); re-raise its error."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     failure: list[BaseException] = []
 

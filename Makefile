@@ -14,9 +14,8 @@ CORE_STAMP := $(CORE_VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# The CPU wheel of torch; numpy is required next to it (torch-notes.md). --no-compile: Python
-	# compiles what it imports on first use instead of all of torch's modules at install time.
-	$(BIN)/pip install -q --no-compile torch==2.13.0 numpy
+	# The CPU wheel of torch; numpy is required next to it (torch-notes.md).
+	$(BIN)/pip install -q torch==2.13.0 numpy
 	$(BIN)/pip install -q -e '.[runtime,dev]'
 	touch $(STAMP)
 
@@ -26,9 +25,9 @@ venv: $(STAMP)
 # Megatron-Core. megatron-core 0.19 declares Python >= 3.12; on an older Python its wheel is
 # unpacked into $(MEGATRON_DIR), which the tests put on sys.path.
 $(ENGINES_STAMP): $(STAMP)
-	DS_BUILD_OPS=0 $(BIN)/pip install -q --no-compile -e '.[runtime,dev,engines]'
+	DS_BUILD_OPS=0 $(BIN)/pip install -q -e '.[runtime,dev,engines]'
 	if $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then :; else \
-	  $(BIN)/pip install -q --no-compile --upgrade --target $(MEGATRON_DIR) --python-version 3.12 \
+	  $(BIN)/pip install -q --upgrade --target $(MEGATRON_DIR) --python-version 3.12 \
 	    --only-binary=:all: --no-deps '$(MEGATRON_CORE)'; fi
 	touch $(ENGINES_STAMP)
 

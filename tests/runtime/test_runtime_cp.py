@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from runtime_helpers import STEPS, assert_same_losses, make_plan, metrics, run, summary
+from test_runtime_equivalence import _check_model_state  # cp changes no parameter or gradient; ZeRO shards over dp x cp in both
 
 
 # ---- the sequence split -----------------------------------------------------------------------
@@ -185,20 +186,6 @@ def _check_groups(plan, ranks: list[dict]) -> None:
     for dim in ("tp", "cp", "dp", "pp", "dp_cp"):
         got = sorted({tuple(r["mesh_groups"][dim]) for r in ranks})
         assert got == sorted(tuple(g) for g in plan.rankmap.groups[dim]), dim
-
-
-def _check_model_state(plan, ranks: list[dict]) -> None:
-    """Model states equal the memory model's: cp changes no parameter or gradient, and ZeRO
-    shards over dp x cp (Megatron's distributed optimizer over the data-parallel group with
-    context parallel), in the runtime and in plan3d.cost.memory alike."""
-    from plan3d.cost.memory import model_state_bytes
-
-    assert len(ranks) == plan.layout.world_size
-    for r in ranks:
-        want = model_state_bytes(plan.model, plan.training, plan.layout, r["pp"])
-        for kind in ("weights", "gradients", "optimizer"):
-            got = r["model_state_bytes"][kind]
-            assert abs(got - want[kind]) <= 0.01 * want[kind], f"rank {r['rank']} {kind}: {got} vs model {want[kind]}"
 
 
 def _launch(plan, run_dir, extra=("--no-save",)) -> list[dict]:

@@ -9,18 +9,46 @@ from plan3d.specs.base import Name, SpecModel, Text
 
 
 class MoESpec(SpecModel):
-    """Mixture-of-experts MLP (every `every`-th layer). The planner treats it as dense for now."""
+    """Mixture-of-experts MLP: which layers route, to how many experts, of what size.
 
-    experts: PositiveInt = Field(le=1_000_000)
-    top_k: PositiveInt = Field(2, le=1_000_000)
-    expert_ffn_hidden: PositiveInt | None = Field(None, le=100_000_000)
-    every: PositiveInt = Field(1, le=100_000)
+    Layer i (0-based) is an MoE layer when i >= `first_dense_layers` and i % `every` == 0
+    (Megatron-Core `--moe-layer-freq N`; DeepSeek-V3 `first_k_dense_replace`, `moe_layer_freq`).
+    The other layers keep the model's dense MLP (`ffn_hidden`)."""
+
+    experts: PositiveInt = Field(le=1_000_000, description="Routed experts per MoE layer.")
+    top_k: PositiveInt = Field(2, le=1_000_000, description="Routed experts each token goes to.")
+    expert_ffn_hidden: PositiveInt | None = Field(None, le=100_000_000,
+                                                  description="FFN width of one routed expert; default ffn_hidden.")
+    shared_ffn_hidden: int = Field(0, ge=0, le=100_000_000,
+                                   description="Total FFN width of the shared experts every token goes "
+                                   "through (DeepSeek: n_shared_experts x moe_intermediate_size; Megatron "
+                                   "--moe-shared-expert-intermediate-size); 0: none.")
+    shared_expert_gate: bool = Field(False, description="A sigmoid gate h -> 1 scales the shared experts (Qwen2-MoE).")
+    every: PositiveInt = Field(1, le=100_000, description="One MoE layer every `every` layers.")
+    first_dense_layers: int = Field(0, ge=0, le=100_000, description="The first k layers stay dense.")
+    router: Literal["softmax", "sigmoid"] = Field("softmax", description="Router score function "
+                                                  "(DeepSeek-V3: sigmoid with an expert bias).")
+    capacity_factor: float | None = Field(None, gt=0, le=1000, allow_inf_nan=False,
+                                          description="Tokens an expert takes, as a multiple of its even share; "
+                                          "None: dropless (every routed token is computed).")
 
     @model_validator(mode="after")
     def _top_k_fits(self) -> "MoESpec":
         if self.top_k > self.experts:
             raise ValueError(f"top_k={self.top_k} exceeds experts={self.experts}")
         return self
+
+
+class MLASpec(SpecModel):
+    """Multi-head latent attention (DeepSeek-V2/V3; Megatron-Core `--multi-latent-attention`):
+    queries (optionally) and keys/values pass through low-rank latents; each head's query/key
+    has a no-position part and a RoPE part, and its value its own width."""
+
+    q_lora_rank: PositiveInt | None = Field(None, le=10_000_000, description="None: a full-rank query projection.")
+    kv_lora_rank: PositiveInt = Field(le=10_000_000)
+    qk_nope_head_dim: PositiveInt = Field(le=100_000)
+    qk_rope_head_dim: PositiveInt = Field(le=100_000)
+    v_head_dim: PositiveInt = Field(le=100_000)
 
 
 class ModelSpec(SpecModel):
@@ -45,6 +73,8 @@ class ModelSpec(SpecModel):
     seq_len: PositiveInt = Field(le=1_000_000_000)
     tied_embeddings: bool = False
     moe: MoESpec | None = None
+    mla: MLASpec | None = Field(None, description="Multi-head latent attention replaces heads x head_dim "
+                                "Q/K/V projections (kv_heads and head_dim are then unused).")
     default_global_batch: PositiveInt | None = Field(
         None, le=1_000_000_000, description="Global batch (sequences) it was trained with; used when none is given."
     )
@@ -57,6 +87,16 @@ class ModelSpec(SpecModel):
         if self.head_dim is None and self.hidden % self.heads:
             raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads}; set head_dim")
         return self
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer `index` (0-based) routes to experts (MoESpec's rule)."""
+        moe = self.moe
+        return moe is not None and index >= moe.first_dense_layers and index % moe.every == 0
+
+    @property
+    def moe_layers(self) -> int:
+        """How many layers are MoE layers."""
+        return sum(self.is_moe_layer(i) for i in range(self.layers))
 
     @property
     def qkv_bias_(self) -> bool:

@@ -2,7 +2,9 @@
 
 Every tensor is saved under a layout-independent key (`param/layers.3.attn.q.weight`,
 `exp_avg/...`, `exp_avg_sq/...`) as a DTensor over this stage's (dp, tp) sub-mesh: replicated
-over dp, split over tp along the parameter's tp dimension. DCP de-duplicates the replicas and
+over dp, split over tp along the parameter's tp dimension; a routed expert's (each expert its own
+keys, `layers.3.mlp.experts.5.up.weight`) over its (edp, tp) sub-mesh, so a checkpoint written
+under one ep loads under another. DCP de-duplicates the replicas and
 records global shapes, so a checkpoint written in one layout loads into any other (reshard):
 each rank reads exactly the slices it needs. ZeRO 1/2 optimizer slices and ZeRO 3 parameters
 are gathered over dp first (one parameter set per stage, transiently).
@@ -41,8 +43,11 @@ def _dtensor(t: torch.Tensor, mesh, tp_dim: int | None) -> DTensor:
     return DTensor.from_local(t.contiguous(), mesh, placements, run_check=False)
 
 
-def _state_mesh(ctx):
-    """The stage's (dp, tp) sub-mesh, (dp, cp, tp) with context parallelism (cp ranks hold replicas)."""
+def _state_mesh(ctx, expert: bool = False):
+    """The stage's (dp, tp) sub-mesh, (dp, cp, tp) with context parallelism (cp ranks hold replicas);
+    for a routed expert's tensors the (edp, tp) sub-mesh of the ranks holding that expert."""
+    if expert:
+        return ctx.expert_mesh["edp", "tp"]
     return ctx.mesh["dp", "cp", "tp"] if ctx.cp.size > 1 else ctx.mesh["dp", "tp"]
 
 
@@ -50,8 +55,8 @@ def save(root: Path, step: int, engine, ctx, meta: dict, written=None, keep_last
     """Write step `step` atomically under `root`; returns the final directory. `written()` runs
     on every rank after its shards are on disk and before the commit (fault injection)."""
     state = engine.logical_state()
-    mesh = _state_mesh(ctx)
-    sd = {f"{k}/{e.name}": _dtensor(state[e.name][k], mesh, e.tp_dim)
+    meshes = {False: _state_mesh(ctx), True: _state_mesh(ctx, expert=True) if ctx.expert_mesh else None}
+    sd = {f"{k}/{e.name}": _dtensor(state[e.name][k], meshes[e.expert], e.tp_dim)
           for e in engine.entries if not e.tied_copy for k in state[e.name]}
     final, tmp = _fresh_name(root, step), root / f"step_{step:08d}.tmp"
     if ctx.rank == 0 and tmp.exists():
@@ -122,9 +127,9 @@ def load(path: Path, engine, ctx) -> dict:
     """Load into this layout (resharding as needed); returns the checkpoint's meta."""
     directory = _verified_everywhere(path, ctx.rank)
     meta = json.loads((directory / files.META).read_text())
-    mesh = _state_mesh(ctx)
+    meshes = {False: _state_mesh(ctx), True: _state_mesh(ctx, expert=True) if ctx.expert_mesh else None}
     keys = ("param",) + engine.moment_names()
-    sd = {f"{k}/{e.name}": _dtensor(torch.zeros(tuple(e.param.shape), device=ctx.device), mesh, e.tp_dim)
+    sd = {f"{k}/{e.name}": _dtensor(torch.zeros(tuple(e.param.shape), device=ctx.device), meshes[e.expert], e.tp_dim)
           for e in engine.entries for k in keys}
     dcp.load(sd, checkpoint_id=str(directory))
     tensors: dict = {}

@@ -5,6 +5,10 @@ coordinates, so any `order` of the plan (tp-dp-pp, tp-pp-dp, ...) gives the plan
 With context parallelism (cp > 1) it is (pp, dp, cp, tp), and its (dp, cp) dimensions are also
 flattened into one "dp_cp" mesh: the gradient reduction and the ZeRO shards span dp x cp
 (`runtime/cp.py`). With cp == 1 no cp dimension is made and dp_cp is the dp dimension itself.
+A model with MoE layers also gets a second mesh, (pp, edp, ep, tp), from the rank map's "ep" and
+"edp" groups (Megatron-Core folds ep out of dp x cp; edp = dp*cp/ep ranks hold the same experts):
+the experts' all-to-all runs on its ep dimension, their gradients and ZeRO shards on edp, and
+their checkpoint tensors live on its (edp, tp) sub-mesh.
 One `ParallelContext` object is passed around; there are no module-level group globals.
 """
 from __future__ import annotations
@@ -21,11 +25,25 @@ from torch.distributed.device_mesh import DeviceMesh
 from plan3d.errors import LaunchError
 from plan3d.plan import RankMapRecord
 from plan3d.runtime.cp import CPInfo
+from plan3d.runtime.moe import EPInfo
 from plan3d.runtime.tp import TPInfo
 
 MESH_DIMS = ("pp", "dp", "tp")
 CP_MESH_DIMS = ("pp", "dp", "cp", "tp")
 DP_CP = "dp_cp"
+EXPERT_MESH_DIMS = ("pp", "edp", "ep", "tp")
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """The ranks that hold the same copy of a set of parameters: their gradients are summed over
+    `group` (None: this rank alone) and divided by `divisor`, the data-parallel replicas of the
+    batch (dp x cp: an expert's gradient already sums the tokens its ep group sent it)."""
+
+    size: int
+    rank: int
+    group: object | None
+    divisor: int
 
 
 def mesh_dims(layout) -> tuple[str, ...]:
@@ -56,6 +74,18 @@ class ParallelContext:
     sizes: dict = field(default_factory=dict)
     cp: CPInfo = field(default_factory=CPInfo)
     flat_dp_cp: DeviceMesh | None = None  # the flattened (dp, cp) mesh when cp > 1
+    ep: EPInfo = field(default_factory=EPInfo)
+    expert_mesh: DeviceMesh | None = None  # (pp, edp, ep, tp) when the model has MoE layers
+
+    def replicas(self, expert: bool = False) -> Replicas:
+        """Who reduces a parameter's gradient and shares its ZeRO shards: dp x cp for the dense
+        parameters, the expert-data-parallel group for a routed expert's."""
+        if not expert or self.expert_mesh is None:
+            size = self.dp_cp_size
+            return Replicas(size, self.dp_cp_rank, self.group(DP_CP) if size > 1 else None, size)
+        size = self.expert_mesh.size(EXPERT_MESH_DIMS.index("edp"))
+        group = self.expert_mesh.get_group("edp") if size > 1 else None
+        return Replicas(size, self.expert_mesh.get_local_rank("edp"), group, self.dp_cp_size)
 
     def group(self, dim: str):
         if dim == DP_CP:
@@ -113,6 +143,25 @@ def group_options(backend: str, timeout: timedelta):
     return torch._C._distributed_c10d.Backend.Options(backend, timeout)
 
 
+def expert_mesh_array(rankmap: RankMapRecord, layout) -> torch.Tensor:
+    """[pp, edp, ep, tp] tensor of global ranks: a rank's edp coordinate is its place in its
+    "edp" group, its ep coordinate the rank map's (its place in its "ep" group)."""
+    edp = layout.dp * layout.cp // layout.ep
+    mesh = torch.full((layout.pp, edp, layout.ep, layout.tp), -1, dtype=torch.int64)
+    place = {rank: i for group in rankmap.groups["edp"] for i, rank in enumerate(group)}
+    for r in rankmap.ranks:
+        mesh[r.get("pp", 0), place[r["rank"]], r.get("ep", 0), r.get("tp", 0)] = r["rank"]
+    assert (mesh >= 0).all(), "rank map does not cover the (pp, edp, ep, tp) grid"
+    return mesh
+
+
+def build_expert_mesh(plan, device: torch.device, timeout: timedelta) -> DeviceMesh:
+    backend = dist.get_backend()
+    override = tuple((backend, group_options(backend, timeout)) for _ in EXPERT_MESH_DIMS)
+    return DeviceMesh(device.type, expert_mesh_array(plan.rankmap, plan.layout), mesh_dim_names=EXPERT_MESH_DIMS,
+                      backend_override=override)
+
+
 def build_mesh(plan, device: torch.device, timeout: timedelta) -> DeviceMesh:
     """The (pp, dp, tp) (cp > 1: (pp, dp, cp, tp)) DeviceMesh of the plan's rank map; every
     dimension's groups time out after `timeout`, like the world group."""
@@ -140,8 +189,12 @@ def build_context(plan, device: torch.device, timeout: timedelta) -> ParallelCon
     cp = CPInfo(layout.cp, coords.get("cp", 0), mesh.get_group("cp") if layout.cp > 1 else None)
     backend = dist.get_backend()
     flat = flatten_dp_cp(mesh, (backend, group_options(backend, timeout))) if layout.cp > 1 else None
+    experts = build_expert_mesh(plan, device, timeout) if plan.model.moe is not None else None
+    ep_group = experts.get_group("ep") if layout.ep > 1 else None
+    # this rank's place in its ep group as the all-to-all numbers it (its experts follow from it)
+    ep = EPInfo(layout.ep, dist.get_rank(ep_group) if ep_group is not None else 0, ep_group)
     return ParallelContext(rank, dist.get_world_size(), mesh, coords, device, tp,
-                           _embedding_group(plan, rank, timeout), sizes, cp, flat)
+                           _embedding_group(plan, rank, timeout), sizes, cp, flat, ep, experts)
 
 
 def placement_problems(plan, placements: list[dict]) -> list[str]:

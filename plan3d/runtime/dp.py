@@ -10,7 +10,8 @@
 Hand-written for 0-2 because DDP crashes or gives WRONG losses under the pipelining schedules and
 rejects tensor-parallel parameters, and `ZeroRedundancyOptimizer` has no ZeRO 2 (torch-notes.md).
 With context parallelism "dp" below is the dp x cp group (`ParallelContext.dp_cp_size`,
-Megatron's data-parallel group with context parallel; `runtime/cp.py`).
+Megatron's data-parallel group with context parallel; `runtime/cp.py`); a routed expert's
+parameters are reduced and sharded over the expert-data-parallel group instead (`SplitDP`).
 Model-parallel gradient reductions (sequence-parallel replicas over tp, tied embedding copies
 over the embedding group) happen first, in `engine.reduce_model_parallel_grads`. Every engine
 satisfies `engine.DataParallel`; `make_dp` picks one.
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from plan3d.runtime.comm import all_reduce_coalesced
-from plan3d.runtime.context import DP_CP, ParallelContext
+from plan3d.runtime.context import ParallelContext, Replicas
 from plan3d.runtime.engine import DataParallel, Entry, LogicalState, local_tensor, reduce_model_parallel_grads
 from plan3d.runtime.optim import make_optimizer, moment_names, optimizer_state_bytes
 from plan3d.runtime.zero import FlatZeroDP
@@ -32,10 +33,11 @@ class ReplicatedDP:
 
     collects_grads = False
 
-    def __init__(self, entries: list[Entry], ctx: ParallelContext, optimizer: str, lr: float):
+    def __init__(self, entries: list[Entry], ctx: ParallelContext, optimizer: str, lr: float,
+                 replicas: Replicas | None = None):
         self.entries, self.ctx = entries, ctx
-        self.dp, self.dp_rank = ctx.dp_cp_size, ctx.dp_cp_rank  # dp x cp (runtime/cp.py)
-        self.dp_group = ctx.group(DP_CP)
+        replicas = replicas or ctx.replicas()  # dp x cp (runtime/cp.py); the edp group for experts
+        self.dp, self.dp_rank, self.dp_group, self.divisor = replicas.size, replicas.rank, replicas.group, replicas.divisor
         self.opt = make_optimizer([e.param for e in entries], optimizer, lr)
 
     def reduce_grads(self) -> None:
@@ -43,8 +45,9 @@ class ReplicatedDP:
         grads = [e.param.grad for e in self.entries if e.param.grad is not None]
         if self.dp > 1 and grads:
             all_reduce_coalesced(grads, self.dp_group)
+        if self.divisor > 1:
             for g in grads:
-                g.div_(self.dp)
+                g.div_(self.divisor)
 
     def _counted_sq_sum(self) -> torch.Tensor:
         total = torch.zeros((), device=self.ctx.device)
@@ -142,15 +145,69 @@ def shard_stages(stages: list[nn.Module], ctx: ParallelContext, amp_dtype) -> No
         fully_shard(stage, mesh=mesh, mp_policy=mp)
 
 
+class SplitDP:
+    """Dense parameters and routed experts in two engines of the same kind: the dense one over
+    dp x cp, the experts' over the expert-data-parallel group (Megatron-Core keeps expert
+    parameters in their own buffers, reduced over the expert-data-parallel group). One rank's
+    optimizer update is the same element by element as a single engine's."""
+
+    def __init__(self, dense: DataParallel, experts: DataParallel):
+        self.dense, self.experts = dense, experts
+        self.parts = (dense, experts)
+        self.entries = dense.entries + experts.entries
+        self.collects_grads = dense.collects_grads
+
+    def zero_grad(self) -> None:
+        for part in self.parts:
+            part.zero_grad()
+
+    def reduce_grads(self) -> None:
+        for part in self.parts:
+            part.reduce_grads()
+
+    def grad_sq_sum(self) -> torch.Tensor:
+        return self.dense.grad_sq_sum() + self.experts.grad_sq_sum()
+
+    def scale_grads(self, coef: float) -> None:
+        for part in self.parts:
+            part.scale_grads(coef)
+
+    def step(self) -> None:
+        for part in self.parts:
+            part.step()
+
+    def state_bytes(self) -> dict[str, int]:
+        dense, experts = self.dense.state_bytes(), self.experts.state_bytes()
+        return {k: dense[k] + experts[k] for k in dense}
+
+    def moment_names(self) -> tuple[str, ...]:
+        return self.dense.moment_names()
+
+    def logical_state(self) -> LogicalState:
+        return {**self.dense.logical_state(), **self.experts.logical_state()}
+
+    def load_logical_state(self, tensors: LogicalState, step: int) -> None:
+        for part in self.parts:
+            part.load_logical_state(tensors, step)
+
+
 def make_dp(entries: list[Entry], ctx: ParallelContext, zero: int, optimizer: str, lr: float,
             param_dtype: torch.dtype | None = None, pipeline_micro_batches: int = 1) -> DataParallel:
     """The engine for ZeRO stage `zero`: FSDP2 for 3; the flat buffer for 1 and 2 over dp > 1 and
-    for every bf16/fp16 run (`param_dtype`); per-parameter replication otherwise.
+    for every bf16/fp16 run (`param_dtype`); per-parameter replication otherwise. Routed experts
+    (ZeRO 0-2) get an engine of the same kind over their expert-data-parallel group (`SplitDP`).
     `pipeline_micro_batches`: micro-batch gradients the pipeline schedule sums (1 without one);
     an engine that `collects_grads` divides by it, the schedule must then not scale."""
     if zero == 3:
         return FullyShardedDP(entries, ctx, optimizer, lr)
-    if param_dtype is not None or (zero in (1, 2) and ctx.dp_cp_size > 1):
-        return FlatZeroDP(entries, ctx, optimizer, lr, zero, param_dtype or torch.float32,
-                          grad_divisor=pipeline_micro_batches)
-    return ReplicatedDP(entries, ctx, optimizer, lr)
+    flat = param_dtype is not None or (zero in (1, 2) and ctx.dp_cp_size > 1)
+
+    def engine(part: list[Entry], replicas: Replicas) -> DataParallel:
+        if flat:
+            return FlatZeroDP(part, ctx, optimizer, lr, zero, param_dtype or torch.float32,
+                              grad_divisor=pipeline_micro_batches, replicas=replicas)
+        return ReplicatedDP(part, ctx, optimizer, lr, replicas)
+
+    experts = [e for e in entries if e.expert]
+    dense = engine([e for e in entries if not e.expert], ctx.replicas())
+    return SplitDP(dense, engine(experts, ctx.replicas(expert=True))) if experts else dense

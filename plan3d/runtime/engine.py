@@ -25,8 +25,11 @@ class Entry:
     """One parameter of this rank: its logical name, tensor, tp split dim, whether this rank
     counts it in the global gradient norm (tp replicas and the tied copy are counted once),
     whether it is the last stage's copy of the tied embedding (not saved: the first stage's is),
-    and whether it is a copy of the token embedding (summed over the embedding group when
-    the embeddings are tied over pipeline stages)."""
+    whether it is a copy of the token embedding (summed over the embedding group when
+    the embeddings are tied over pipeline stages), whether it belongs to a routed expert (reduced
+    and sharded over the expert-data-parallel group, `runtime/moe.py`), and whether its gradient
+    is already whole on every tp rank (an MoE layer's replicated parameters: not summed over tp
+    under sequence parallelism)."""
 
     name: str
     param: nn.Parameter
@@ -34,6 +37,8 @@ class Entry:
     counted: bool
     tied_copy: bool
     embedding: bool = False
+    expert: bool = False
+    tp_full_grad: bool = False
 
 
 LogicalState = dict[str, dict[str, torch.Tensor]]
@@ -78,14 +83,15 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def collect_entries(stages, ctx: ParallelContext) -> list[Entry]:
-    """Entries of every parameter of this rank's stages (read tp_dim BEFORE any FSDP wrapping)."""
+    """Entries of every parameter of this rank's stages (read the tags BEFORE any FSDP wrapping)."""
     entries = []
     for stage in stages:
         for name, p in stage.named_parameters():
             tied_copy = name == stage.tied_copy
             counted = (p.tp_dim is not None or ctx.tp.rank == 0) and not tied_copy
             logical = logical_name(stage, name)
-            entries.append(Entry(logical, p, p.tp_dim, counted, tied_copy, embedding=logical == TIED))
+            entries.append(Entry(logical, p, p.tp_dim, counted, tied_copy, embedding=logical == TIED,
+                                 expert=getattr(p, "expert", False), tp_full_grad=getattr(p, "tp_full_grad", False)))
     return entries
 
 
@@ -111,7 +117,7 @@ def reduce_model_parallel_grads(entries: list[Entry], ctx: ParallelContext,
         if grad is None:
             continue
         grad = local_tensor(grad)
-        if ctx.tp.sequence_parallel and e.tp_dim is None:
+        if ctx.tp.sequence_parallel and e.tp_dim is None and not e.tp_full_grad:
             replicated.append(grad)
         if ctx.embedding_group is not None and e.embedding:
             dist.all_reduce(grad, group=ctx.embedding_group)

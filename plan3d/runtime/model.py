@@ -10,6 +10,10 @@ With context parallelism (`runtime/cp.py`) each rank holds s/cp tokens of every 
 global positions: the learned position embedding and RoPE use those positions, and attention
 all-gathers K/V over the cp group under a causal mask of global positions.
 
+MoE layers (`ModelSpec.is_moe_layer`) replace the MLP by `runtime/moe.py`'s routed experts, each
+expert named by its global index, so that its initial values and checkpoint key do not depend on
+the expert-parallel degree.
+
 Initial weights do not depend on the layout: each parameter's FULL tensor is drawn from a
 generator seeded by (seed, logical name), then this rank's tp slice is kept (GPT-2 init: normal
 0.02, output projections 0.02/sqrt(2 * layers)).
@@ -26,44 +30,11 @@ from torch.utils.checkpoint import checkpoint
 
 from plan3d.runtime import cp as cpx
 from plan3d.runtime import tp as tpx
+from plan3d.runtime.layers import ColLinear, RowLinear, _param, _tag
+from plan3d.runtime.moe import MoE, EPInfo
 from plan3d.specs.model import ModelSpec
 
 TIED = "embed.tok.weight"
-
-
-def _tag(param: nn.Parameter, tp_dim: int | None, kind: str) -> nn.Parameter:
-    param.tp_dim, param.init_kind = tp_dim, kind
-    return param
-
-
-def _param(*shape: int, tp_dim: int | None, kind: str) -> nn.Parameter:
-    return _tag(nn.Parameter(torch.empty(*shape)), tp_dim, kind)
-
-
-class ColLinear(nn.Module):
-    """Column-parallel: weight [out/tp, in], bias [out/tp]; input must be `tpx.enter`ed."""
-
-    def __init__(self, d_in: int, d_out: int, tp: tpx.TPInfo, bias: bool):
-        super().__init__()
-        self.weight = _param(d_out // tp.size, d_in, tp_dim=0, kind="normal")
-        self.bias = _param(d_out // tp.size, tp_dim=0, kind="zeros") if bias else None
-
-    def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
-
-
-class RowLinear(nn.Module):
-    """Row-parallel: weight [out, in/tp]; partial sums reduced by `tpx.exit_`, then the bias."""
-
-    def __init__(self, d_in: int, d_out: int, tp: tpx.TPInfo, bias: bool):
-        super().__init__()
-        self.tp = tp
-        self.weight = _param(d_out, d_in // tp.size, tp_dim=1, kind="proj")
-        self.bias = _param(d_out, tp_dim=None, kind="zeros") if bias else None
-
-    def forward(self, x):
-        out = tpx.exit_(F.linear(x, self.weight), self.tp)
-        return out if self.bias is None else out + self.bias
 
 
 def _norm(model: ModelSpec) -> nn.Module:
@@ -149,15 +120,19 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """x [b, s (or s/tp with SP), h] -> same; the norms run on sequence shards under SP."""
 
-    def __init__(self, model: ModelSpec, tp: tpx.TPInfo, recompute: str, cp: cpx.CPInfo = cpx.CPInfo()):
+    def __init__(self, model: ModelSpec, tp: tpx.TPInfo, recompute: str, cp: cpx.CPInfo = cpx.CPInfo(),
+                 index: int = 0, ep: EPInfo = EPInfo()):
         super().__init__()
         self.tp, self.full_recompute = tp, recompute == "full"
         self.norm1, self.norm2 = _norm(model), _norm(model)
         self.attn = Attention(model, tp, recompute == "selective", cp)
-        self.mlp = MLP(model, tp)
+        self.routed = model.is_moe_layer(index)
+        self.mlp = MoE(model, tp, ep) if self.routed else MLP(model, tp)
 
     def _forward(self, x):
         x = x + self.attn(tpx.enter(self.norm1(x), self.tp))
+        if self.routed:  # the MoE layer handles its own tp region (runtime/moe.py)
+            return x + self.mlp(self.norm2(x))
         return x + self.mlp(tpx.enter(self.norm2(x), self.tp))
 
     def forward(self, x):
@@ -211,11 +186,12 @@ class Stage(nn.Module):
     """One (virtual) pipeline stage: [embedding] + layers [first, last) + [head]."""
 
     def __init__(self, model: ModelSpec, tp: tpx.TPInfo, layers: range, first: bool, last: bool,
-                 recompute: str = "none", amp_dtype: torch.dtype | None = None, cp: cpx.CPInfo = cpx.CPInfo()):
+                 recompute: str = "none", amp_dtype: torch.dtype | None = None, cp: cpx.CPInfo = cpx.CPInfo(),
+                 ep: EPInfo = EPInfo()):
         super().__init__()
         self.amp_dtype = amp_dtype
         self.embed = Embedding(model, tp, cp) if first else None
-        self.layers = nn.ModuleDict({str(i): Block(model, tp, recompute, cp) for i in layers})
+        self.layers = nn.ModuleDict({str(i): Block(model, tp, recompute, cp, i, ep) for i in layers})
         self.shares_embedding = model.tied_embeddings and first and last
         self.head = Head(model, tp, own_weight=not self.shares_embedding) if last else None
         self.tied_copy = "head.out.weight" if model.tied_embeddings and last and not first else None

@@ -36,7 +36,7 @@ def build_stages(plan, ctx: ParallelContext, seed: int, amp_dtype=None) -> tuple
     stages = []
     for sid in ids:
         stage = Stage(plan.model, ctx.tp, ranges[sid], first=sid == 0, last=sid == len(ranges) - 1,
-                      recompute=plan.layout.recompute, amp_dtype=amp_dtype, cp=ctx.cp)
+                      recompute=plan.layout.recompute, amp_dtype=amp_dtype, cp=ctx.cp, ep=ctx.ep)
         init_stage(stage, ctx.tp, seed, plan.model.layers)
         stages.append(stage.to(ctx.device))
     return stages, ids

@@ -148,3 +148,47 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp: TPInfo) -> tor
     if tp.size == 1:
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())
     return _VocabParallelCE.apply(logits, target, tp).mean()
+
+
+class _GatherReplicated(Function):
+    """Sequence shards [b, s/tp, h] -> the full sequence on every tp rank; backward: this rank's
+    chunk of the gradient, no sum (the region after it is replicated: every tp rank computes the
+    same values and the same full gradients, as the MoE layer does, `runtime/moe.py`)."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _gather_seq(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.tp.size, dim=SEQ_DIM)[ctx.tp.rank].contiguous(), None
+
+
+class _ShardReplicated(Function):
+    """The inverse: a replicated full sequence -> this rank's shard; backward all-gathers the
+    shards' gradients, so the replicated region sees the full gradient on every tp rank."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return x.chunk(tp.size, dim=SEQ_DIM)[tp.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.tp), None
+
+
+def gather_replicated(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
+    """Into a tp-replicated region: the full sequence under sequence parallelism, else `x`."""
+    return _GatherReplicated.apply(x, tp) if tp.sequence_parallel and tp.size > 1 else x
+
+
+def shard_replicated(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
+    """Out of a tp-replicated region: this rank's sequence shard under sequence parallelism."""
+    return _ShardReplicated.apply(x, tp) if tp.sequence_parallel and tp.size > 1 else x
+
+
+def without_sequence_parallel(tp: TPInfo) -> TPInfo:
+    """The same tp group with plain (all-reduce) `enter`/`exit_` operators."""
+    return TPInfo(tp.size, tp.rank, tp.group, False)

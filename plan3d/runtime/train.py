@@ -228,9 +228,13 @@ def _summary(runner: Runner, records: list[dict], peaks: list, start_step: int) 
 
 
 def _mesh_groups(ctx) -> dict[str, list[int]]:
-    """This rank's group of every mesh dimension (and of dp x cp when cp > 1), as global ranks."""
+    """This rank's group of every mesh dimension (and of dp x cp when cp > 1, ep and edp with MoE
+    layers), as global ranks."""
     dims = ("tp", "dp", "pp") + (("cp", "dp_cp") if ctx.cp.size > 1 else ())
-    return {d: dist.get_process_group_ranks(ctx.group(d)) for d in dims}
+    groups = {d: dist.get_process_group_ranks(ctx.group(d)) for d in dims}
+    if ctx.expert_mesh is not None:
+        groups.update({d: dist.get_process_group_ranks(ctx.expert_mesh.get_group(d)) for d in ("ep", "edp")})
+    return groups
 
 
 def train(args, run_dir: Path, rank: int, inject) -> None:

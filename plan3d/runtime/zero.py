@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plan3d.runtime.comm import all_gather_flat, reduce_scatter_flat
-from plan3d.runtime.context import DP_CP, ParallelContext
+from plan3d.runtime.context import ParallelContext, Replicas
 from plan3d.runtime.engine import Entry, LogicalState, reduce_model_parallel_grads
 from plan3d.runtime.optim import make_optimizer, moment_names, optimizer_state_bytes
 
@@ -41,10 +41,10 @@ class FlatZeroDP:
     collects_grads = True
 
     def __init__(self, entries: list[Entry], ctx: ParallelContext, optimizer: str, lr: float, zero: int,
-                 param_dtype: torch.dtype = torch.float32, grad_divisor: int = 1):
+                 param_dtype: torch.dtype = torch.float32, grad_divisor: int = 1, replicas: Replicas | None = None):
         self.entries, self.ctx, self.zero, self.grad_divisor = entries, ctx, zero, grad_divisor
-        self.dp, self.dp_rank = ctx.dp_cp_size, ctx.dp_cp_rank  # dp x cp (runtime/cp.py)
-        self.dp_group = ctx.group(DP_CP) if self.dp > 1 else None
+        replicas = replicas or ctx.replicas()  # dp x cp (runtime/cp.py); the edp group for experts
+        self.dp, self.dp_rank, self.dp_group, self.divisor = replicas.size, replicas.rank, replicas.group, replicas.divisor
         self.slices = self.dp if zero in (1, 2) else 1
         self.offsets, total = {}, 0
         for e in entries:
@@ -103,11 +103,12 @@ class FlatZeroDP:
         if self.zero == 2 and self.dp > 1:
             mine = torch.empty(self.slice_numel, device=self.ctx.device)
             reduce_scatter_flat(mine, grad, group=self.dp_group)
-            self.main_grad, self.master.grad = None, mine.div_(self.dp)
+            self.main_grad, self.master.grad = None, mine.div_(self.divisor)
             return
         if self.dp > 1:
             dist.all_reduce(grad, group=self.dp_group)
-            grad.div_(self.dp)
+        if self.divisor > 1:
+            grad.div_(self.divisor)
         self.master.grad = self._mine(grad)
 
     def grad_sq_sum(self) -> torch.Tensor:

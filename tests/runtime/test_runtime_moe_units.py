@@ -1,0 +1,207 @@
+"""The MoE layer of the bundled runtime (plan3d/runtime/moe.py), in one process: routing, the
+dropless dispatch against a per-token reference, shared experts and their gate, expert names
+and layout-independent initial values, the expert mesh's groups, and the launcher's refusals."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime_helpers import make_plan
+
+
+def _tiny_moe(**moe_update):
+    from plan3d.specs.catalog import load_model
+
+    model = load_model("tiny-moe")
+    return model.model_copy(update={"moe": model.moe.model_copy(update=moe_update)}) if moe_update else model
+
+
+def _layer(model, seed=0):
+    from plan3d.runtime.moe import MoE
+    from plan3d.runtime.tp import TPInfo
+
+    torch.manual_seed(seed)
+    layer = MoE(model, TPInfo(1, 0, None, False))
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.1)
+    return layer
+
+
+def _act(model, t):
+    return F.gelu(t, approximate="tanh") if model.activation == "gelu" else F.silu(t)
+
+
+def _expert_by_hand(model, expert, x):
+    up = F.linear(x, expert.up.weight, expert.up.bias)
+    hidden = _act(model, F.linear(x, expert.gate.weight, expert.gate.bias)) * up if expert.gate is not None else _act(model, up)
+    return F.linear(hidden, expert.down.weight, expert.down.bias)
+
+
+def _by_hand(model, layer, x):
+    """Token by token: scores, top_k, renormalised weights, sum of weighted expert outputs."""
+    moe, out = model.moe, []
+    for token in x.reshape(-1, model.hidden):
+        logits = F.linear(token, layer.router.weight, layer.router.bias)
+        scores = logits.softmax(-1) if moe.router == "softmax" else logits.sigmoid()
+        top, ids = scores.topk(moe.top_k)
+        y = sum(w / top.sum() * _expert_by_hand(model, layer.experts[str(int(e))], token) for w, e in zip(top, ids))
+        if layer.shared is not None:
+            s = layer.shared
+            shared = _expert_by_hand(model, s, token)
+            y = y + (shared * torch.sigmoid(token @ s.scale.weight[0]) if s.scale is not None else shared)
+        out.append(y)
+    return torch.stack(out).view_as(x)
+
+
+@pytest.mark.parametrize("variant", [
+    dict(),
+    dict(router="sigmoid", top_k=3),
+    dict(shared_ffn_hidden=32, shared_expert_gate=True),
+    dict(swiglu=True, shared_ffn_hidden=32),
+])
+def test_moe_layer_equals_the_per_token_computation(variant):
+    swiglu = variant.pop("swiglu", False)
+    model = _tiny_moe(**variant)
+    if swiglu:
+        model = model.model_copy(update=dict(activation="swiglu", bias=False))
+    layer = _layer(model)
+    x = torch.randn(2, 8, model.hidden, requires_grad=True)
+    got = layer(x)
+    want = _by_hand(model, layer, x)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    (got.pow(2).sum()).backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    x_grad, x.grad = x.grad.clone(), None
+    layer.zero_grad()
+    want.pow(2).sum().backward()
+    assert torch.allclose(x_grad, x.grad, rtol=1e-4, atol=1e-5)
+    for name, p in layer.named_parameters():
+        assert torch.allclose(grads[name], p.grad, rtol=1e-4, atol=1e-5), name
+    assert layer.router.weight.grad.abs().sum() > 0  # the router learns (top_k > 1 keeps a gradient)
+
+
+def test_routing_renormalises_the_top_k_scores():
+    from plan3d.runtime.moe import route
+
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, -1.0, 0.5, 0.0]])
+    weights, ids = route(logits, 2, "softmax")
+    assert ids.tolist() == [[3, 2], [0, 2]]
+    assert torch.allclose(weights.sum(-1), torch.ones(2))
+    p = logits.softmax(-1)
+    assert torch.allclose(weights[0], p[0, [3, 2]] / p[0, [3, 2]].sum())
+    sig, _ = route(logits, 2, "sigmoid")
+    s = logits.sigmoid()
+    assert torch.allclose(sig[1], s[1, [0, 2]] / s[1, [0, 2]].sum())
+
+
+def test_dispatch_plan_groups_rows_by_expert_for_one_rank():
+    from plan3d.runtime.moe import EPInfo, plan_dispatch
+
+    ids = torch.tensor([[3, 0], [1, 3], [0, 2]])
+    plan = plan_dispatch(ids, 4, EPInfo())
+    assert ids.reshape(-1)[plan.order].tolist() == [0, 0, 1, 2, 3, 3]
+    assert plan.send == plan.recv == [6]
+    assert plan.per_expert == [2, 1, 1, 2]
+    assert plan.local_ids.tolist() == [0, 0, 1, 2, 3, 3]
+
+
+def test_experts_are_named_by_global_index_and_initialised_independently_of_ep():
+    """The expert modules of ep rank r are experts r*E/ep ..; each one's initial tensor is the
+    one one process draws for the same name."""
+    from plan3d.runtime.model import Stage, init_stage
+    from plan3d.runtime.moe import EPInfo
+    from plan3d.runtime.tp import TPInfo
+
+    model, tp = _tiny_moe(), TPInfo(1, 0, None, False)
+    one = Stage(model, tp, range(model.layers), first=True, last=True)
+    init_stage(one, tp, seed=5, layers=model.layers)
+    full = dict(one.named_parameters())
+    assert isinstance(one.layers["0"].mlp, torch.nn.Module) and one.layers["0"].routed and not one.layers["1"].routed
+    for rank in range(4):
+        stage = Stage(model, tp, range(model.layers), first=True, last=True, ep=EPInfo(4, rank))
+        init_stage(stage, tp, seed=5, layers=model.layers)
+        experts = sorted({n.split(".")[4] for n, _ in stage.named_parameters() if ".experts." in n}, key=int)
+        assert experts == [str(2 * rank), str(2 * rank + 1)]
+        for name, p in stage.named_parameters():
+            assert torch.equal(p, full[name]), name
+            assert getattr(p, "expert", False) == (".experts." in name)
+
+
+def test_tp_slices_of_an_expert_add_up_to_the_whole_expert():
+    """Expert tensor parallelism: the column slices of up and the row slices of down, each tp
+    rank's partial output summed, equal the unsplit expert (what the tp all-reduce computes)."""
+    from plan3d.runtime.model import Stage, init_stage
+    from plan3d.runtime.tp import TPInfo
+
+    model = _tiny_moe()
+    one_tp = TPInfo(1, 0, None, False)
+    whole = Stage(model, one_tp, range(1), first=False, last=False)
+    init_stage(whole, one_tp, seed=7, layers=model.layers)
+    x = torch.randn(5, model.hidden)
+    expert = whole.layers["0"].mlp.experts["6"]
+    want = expert.partial(x) + expert.down.bias
+    parts = []
+    for rank in range(2):
+        tp = TPInfo(2, rank, None, False)
+        stage = Stage(model, tp, range(1), first=False, last=False)
+        init_stage(stage, tp, seed=7, layers=model.layers)
+        parts.append(stage.layers["0"].mlp.experts["6"].partial(x))
+    assert torch.allclose(parts[0] + parts[1] + expert.down.bias, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("order", ["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"])
+def test_expert_mesh_holds_the_plans_ep_and_edp_groups(order):
+    """The runtime's expert mesh on torch's in-process fake backend, every rank in turn."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from plan3d.runtime.context import EXPERT_MESH_DIMS, expert_mesh_array
+
+    plan = _moe_plan(tp=2, dp=4, ep=2, order=order)
+    groups = plan.rankmap.groups
+    for rank in range(plan.layout.world_size):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.layout.world_size)
+        try:
+            mesh = DeviceMesh("cpu", expert_mesh_array(plan.rankmap, plan.layout), mesh_dim_names=EXPERT_MESH_DIMS)
+            for dim in ("ep", "edp", "tp", "pp"):
+                want = next(g for g in groups[dim] if rank in g)
+                assert dist.get_process_group_ranks(mesh.get_group(dim)) == want, dim
+        finally:
+            dist.destroy_process_group()
+
+
+def _moe_plan(**layout_flags):
+    from plan3d.cli.common import load_specs, make_layout
+    from plan3d.layout import check_layout
+    from plan3d.plan import build_plan
+
+    cluster, model, training = load_specs("local-cpu", "tiny-moe", None, None, None, None, "fp32")
+    layout = make_layout(**layout_flags)
+    check_layout(layout, model, training, cluster.world_size)
+    return build_plan(cluster, model, training, layout, {})
+
+
+def _with_moe(plan, **moe_update):
+    model = plan.model.model_copy(update={"moe": plan.model.moe.model_copy(update=moe_update)})
+    return plan.model_copy(update={"model": model})
+
+
+def test_launcher_refuses_what_the_moe_runtime_cannot_run_in_one_line_each():
+    from plan3d.launch import runtime_problems
+    from plan3d.specs.model import MLASpec
+
+    assert runtime_problems(_moe_plan(ep=2, dp=2)) == []
+    assert runtime_problems(_moe_plan(ep=4, dp=4, tp=2, zero=1)) == []
+    assert any("ep=2 needs MoE layers" in p for p in runtime_problems(make_plan(ep=2, dp=2)))
+    assert any("ZeRO-3" in p for p in runtime_problems(_moe_plan(ep=2, dp=2, zero=3)))
+    assert runtime_problems(_moe_plan(dp=2, zero=3)) == []  # ep = 1: FSDP2 shards the experts like any parameter
+    assert any("capacity_factor" in p for p in runtime_problems(_with_moe(_moe_plan(), capacity_factor=1.25)))
+    assert any("does not divide experts=6" in p for p in runtime_problems(_with_moe(_moe_plan(ep=4, dp=4), experts=6)))
+    assert any("expert_ffn_hidden=66" in p for p in runtime_problems(_with_moe(_moe_plan(tp=4), expert_ffn_hidden=66)))
+    plan = _moe_plan()
+    mla = plan.model.model_copy(update={"mla": MLASpec(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16)})
+    assert any("MLA" in p for p in runtime_problems(plan.model_copy(update={"model": mla})))
+    assert all("\n" not in p for p in runtime_problems(_with_moe(_moe_plan(ep=4, dp=4, zero=3), experts=6, capacity_factor=1.0)))

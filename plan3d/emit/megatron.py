@@ -31,6 +31,10 @@ and the engines tier (tests/engines/test_megatron_engine.py) feeds the output to
   its first stage holds the embedding `E`, its last the loss `L`); `--use-tp-pp-dp-mapping` for
   rank order tp-cp-ep-pp-dp.
 - Model: `--rotary-base` from the model spec's rope_theta (Megatron's default 10000 otherwise).
+- Experts (`--num-experts`, ..., `--expert-model-parallel-size`, `--expert-tensor-parallel-size` = tp)
+  and multi-latent attention: plan3d/emit/megatron_moe.py, which also names what Megatron refuses
+  for MoE layouts (ep not dividing the experts, tp > 1 without sequence parallelism, expert biases
+  with tp > 1, the pp-dp order with pp > 1 and ep != cp).
 
 What no Megatron-Core flag expresses is refused here, naming the release range: a plain-ReLU MLP
 (its activations are gelu, `--swiglu`, `--squared-relu`, `--quick-geglu`), ALiBi
@@ -49,6 +53,7 @@ import shlex
 from dataclasses import dataclass
 
 from plan3d.emit.common import Emitted, same_groups, target_engine
+from plan3d.emit.megatron_moe import mla_args, mla_problems, moe_args, moe_notes, moe_problems
 from plan3d.errors import InfeasibleError, SpecError
 from plan3d.layout import Layout
 from plan3d.plan import Plan
@@ -227,9 +232,9 @@ def _model_args(plan: Plan) -> list[str]:
     args = ["--num-layers", str(model.layers), "--hidden-size", str(model.hidden),
             "--num-attention-heads", str(model.heads), "--ffn-hidden-size", str(model.ffn_hidden_),
             "--vocab-size", str(model.vocab)]
-    if model.head_dim is not None:
+    if model.head_dim is not None and model.mla is None:  # MLA: --qk-head-dim / --v-head-dim instead
         args += ["--kv-channels", str(model.head_dim)]
-    if model.kv_heads_ != model.heads:
+    if model.kv_heads_ != model.heads and model.mla is None:  # validate_args: GQA excludes MLA
         args += ["--group-query-attention", "--num-query-groups", str(model.kv_heads_)]
     if model.activation == "swiglu":
         args.append("--swiglu")
@@ -245,21 +250,15 @@ def _model_args(plan: Plan) -> list[str]:
         args += ["--position-embedding-type", "learned_absolute"]
     if not model.tied_embeddings:
         args.append("--untie-embeddings-and-output-weights")
-    return args + _moe_args(plan)
+    return args + _moe_mla_args(plan)
 
 
-def _moe_args(plan: Plan) -> list[str]:
-    """Experts of a MoE model (`--num-experts`, `--moe-router-topk`, `--moe-ffn-hidden-size`,
-    `--moe-layer-freq` N: one expert layer every N); validate_args asserts num_experts with ep > 1."""
-    moe = plan.model.moe
-    if moe is None:
-        if plan.layout.ep > 1:
-            raise InfeasibleError(f"{ENGINE} has expert parallelism for MoE models only (validate_args: "
-                                  "num_experts must be set with ep > 1); set ep=1 or give the model spec a moe")
-        return []
-    return ["--num-experts", str(moe.experts), "--moe-router-topk", str(moe.top_k),
-            "--moe-ffn-hidden-size", str(moe.expert_ffn_hidden or plan.model.ffn_hidden_),
-            "--moe-layer-freq", str(moe.every)]
+def _moe_mla_args(plan: Plan) -> list[str]:
+    """Experts and multi-latent attention (plan3d.emit.megatron_moe), after refusing what Megatron refuses."""
+    problems = moe_problems(plan) + mla_problems(plan.model)
+    if problems:
+        raise InfeasibleError(f"{ENGINE} cannot run {plan.layout.short()} of {plan.model.name}: " + "; ".join(problems))
+    return moe_args(plan, gpu_arch(plan)) + mla_args(plan.model)
 
 
 def _rotary_base(theta: float | None) -> str:
@@ -322,6 +321,7 @@ def plan_notes(plan: Plan, engine: EngineSpec) -> list[str]:
                else "its tensor-parallel group spans nodes (Transformer Engine userbuffers are intra-node)")
         notes.append(f"the prediction hides {engine.runs_as.tp_overlap_fraction:.0%} of the tensor-parallel "
                      f"communication, but --tp-comm-overlap is off: {why}; expect a slower step")
+    notes += moe_notes(plan, gpu_arch(plan))
     if engine.runs_as.attention == "flash" and plan.training.precision == "fp32":
         notes.append("the prediction assumes flash attention; Transformer Engine's flash and fused attention "
                      "need bf16/fp16, so fp32 runs unfused attention (slower, more memory)")

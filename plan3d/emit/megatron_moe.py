@@ -1,0 +1,160 @@
+"""Megatron-Core arguments for mixture-of-experts layers and multi-latent attention (megatron-core 0.19).
+
+Names and checks are 0.19.2's own (megatron/training/arguments.py `_add_moe_args`, `_add_mla_args`,
+`validate_args`; megatron/core/transformer/transformer_config.py `TransformerConfig`,
+`MLATransformerConfig`; megatron/core/transformer/moe/moe_layer.py; megatron/core/parallel_state.py
+`initialize_model_parallel`), and the engines tier feeds them to that code
+(tests/engines/test_moe_engines.py).
+
+What a plan's MoE spec becomes:
+- `--num-experts`, `--moe-router-topk`, `--moe-ffn-hidden-size` (the routed expert's width);
+- `--moe-layer-freq`: the integer N when the MoE layers are every N-th from layer 0 (Megatron's
+  `i % N == 0`, gpt_layer_specs.py, is plan3d's rule), otherwise the explicit 0/1 list as the
+  Python expression Megatron evaluates (`([0]*3+[1]*58)`: three dense layers, then 58 MoE);
+- shared experts: `--moe-shared-expert-intermediate-size` (their total width),
+  `--moe-shared-expert-gate` (Qwen2-MoE's sigmoid gate) and `--moe-shared-expert-overlap` (the
+  shared experts run while the all-to-all dispatch is in flight; TransformerConfig allows it with
+  the alltoall dispatcher, which this emitter always picks);
+- router: softmax -> `--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2` (the
+  GShard / Switch Transformer balance loss at the starting value Megatron's help text recommends);
+  sigmoid -> `--moe-router-score-function sigmoid --moe-router-enable-expert-bias` (DeepSeek-V3's
+  auxiliary-loss-free balancing, Wang et al. 2024, arXiv 2408.15664) with the complementary
+  sequence-wise loss `seq_aux_loss` at 1e-4 (DeepSeek-V3 technical report, arXiv 2412.19437, sec. 2.1.2);
+- capacity factor: `--moe-expert-capacity-factor F --moe-token-drop-policy probs
+  --moe-pad-expert-input-to-capacity` (every expert computes exactly its capacity; TransformerConfig
+  needs a capacity factor for the padding and an aux-loss balancing type for the factor); none: dropless;
+- `--moe-grouped-gemm` (validate_args asserts compute capability >= 8; left off before Ampere, with a
+  note) and `--moe-token-dispatcher-type alltoall`;
+- `--expert-tensor-parallel-size` = tp: plan3d's accounting splits each expert like the dense MLP.
+
+MLA: `--multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim (no-position part)
+--qk-pos-emb-head-dim (RoPE part) --v-head-dim`, and `--rope-type rope` (MLATransformerConfig
+defaults to YaRN with scaling factor 40; the model spec has plain RoPE at rope_theta). No
+`--group-query-attention` / `--kv-channels` with MLA (validate_args: mutually exclusive).
+"""
+from __future__ import annotations
+
+from plan3d.plan import Plan
+from plan3d.specs.model import ModelSpec
+
+SOFTMAX_AUX_LOSS = ("aux_loss", "1e-2")
+SIGMOID_SEQ_AUX_LOSS = ("seq_aux_loss", "1e-4")
+GROUPED_GEMM_MIN_ARCH = 8  # validate_args: torch.cuda.get_device_capability()[0] >= 8
+
+
+def moe_layer_freq(model: ModelSpec) -> str:
+    """`--moe-layer-freq`: N when the MoE layers are exactly every N-th from layer 0, else Megatron's
+    list expression of 0 (dense) / 1 (MoE) per layer, run-length encoded."""
+    every = model.moe.every
+    flags = [int(model.is_moe_layer(i)) for i in range(model.layers)]
+    if flags == [int(i % every == 0) for i in range(model.layers)]:  # gpt_layer_specs.py's integer rule
+        return str(every)
+    runs, start = [], 0
+    for i in range(1, len(flags) + 1):
+        if i == len(flags) or flags[i] != flags[start]:
+            runs.append(f"[{flags[start]}]*{i - start}")
+            start = i
+    return "(" + "+".join(runs) + ")"
+
+
+def moe_problems(plan: Plan) -> list[str]:
+    """What Megatron-Core 0.19 refuses for this plan's experts, each with the code that refuses it."""
+    model, layout, out = plan.model, plan.layout, []
+    moe = model.moe
+    if moe is None:
+        if layout.ep > 1:
+            out.append("expert parallelism needs a MoE model (validate_args: num_experts must be set with ep > 1); "
+                       "set ep=1 or give the model spec a moe")
+        return out
+    if moe.experts % layout.ep:
+        out.append(f"ep={layout.ep} does not divide the {moe.experts} experts (validate_args: 'Number of experts "
+                   "should be a multiple of expert model parallel_size'); use an ep that divides them")
+    if layout.tp > 1 and not layout.sequence_parallel:
+        out.append("MoE layers with tp > 1 train only with sequence parallelism (MoELayer.forward raises "
+                   "without it); set sequence_parallel")
+    if layout.tp > 1 and model.bias:
+        out.append(f"MoE experts with biases need expert tensor parallel size 1 (TransformerConfig: 'Bias in Moe "
+                   f"is only supported when ETP==1'), and plan3d splits experts over tp={layout.tp}; use tp=1 or "
+                   "a model without biases")
+    if layout.order.endswith("dp") and layout.pp > 1 and layout.ep != layout.cp:
+        out.append(f"rank order tp-cp-ep-pp-dp with pp > 1 needs the MoE layers' data-parallel size "
+                   f"dp*cp/ep={layout.dp * layout.cp // layout.ep} to equal dp={layout.dp} "
+                   "(initialize_model_parallel asserts it); use the default order tp-cp-ep-dp-pp")
+    return out
+
+
+def moe_args(plan: Plan, gpu_arch: int) -> list[str]:
+    """The MoE flags of a MoE model (none for a dense one); `moe_problems` says what is refused."""
+    moe = plan.model.moe
+    if moe is None:
+        return []
+    args = ["--num-experts", str(moe.experts), "--moe-router-topk", str(moe.top_k),
+            "--moe-ffn-hidden-size", str(moe.expert_ffn_hidden or plan.model.ffn_hidden_),
+            "--moe-layer-freq", moe_layer_freq(plan.model),
+            "--moe-token-dispatcher-type", "alltoall",
+            "--expert-tensor-parallel-size", str(plan.layout.tp)]
+    if gpu_arch >= GROUPED_GEMM_MIN_ARCH:
+        args.append("--moe-grouped-gemm")
+    return args + _shared_expert_args(plan.model) + _router_args(plan.model) + _capacity_args(plan.model)
+
+
+def _shared_expert_args(model: ModelSpec) -> list[str]:
+    moe = model.moe
+    if moe.shared_ffn_hidden == 0:
+        return []
+    args = ["--moe-shared-expert-intermediate-size", str(moe.shared_ffn_hidden), "--moe-shared-expert-overlap"]
+    if moe.shared_expert_gate:
+        args.append("--moe-shared-expert-gate")
+    return args
+
+
+def _router_args(model: ModelSpec) -> list[str]:
+    if model.moe.router == "sigmoid":
+        balance, coeff = SIGMOID_SEQ_AUX_LOSS
+        return ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                "--moe-router-load-balancing-type", balance, "--moe-aux-loss-coeff", coeff]
+    balance, coeff = SOFTMAX_AUX_LOSS
+    return ["--moe-router-load-balancing-type", balance, "--moe-aux-loss-coeff", coeff]
+
+
+def _capacity_args(model: ModelSpec) -> list[str]:
+    factor = model.moe.capacity_factor
+    if factor is None:
+        return []
+    return ["--moe-expert-capacity-factor", repr(float(factor)), "--moe-token-drop-policy", "probs",
+            "--moe-pad-expert-input-to-capacity"]
+
+
+def mla_problems(model: ModelSpec) -> list[str]:
+    """Megatron's MLA rotates the RoPE part of each query/key head: it needs position rope."""
+    if model.mla is not None and model.position != "rope":
+        return [f"its multi-latent attention applies RoPE to the qk_pos_emb part; {model.name} has position "
+                f"{model.position}: set position rope"]
+    return []
+
+
+def mla_args(model: ModelSpec) -> list[str]:
+    """Multi-latent attention flags (none without MLA)."""
+    mla = model.mla
+    if mla is None:
+        return []
+    args = ["--multi-latent-attention"]
+    if mla.q_lora_rank is not None:
+        args += ["--q-lora-rank", str(mla.q_lora_rank)]
+    return args + ["--kv-lora-rank", str(mla.kv_lora_rank), "--qk-head-dim", str(mla.qk_nope_head_dim),
+                   "--qk-pos-emb-head-dim", str(mla.qk_rope_head_dim), "--v-head-dim", str(mla.v_head_dim),
+                   "--rope-type", "rope"]
+
+
+def moe_notes(plan: Plan, gpu_arch: int) -> list[str]:
+    """What the MoE flags leave to the user or cannot give this plan."""
+    moe, notes = plan.model.moe, []
+    if moe is None:
+        return notes
+    if gpu_arch < GROUPED_GEMM_MIN_ARCH:
+        notes.append(f"--moe-grouped-gemm is off: validate_args needs compute capability >= 8 and "
+                     f"{plan.cluster.gpu.name} is older or unknown; the experts run one GEMM each (slower)")
+    balance, coeff = SIGMOID_SEQ_AUX_LOSS if moe.router == "sigmoid" else SOFTMAX_AUX_LOSS
+    notes.append(f"router load balancing {balance} at --moe-aux-loss-coeff {coeff} is a training choice, "
+                 "not part of the plan: change it in the arguments if your recipe differs")
+    return notes

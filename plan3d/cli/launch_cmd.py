@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from plan3d.cli.app import app
-from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, GlobalBatchOpt, GpnOpt, MicroBatchOpt, ModelOpt,
+from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, CpOpt, GlobalBatchOpt, GpnOpt, MicroBatchOpt, ModelOpt,
                                NodesOpt, OrderOpt, PpOpt, RecomputeOpt, SeqLenOpt, SeqParallelOpt, TpOpt,
                                VppOpt, ZeroOpt, load_specs, make_layout)
 from plan3d.errors import InfeasibleError, LaunchError, Plan3dError
@@ -127,6 +127,9 @@ def launch_command(
                                                 "synthetic tokens.")] = None,
     cluster: ClusterOpt = "local-cpu", model: ModelOpt = "tiny-gpt",
     tp: TpOpt = 1, pp: PpOpt = 1, dp: Annotated[int, typer.Option("--dp", help="Data-parallel degree.")] = 1,
+    cp: CpOpt = 1,
+    ep: Annotated[int, typer.Option("--ep", help="Expert-parallel degree of an MoE model: each ep rank holds "
+                                    "experts/ep experts; carved out of dp*cp (must divide it).")] = 1,
     micro_batch: MicroBatchOpt = 1, global_batch: GlobalBatchOpt = None, seq_len: SeqLenOpt = None,
     vpp: VppOpt = 1, zero: ZeroOpt = 0, recompute: RecomputeOpt = "none",
     sequence_parallel: SeqParallelOpt = False, order: OrderOpt = DEFAULT_ORDER,
@@ -137,7 +140,7 @@ def launch_command(
                                                       "(refused otherwise, a dry run too).")] = False,
 ) -> None:
     """Train a plan's layout with the bundled runtime; print measured against predicted."""
-    from plan3d.launch import checked_data, memory_problem
+    from plan3d.launch import checked_data, memory_problem, runtime_problems
     from plan3d.plan import load_plan
 
     check_run_flags(steps=steps, nnodes=nnodes, node_rank=node_rank, save_every=save_every, timeout_s=timeout_s,
@@ -145,9 +148,12 @@ def launch_command(
     if plan_file:
         plan = load_plan(plan_file)
     else:
-        flags = dict(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, vpp=vpp, zero=zero, recompute=recompute,
+        flags = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, micro_batch=micro_batch, vpp=vpp, zero=zero, recompute=recompute,
                      sequence_parallel=sequence_parallel, order=order)
         plan = _plan_from_flags(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision, flags)
+    unsupported = runtime_problems(plan)  # before the memory check and a dry run: what cannot run at all
+    if unsupported:
+        raise LaunchError("; ".join(unsupported))
     problem = None if allow_oversubscribe else memory_problem(plan)
     if problem:
         raise InfeasibleError(problem)

@@ -8,11 +8,12 @@ from typing import Annotated, Optional
 import typer
 
 from plan3d.cli.app import app
-from plan3d.cost.params import total_params
+from plan3d.cost.params import active_params, total_params
 from plan3d.errors import SpecError
 from plan3d.render.units import count, printable
 from plan3d.specs.catalog import require_positive
 from plan3d.specs.hf import model_yaml, read_hf
+from plan3d.specs.model import ModelSpec
 
 
 @app.command("import-hf")
@@ -34,10 +35,17 @@ def import_hf_cmd(
     text = model_yaml(spec, Path(config).name, remarks)
     if output is None:
         print(text, end="")
+        print(f"model {spec.name!r}: {parameter_summary(spec)}", file=sys.stderr)
         return
     try:
         output.write_text(text)
     except OSError as err:
         raise SpecError(str(output), [f"cannot be written ({err.strerror}); choose another -o path"]) from err
-    print(f"wrote {printable(str(output))}: model {spec.name!r}, {count(total_params(spec))} parameters, "
+    print(f"wrote {printable(str(output))}: model {spec.name!r}, {parameter_summary(spec)}, "
           f"{spec.layers} layers, hidden {spec.hidden}")
+
+
+def parameter_summary(spec: ModelSpec) -> str:
+    """'8.03B parameters'; a mixture-of-experts model also says how many one token passes through."""
+    total = f"{count(total_params(spec))} parameters"
+    return f"{total} ({count(active_params(spec))} active per token)" if spec.moe is not None else total

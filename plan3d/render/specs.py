@@ -5,7 +5,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from plan3d.cost.params import total_params
+from plan3d.cost.params import active_params, total_params
 from plan3d.render.units import count, gbytes_per_s
 from plan3d.specs import catalog
 from plan3d.specs.cluster import ClusterSpec
@@ -23,7 +23,7 @@ def catalog_rows() -> list[dict]:
     for name in catalog.bundled_names("model"):
         m = catalog.load_model(name)
         rows.append({"kind": "model", "name": name,
-                     "summary": f"{count(total_params(m))} params, {m.layers} layers, hidden {m.hidden}, "
+                     "summary": f"{model_size(m)}, {m.layers} layers, hidden {m.hidden}, "
                                 f"{m.heads} heads ({m.kv_heads_} kv), {m.activation}, seq {m.seq_len}"})
     for name in catalog.bundled_names("gpu"):
         g = catalog.load_gpu(name)
@@ -36,6 +36,14 @@ def catalog_rows() -> list[dict]:
         rows.append({"kind": "engine", "name": name,
                      "summary": f"{e.description or e.name}{default}" + (f"; {e.version}" if e.version else "")})
     return rows
+
+
+def model_size(model: ModelSpec) -> str:
+    """'8.03B params'; a mixture-of-experts model adds its experts and the parameters one token uses."""
+    size = f"{count(total_params(model))} params"
+    if model.moe is None:
+        return size
+    return f"{size} ({count(active_params(model))} active; {model.moe.experts} experts, top {model.moe.top_k})"
 
 
 def print_catalog(rows: list[dict]) -> None:
@@ -55,6 +63,8 @@ def print_spec(spec) -> None:
         table.add_row(key, escape(str(value)))
     if isinstance(spec, ModelSpec):
         table.add_row("parameters", f"{total_params(spec):,} ({count(total_params(spec))})")
+        if spec.moe is not None:
+            table.add_row("active parameters", f"{active_params(spec):,} ({count(active_params(spec))}) per token")
     if isinstance(spec, ClusterSpec):
         table.add_row("gpu", f"{spec.gpu.name}: {spec.gpu.memory_gib:g} GiB")
         for tier in spec.tiers():

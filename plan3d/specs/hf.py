@@ -16,6 +16,11 @@ the length it is trained at. Without `--seq-len` the import takes min(max_positi
 starts from a common pretraining shape; a config that states a shorter context keeps it. The
 import says which it chose (`read_hf` returns the notes) and how to change it.
 
+Mixture-of-experts models (Mixtral, Qwen2/Qwen3-MoE, DeepSeek-V2/V3, gpt-oss, Llama 4) import their
+experts, shared experts, dense layers and router into `moe`, and DeepSeek's multi-head latent
+attention into `mla` (`hf_moe`); what a config holds that the spec cannot (multi-token prediction,
+sliding windows, attention sinks, routing details) is returned as warnings by name (`hf_unmodelled`).
+
 Biases: ModelSpec's `qkv_bias` covers the Q/K/V projections and `bias` the attention output and
 the MLP together, so Qwen2 (Q/K/V biases only) imports exactly as `bias: false, qkv_bias: true`.
 Approximations (all well under 1% of the parameters): a model with an attention-output bias but
@@ -33,6 +38,8 @@ import yaml
 
 from plan3d.errors import SpecError, SpecNotFound
 from plan3d.specs.base import printable
+from plan3d.specs.hf_moe import mla_fields, moe_fields
+from plan3d.specs.hf_unmodelled import unmodelled
 from plan3d.specs.loader import read_mapping, validate
 from plan3d.specs.model import ModelSpec
 
@@ -53,7 +60,10 @@ REQUIRED = ("layers", "hidden", "heads", "vocab")  # seq_len is a training choic
 _DECODER_ROPE = {"norm": "rmsnorm", "bias": False, "position": "rope", "tied_embeddings": False}
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": _DECODER_ROPE, "mistral": _DECODER_ROPE, "mixtral": _DECODER_ROPE, "qwen2": _DECODER_ROPE,
-    "qwen2_moe": _DECODER_ROPE, "qwen3": _DECODER_ROPE,
+    "qwen2_moe": _DECODER_ROPE, "qwen3": _DECODER_ROPE, "qwen3_moe": _DECODER_ROPE,
+    "deepseek_v2": _DECODER_ROPE, "deepseek_v3": _DECODER_ROPE, "llama4": _DECODER_ROPE, "llama4_text": _DECODER_ROPE,
+    # gpt-oss: biases on q/k/v, the attention output, the experts and the router (HF GptOssAttention, GptOssExperts)
+    "gpt_oss": {"norm": "rmsnorm", "bias": True, "position": "rope", "tied_embeddings": False},
     "gpt2": {"norm": "layernorm", "bias": True, "position": "learned", "tied_embeddings": True, "activation": "gelu"},
     "gpt_neox": {"norm": "layernorm", "bias": True, "position": "rope", "tied_embeddings": False},
     "opt": {"norm": "layernorm", "bias": True, "position": "learned", "tied_embeddings": True},
@@ -100,16 +110,6 @@ def _activation(config: dict, defaults: dict, source: str) -> str:
     return ACTIVATIONS[raw]
 
 
-def _moe(config: dict) -> dict | None:
-    experts = config.get("num_local_experts") or config.get("num_experts")
-    if not experts:
-        return None
-    moe = {"experts": experts, "top_k": config.get("num_experts_per_tok", 2)}
-    if config.get("moe_intermediate_size"):
-        moe["expert_ffn_hidden"] = config["moe_intermediate_size"]
-    return moe
-
-
 @dataclass(frozen=True)
 class HfImport:
     """The imported spec and what the user should know about the choices made for them."""
@@ -142,8 +142,10 @@ def spec_fields(config: dict, source: str, name: str, seq_len: int | None = None
     sizes_ok = all(isinstance(v, int) and v > 0 for v in (hidden, heads))  # else validation names the field
     if sizes_ok and fields.get("head_dim") == hidden // heads:
         del fields["head_dim"]  # the default: keep the spec minimal
-    if _moe(config):
-        fields["moe"] = _moe(config)
+    fields |= moe_fields(config, model_type, fields["layers"], fields.get("ffn_hidden"), source)
+    fields |= mla_fields(config, source)
+    if "mla" in fields:
+        fields.pop("head_dim", None)  # latent attention has its own head widths; head_dim would mean nothing
     return {"name": name, **fields, "source": f"Hugging Face config.json, model_type {printable(model_type)[:100]}"}
 
 
@@ -242,7 +244,7 @@ def read_hf(path_str: str, name: str | None = None, seq_len: int | None = None) 
     _check_learned_positions(config, spec, path_str)
     notes = [] if seq_len else [seq_len_note(config, spec.seq_len)]
     warning = bias_warning(config, spec)
-    return HfImport(spec, notes, [warning] if warning else [])
+    return HfImport(spec, notes, ([warning] if warning else []) + unmodelled(_text_config(config), spec))
 
 
 def _check_learned_positions(config: dict, spec: ModelSpec, source: str) -> None:

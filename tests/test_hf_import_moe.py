@@ -12,6 +12,7 @@ keep the output head (gpt-oss: 5.13B = 4.55B in the blocks + 0.58B unembedding; 
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import yaml
@@ -19,6 +20,7 @@ import yaml
 from plan3d.cost.params import active_params, total_params
 from plan3d.specs.catalog import load_model
 from plan3d.specs.hf import read_hf
+from plan3d.specs.hf_moe import layer_rule
 from cli_helpers import run_cli  # noqa: E402
 
 # config.json contents of published Hugging Face models (every field plan3d reads is as on the Hub; a few
@@ -284,6 +286,31 @@ def test_qwen_layer_rules_are_exact_or_keep_the_count_and_warn(tmp_path, change,
     else:
         [warning] = warned
         assert "decoder_sparse_step / mlp_only_layers" in warning and f"{len(hf_layers)} of 48 layers" in warning
+
+
+def spec_rule(first_dense: int, every: int, layers: int) -> list[bool]:
+    return [i >= first_dense and i % every == 0 for i in range(layers)]
+
+
+def some_rule_is_exact(flags: list[bool]) -> bool:
+    layers = len(flags)
+    return any(spec_rule(first, every, layers) == flags for every in range(1, layers + 1) for first in range(layers + 1))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_layer_rule_is_exact_whenever_a_naive_search_finds_a_rule_and_keeps_the_count(seed):
+    rng = random.Random(seed)
+    for _ in range(150):
+        layers = rng.randint(1, 20)
+        if rng.random() < 0.5:
+            flags = spec_rule(rng.randint(0, layers), rng.randint(1, layers), layers)
+        else:
+            flags = [rng.random() < 0.6 for _ in range(layers)]
+        if not any(flags):
+            continue
+        ours = spec_rule(*layer_rule(flags), layers)
+        assert sum(ours) == sum(flags), flags
+        assert (ours == flags) == some_rule_is_exact(flags), flags
 
 
 def test_llama4_interleaved_moe_layers_keep_the_count(tmp_path):

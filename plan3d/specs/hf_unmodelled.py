@@ -93,7 +93,9 @@ def behaviour_warnings(config: dict, spec: ModelSpec) -> list[str]:
     """Routing and activation details without parameters that the spec does not hold."""
     found = []
     if spec.moe is not None:
-        details = [f"{k} {shown(config[k])}" for k in ROUTING_DETAILS if config.get(k) is not None]
+        grouped = config.get("n_group") not in (None, 1)  # n_group 1: no group-limited routing to mention
+        details = [f"{k} {shown(config[k])}" for k in ROUTING_DETAILS
+                   if config.get(k) is not None and (grouped or k not in ("n_group", "topk_group"))]
         if details:
             found.append(f"routing details the spec does not hold (no parameters; the cost model spreads tokens "
                          f"evenly over the experts): {', '.join(details)}")

@@ -4,6 +4,14 @@
     .venv/bin/python benchmarks/published.py --loso      # + leave-one-source-out (refits without each source)
     .venv/bin/python benchmarks/published.py --fit       # fit the global values on every source, print them
     .venv/bin/python benchmarks/published.py --json      # the same figures for machines
+    .venv/bin/python benchmarks/published.py --no-held-out   # without the held-out section
+
+Held-out validation (appended after everything else): the published MoE, FP8 and
+context-parallel runs of data/extra_runs.yaml (data/README.md) are predicted with the values in
+use (bundled, or fitted with --fit) and never enter a fit, leave-one-source-out included. They
+are printed per source (measured vs predicted step time), with a summary line, the FP8/BF16 pairs
+and the rows plan3d cannot predict yet, each with its reason (a layout it cannot express, a GPU
+without a cluster spec, MoE layers that estimate() still models as dense).
 
 Every run of ../shared/data/published/runs.yaml with a step time (published_runs.py says how
 each is read) is predicted with `estimate` on the bundled cluster of its GPU, with the engine
@@ -36,7 +44,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fitting import nelder_mead  # noqa: E402
-from published_runs import DATA, Run, load  # noqa: E402
+from published_runs import DATA, EXTRA, Run, load, load_extra  # noqa: E402
 
 from plan3d.cost.estimate import estimate  # noqa: E402
 from plan3d.errors import LayoutError  # noqa: E402
@@ -285,6 +293,90 @@ def vtrain_with_engine(params: dict) -> dict:
     return out
 
 
+# ---- held-out validation -----------------------------------------------------------------------
+NOT_YET = ("modelled as dense",)  # estimate() warnings that mean the run's feature is not modelled yet
+
+
+def held_out(params: dict, path: Path = EXTRA) -> dict:
+    """Predictions of the held-out rows under `params` (never fitted on them): per row, per source,
+    overall, the FP8/BF16 pairs, and every row left out with its reason."""
+    runs, excluded, sources = load_extra(path)
+    key = tuple(sorted(params.items()))
+    rows = []
+    for run in runs:
+        predicted, layout = predict_run(run, key)
+        why = _not_predicted(run, layout, key)
+        if why:
+            excluded.append((run.id, why))
+            continue
+        rows.append({"id": run.id, "source": run.source, "precision": run.training.precision,
+                     "measured_s": run.measured_s, "predicted_s": float(predicted),
+                     "error_pct": (predicted - run.measured_s) / run.measured_s * 100, "layout": layout.short(),
+                     "resolved": list(run.unknown), "how_measured": run.how_measured, "pair_of": run.pair_of})
+    groups = defaultdict(list)
+    for row in rows:
+        groups[row["source"]].append(row["error_pct"])
+    return {"rows": rows, "sources": {s: summary(np.array(e)) for s, e in groups.items()},
+            "all": summary(np.array([r["error_pct"] for r in rows])), "pairs": fp8_pairs(rows),
+            "excluded": excluded, "titles": {k: v.get("title", k) for k, v in sources.items()}}
+
+
+def _not_predicted(run: Run, layout: Layout | None, key: tuple) -> str | None:
+    """Why a held-out run gets no prediction: no candidate layout estimates, or estimate() says a
+    feature of the run is not modelled yet."""
+    cluster, engine = _cluster(run.cluster, run.gpus, key), _engine(run.engine, key)
+    if layout is None:
+        try:
+            estimate(cluster, run.model, run.training, Layout(**run.knobs), engine)
+        except (LayoutError, ValueError, TypeError) as err:
+            return f"no layout plan3d can estimate: {str(err).splitlines()[0]}"
+        return "no layout plan3d can estimate"
+    warnings = estimate(cluster, run.model, run.training, layout, engine).warnings
+    missing = [w for w in warnings if any(s in w for s in NOT_YET)]
+    return f"not modelled yet: {missing[0]} (estimate() warning)" if missing else None
+
+
+def fp8_pairs(rows: list[dict]) -> list[dict]:
+    """FP8 rows next to the BF16 run they name in `pair_of`: measured and predicted speedups."""
+    by_id = {r["id"]: r for r in rows}
+    out = []
+    for r in rows:
+        base = by_id.get(r["pair_of"]) if r["pair_of"] else None
+        if base:
+            out.append({"fp8": r["id"], "bf16": base["id"], "measured_speedup": base["measured_s"] / r["measured_s"],
+                        "predicted_speedup": base["predicted_s"] / r["predicted_s"]})
+    return out
+
+
+def print_held_out(rep: dict, title: str) -> None:
+    print(f"\n## held-out validation ({title}; never fitted): published MoE, FP8 and long-context runs, "
+          "benchmarks/data/extra_runs.yaml")
+    for source, s in rep["sources"].items():
+        print(f"\n### {source}: {rep['titles'].get(source, source)}")
+        print(f"{'run':44s} {'prec':5s} {'measured':>9s} {'predicted':>9s} {'error':>7s}  layout (resolved knobs)")
+        for row in (r for r in rep["rows"] if r["source"] == source):
+            resolved = f" ({', '.join(row['resolved'])})" if row["resolved"] else ""
+            print(f"{row['id']:44s} {row['precision']:5s} {row['measured_s']:9.3f} {row['predicted_s']:9.3f} "
+                  f"{row['error_pct']:+6.1f}%  {row['layout']}{resolved}")
+        print(f"{source}: {s['runs']} runs, MAPE {s['mape_pct']:.1f}%, bias {s['bias_pct']:+.1f}%, "
+              f"max {s['max_abs_pct']:.1f}%")
+    a = rep["all"]
+    if a["runs"]:
+        print(f"\nall held-out runs: {a['runs']} predicted, MAPE {a['mape_pct']:.1f}%, bias {a['bias_pct']:+.1f}%, "
+              f"max {a['max_abs_pct']:.1f}%; {len(rep['excluded'])} excluded")
+    else:
+        print(f"\nall held-out runs: none predicted; {len(rep['excluded'])} excluded")
+    for p in rep["pairs"]:
+        print(f"fp8/bf16 speedup, {p['fp8']} vs {p['bf16']}: measured {p['measured_speedup']:.3f}x, "
+              f"predicted {p['predicted_speedup']:.3f}x")
+    reasons = defaultdict(list)
+    for run_id, why in rep["excluded"]:
+        reasons[why].append(run_id)
+    print("held-out excluded (reason: runs):")
+    for why, ids in reasons.items():
+        print(f"  {why}: {', '.join(ids)}")
+
+
 # ---- output ------------------------------------------------------------------------------------
 def report(runs: list[Run], predicted: np.ndarray, params: dict) -> dict:
     err = errors_pct(runs, predicted)
@@ -331,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vtrain", action="store_true", help="also the vTrain rows with the megatron-deepspeed "
                         "profile on the catalog A100 (an out-of-fit check of the engine profile)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--extra", type=Path, default=EXTRA, help="held-out runs (default: data/extra_runs.yaml)")
+    parser.add_argument("--no-held-out", action="store_true", help="leave out the held-out validation section")
     args = parser.parse_args(argv)
     if not args.data.is_file():
         print(f"published.py: {args.data} not found; pass --data PATH/runs.yaml", file=sys.stderr)
@@ -346,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         out["leave_one_source_out"] = report(runs, predicted, params) | {"fits": fits}
     if args.vtrain:
         out["vtrain_with_engine"] = vtrain_with_engine(params)
+    if not args.no_held_out and args.extra.is_file():
+        out["held_out"] = held_out(params, args.extra)
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
@@ -359,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.loso:
         print_report("leave-one-source-out (each source predicted by a fit that never saw it)",
                      out["leave_one_source_out"], per_run=False)
+    if "held_out" in out:
+        print_held_out(out["held_out"], "fitted values" if args.fit else "bundled values")
     return 0
 
 

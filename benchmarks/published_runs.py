@@ -17,6 +17,12 @@ stated once here (see the data README):
   parallelism) are resolved as the publisher would have tuned them: the fastest predicted
   choice that fits in memory among those the engine can run. Which knobs were resolved is kept
   with each run.
+
+Held-out rows (`load_extra`, data/extra_runs.yaml: published MoE, FP8 and context-parallel runs)
+are read by the same rules, with their step time from `measured.iteration_time_s` or the data
+set's `derived.iteration_time_s`. They are never fitted; a row plan3d cannot express (a GPU
+without a cluster spec, expert tensor parallelism different from tp, an expert-parallel degree
+that does not divide dp*cp, a model the data marks `excluded`) is excluded with its reason.
 """
 from __future__ import annotations
 
@@ -25,12 +31,15 @@ from pathlib import Path
 
 import yaml
 
+from plan3d.layout import Layout
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO.parent / "shared" / "data" / "published" / "runs.yaml"
+EXTRA = Path(__file__).resolve().parent / "data" / "extra_runs.yaml"
 PEAK = {"a100": 312e12, "h100": 989e12, "v100": 125e12}
+EXTRA_CLUSTERS = {"h100": "dgx-h100", "h800": "h800", "gb200": "gb200-nvl72"}  # GPU kind -> bundled cluster
 
 
 @dataclass
@@ -46,6 +55,7 @@ class Run:
     unknown: tuple[str, ...]  # knobs to resolve (micro_batch, vpp, recompute, sequence_parallel)
     measured_s: float
     how_measured: str
+    pair_of: str | None = None  # held-out FP8 rows: the BF16 run they are compared with
 
 
 def load(path: Path = DATA) -> tuple[list[Run], list[tuple[str, str]]]:
@@ -199,3 +209,88 @@ def step_time(row: dict, model: ModelSpec, gb: int, gpu: str) -> tuple[float, st
         return model_flops_palm(model, gb) / (n * meas["mfu_pct"] / 100 * PEAK[gpu]), "from MFU (PaLM FLOPs)"
     raise Excluded("no step time: throughput without a stated FLOP convention")
 
+
+
+# ---- held-out rows (data/extra_runs.yaml) -------------------------------------------------------
+def load_extra(path: Path = EXTRA) -> tuple[list[Run], list[tuple[str, str]], dict]:
+    """(predictable held-out runs, [(id, why excluded)], the file's `sources` block)."""
+    data = yaml.safe_load(path.read_text())
+    runs, excluded = [], []
+    for row in data["runs"]:
+        try:
+            runs.append(extra_to_run(row))
+        except Excluded as why:
+            excluded.append((row["id"], str(why)))
+    return runs, excluded, data.get("sources", {})
+
+
+def extra_to_run(row: dict) -> Run:
+    if row.get("excluded"):
+        raise Excluded(row["excluded"])
+    par, batch, train = row["parallelism"], row["batch"], row["training"]
+    gpu = extra_gpu_kind(row["hardware"]["gpu"])
+    if par.get("etp", par["tp"]) != par["tp"]:
+        raise Excluded("expert tensor parallel (etp) differs from tp (MoE Parallel Folding): plan3d's layouts run "
+                       "the experts at etp = tp")
+    measured = extra_step_time(row)
+    model = extra_model(row)
+    precision = str(train["precision"])
+    training = TrainingSpec(global_batch=int(batch["global_batch_seqs"]), precision=precision, fp32_grad_accum=True)
+    knobs, unknown = extra_knobs(par, batch, train)
+    try:
+        Layout(**knobs)
+    except ValueError as err:
+        raise Excluded(f"layout not expressible: {str(err).splitlines()[-1].strip()}") from None
+    return Run(id=row["id"], source=row["source"]["ref"], engine="megatron-core", cluster=EXTRA_CLUSTERS[gpu],
+               gpus=int(row["hardware"]["num_gpus"]), model=model, training=training, knobs=knobs, unknown=unknown,
+               measured_s=measured[0], how_measured=measured[1], pair_of=row.get("pair_of"))
+
+
+def extra_gpu_kind(text: str) -> str:
+    low = str(text).lower()
+    for kind in EXTRA_CLUSTERS:
+        if kind in low:
+            return kind
+    raise Excluded(f"GPU {text!r} has no bundled cluster spec")
+
+
+def extra_step_time(row: dict) -> tuple[float, str]:
+    meas, der = row["measured"], row.get("derived") or {}
+    if isinstance(meas.get("iteration_time_s"), (int, float)):
+        return float(meas["iteration_time_s"]), "measured"
+    if isinstance(der.get("iteration_time_s"), (int, float)):
+        return float(der["iteration_time_s"]), "derived by the data set (see the row's formula)"
+    raise Excluded("no step time in the source or derivable from it")
+
+
+def extra_model(row: dict) -> ModelSpec:
+    m = row["model"]
+    fields = ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn_hidden", "vocab", "seq_len", "activation",
+              "norm", "position", "bias", "qkv_bias", "tied_embeddings", "moe", "mla")
+    return ModelSpec(name=row["id"], **{k: m[k] for k in fields if m.get(k) is not None})
+
+
+def extra_knobs(par: dict, batch: dict, train: dict) -> tuple[dict, tuple[str, ...]]:
+    """Layout fields the row states, and the knobs left to resolve. Megatron-Core needs sequence
+    parallelism with tp > 1 and experts (its MoE README); its distributed optimizer is ZeRO-1 and
+    Megatron-FSDP is ZeRO-3."""
+    zero = str(par.get("zero", "")).lower()
+    knobs = {"tp": int(par["tp"]), "pp": int(par["pp"]), "dp": int(par["dp"]), "cp": int(par.get("cp") or 1),
+             "ep": int(par.get("ep") or 1), "zero": 3 if ("fsdp" in zero or "zero-3" in zero) else 1,
+             "sequence_parallel": int(par["tp"]) > 1}
+    if knobs["dp"] * knobs["cp"] == 1:
+        knobs["zero"] = 0
+    if par.get("pp_layers"):
+        knobs["pp_layers"] = tuple(par["pp_layers"])
+    unknown = []
+    for name, value in (("micro_batch", batch.get("micro_batch")), ("vpp", par.get("vpp"))):
+        if isinstance(value, int):
+            knobs[name] = value
+        elif name == "micro_batch" or knobs["pp"] > 1:
+            unknown.append(name)
+    recompute = str(train.get("activation_recompute")).lower()  # "none" when null: not stated, resolved below
+    if train.get("activation_recompute") is not None and recompute in ("full", "none", "selective"):
+        knobs["recompute"] = recompute
+    else:
+        unknown.append("recompute")  # fine-grained module lists (norm, act, moe, ...) have no plan3d name
+    return knobs, tuple(unknown)

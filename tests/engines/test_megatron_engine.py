@@ -57,11 +57,15 @@ def shell_parts(text: str) -> tuple[dict[str, str], list[str], list[str]]:
 
 def validated(megatron, argv: list[str], world: int, arch: int, env: dict[str, str] | None = None):
     """Megatron's parse_args + validate_args as `torchrun --nproc... pretrain_gpt.py ARGV` runs them
-    on rank 0 of `world`, with only `env` set of the variables validate_args reads."""
+    on rank 0 of `world`, with only `env` set of the variables validate_args reads; the device's
+    compute capability (--moe-grouped-gemm asks for it) is the plan's GPU generation."""
+    import torch
+
     environ = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
     environ |= {"WORLD_SIZE": str(world), "RANK": "0", **(env or {})}
     with mock.patch.object(sys, "argv", ["pretrain_gpt.py", *argv]), mock.patch.dict(os.environ, environ, clear=True), \
             mock.patch.object(megatron, "get_device_arch_version", lambda: arch), \
+            mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: (arch, 0)), \
             contextlib.redirect_stdout(io.StringIO()):  # validate_args prints every argument
         args = megatron.parse_args()
         megatron.validate_args(args)

@@ -1,0 +1,312 @@
+"""Mixture-of-experts plans through the engines' own code (megatron-core 0.19.2, torchtitan 0.3.0,
+deepspeed 0.19.8).
+
+Megatron-Core: the emitted block goes through `parse_args` + `validate_args`, its
+`TransformerConfig` / `MLATransformerConfig`, its layer specs (`get_gpt_decoder_layer_specs`: which
+layers get a MoE MLP) and `initialize_model_parallel` on a fake process group, once per rank, whose
+expert-parallel, expert-data-parallel and expert-tensor-parallel groups must be plan3d's rank map
+"ep", "edp" and "tp" groups. Refused plans are confirmed by the Megatron code that refuses them.
+
+The models are built here (small layer counts, real shapes of the families): Mixtral-like (8 experts
+top-2, GQA, SwiGLU, every layer MoE), DeepSeek-like (first dense layer, shared experts, sigmoid
+router with expert bias, MLA), Qwen2-MoE-like (shared experts with their sigmoid gate, Q/K/V
+biases), a GPT-style MoE with biases (GELU, LayerNorm, experts every second layer).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+from dataclasses import dataclass, field
+from unittest import mock
+
+import pytest
+
+from conftest import require
+from test_megatron_engine import RUN, shell_parts, transformer_config, validated
+from plan3d.emit.megatron import emit_megatron, gpu_arch
+from plan3d.errors import InfeasibleError
+from plan3d.layout import Layout
+from plan3d.plan import Plan, build_plan
+from plan3d.specs.catalog import load_cluster
+from plan3d.specs.model import MLASpec, ModelSpec, MoESpec
+from plan3d.specs.training import TrainingSpec
+
+LLAMA_PARTS = dict(activation="swiglu", norm="rmsnorm", bias=False, position="rope", vocab=32000, seq_len=4096)
+MODELS = {
+    "mixtral": ModelSpec(name="mixtral-like", layers=8, hidden=1024, heads=16, kv_heads=4, ffn_hidden=3584,
+                         rope_theta=1e6, moe=MoESpec(experts=8, top_k=2), **LLAMA_PARTS),
+    "mixtral-cf": ModelSpec(name="mixtral-like-cf", layers=8, hidden=1024, heads=16, kv_heads=4, ffn_hidden=3584,
+                            rope_theta=1e6, moe=MoESpec(experts=8, top_k=2, capacity_factor=1.25), **LLAMA_PARTS),
+    "deepseek": ModelSpec(name="deepseek-like", layers=6, hidden=1024, heads=16, ffn_hidden=4096,
+                          moe=MoESpec(experts=16, top_k=4, expert_ffn_hidden=512, shared_ffn_hidden=1024,
+                                      first_dense_layers=1, router="sigmoid"),
+                          mla=MLASpec(q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
+                                      v_head_dim=64), **LLAMA_PARTS),
+    "qwen2moe": ModelSpec(name="qwen2-moe-like", layers=4, hidden=1024, heads=16, kv_heads=16, ffn_hidden=2816,
+                          qkv_bias=True, rope_theta=1e6,
+                          moe=MoESpec(experts=8, top_k=4, expert_ffn_hidden=512, shared_ffn_hidden=2048,
+                                      shared_expert_gate=True), **LLAMA_PARTS),
+    "gpt-moe": ModelSpec(name="gpt-moe", layers=8, hidden=1024, heads=16, activation="gelu", norm="layernorm",
+                         bias=True, position="learned", vocab=50304, seq_len=2048,
+                         moe=MoESpec(experts=8, top_k=2, every=2)),
+}
+
+
+@dataclass(frozen=True)
+class MoECase:
+    name: str
+    model: str
+    nodes: int
+    layout: dict
+    global_batch: int = 64
+    seq_len: int | None = None
+    tags: tuple[str, ...] = field(default=())
+
+
+MOE_CASES = [
+    MoECase("mixtral-ep8-dp8-zero1", "mixtral", 1, dict(dp=8, ep=8, zero=1)),
+    MoECase("mixtral-tp2-ep4-dp4-sp", "mixtral", 1, dict(tp=2, dp=4, ep=4, zero=1, sequence_parallel=True)),
+    MoECase("mixtral-tp2-pp2-ep2-dp4", "mixtral", 2, dict(tp=2, pp=2, dp=4, ep=2, zero=1, sequence_parallel=True)),
+    MoECase("mixtral-tp4-pp2-vpp2-ep2-dp2", "mixtral", 2, dict(tp=4, pp=2, vpp=2, dp=2, ep=2, zero=1,
+                                                              sequence_parallel=True, recompute="selective")),
+    MoECase("mixtral-tp2-cp2-ep4-dp4", "mixtral", 2, dict(tp=2, cp=2, dp=4, ep=4, zero=1, sequence_parallel=True),
+            seq_len=8192),
+    MoECase("mixtral-ep4-dp8-zero3", "mixtral", 1, dict(dp=8, ep=4, zero=3)),
+    MoECase("mixtral-ppdp-order-ep-eq-cp", "mixtral", 2, dict(tp=2, cp=2, pp=2, dp=2, ep=2, zero=1,
+                                                             sequence_parallel=True, order="tp-cp-ep-pp-dp"),
+            seq_len=8192),
+    MoECase("mixtral-cf-ep2-dp8", "mixtral-cf", 1, dict(dp=8, ep=2, zero=1)),
+    MoECase("deepseek-tp2-pp2-ep4-dp4-mla", "deepseek", 2, dict(tp=2, pp=2, dp=4, ep=4, zero=1, sequence_parallel=True)),
+    MoECase("deepseek-ep8-dp16-full", "deepseek", 2, dict(dp=16, ep=8, zero=1, recompute="full")),
+    MoECase("qwen2moe-tp2-ep2-dp4-gate", "qwen2moe", 1, dict(tp=2, dp=4, ep=2, zero=1, sequence_parallel=True)),
+    MoECase("gpt-moe-ep4-dp8-bias", "gpt-moe", 1, dict(dp=8, ep=4, zero=1)),
+    # refused by plan3d (REFUSALS says how Megatron's own code refuses them)
+    MoECase("mixtral-ep16-over-8-experts", "mixtral", 2, dict(dp=16, ep=16, zero=1)),
+    MoECase("mixtral-tp2-no-sp", "mixtral", 1, dict(tp=2, dp=4, ep=2, zero=1)),
+    MoECase("gpt-moe-bias-tp2", "gpt-moe", 1, dict(tp=2, dp=4, ep=2, zero=1, sequence_parallel=True)),
+    MoECase("mixtral-ppdp-order-ep2-cp1", "mixtral", 2, dict(tp=2, pp=2, dp=4, ep=2, zero=1, sequence_parallel=True,
+                                                            order="tp-cp-ep-pp-dp")),
+]
+
+
+def build_moe(case: MoECase) -> Plan:
+    cluster = load_cluster("dgx-h100", nodes=case.nodes)
+    training = TrainingSpec(global_batch=case.global_batch, seq_len=case.seq_len)
+    return build_plan(cluster, MODELS[case.model], training, Layout(**case.layout))
+
+
+@pytest.fixture(scope="module")
+def megatron():
+    return require("megatron.training.arguments")
+
+
+def megatron_args(megatron, plan: Plan, argv: list[str] | None = None, env: dict | None = None):
+    if argv is None:
+        env, _, argv = shell_parts(emit_megatron(plan, RUN).text)
+    return validated(megatron, argv, plan.layout.world_size, gpu_arch(plan), env)
+
+
+# ---- Megatron's process groups, built by its own initialize_model_parallel ------------------------
+MEGATRON_GROUPS = {  # plan3d rank map group -> parallel_state getter
+    "tp": "get_tensor_model_parallel_group", "pp": "get_pipeline_model_parallel_group",
+    "dp": "get_data_parallel_group", "cp": "get_context_parallel_group",
+    "ep": "get_expert_model_parallel_group", "edp": "get_expert_data_parallel_group",
+    "etp": "get_expert_tensor_parallel_group",
+}
+
+
+def megatron_process_groups(args) -> dict[str, set[tuple[int, ...]]]:
+    """Every rank's groups as `initialize_model_parallel` builds them from the validated arguments,
+    one rank at a time on torch's fake process group (no communication, real group membership)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from megatron.core import parallel_state
+
+    assert not dist.is_initialized(), "another test left torch.distributed initialized"
+    world = args.world_size
+    found = {name: set() for name in MEGATRON_GROUPS}
+    for rank in range(world):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                initialize_from_args(parallel_state, args)
+            for name, getter in MEGATRON_GROUPS.items():
+                found[name].add(tuple(dist.get_process_group_ranks(getattr(parallel_state, getter)())))
+        finally:
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+    return found
+
+
+def initialize_from_args(parallel_state, args) -> None:
+    """megatron/training/initialize.py `_initialize_distributed`'s call, without gloo groups."""
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        order="tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp",
+        create_gloo_process_groups=False)
+
+
+def plan_groups(plan: Plan) -> dict[str, set[tuple[int, ...]]]:
+    groups = {name: {tuple(g) for g in plan.rankmap.groups[name]} for name in ("tp", "pp", "dp", "cp", "ep", "edp")}
+    return groups | {"etp": groups["tp"]}  # plan3d's contract: expert tensor parallel = tp
+
+
+def megatron_moe_layers(config) -> list[bool]:
+    """Which layers Megatron builds with a MoE MLP (its layer specs, local implementation)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    specs = get_gpt_decoder_layer_specs(config, use_transformer_engine=False)
+    mlps = [spec.submodules.mlp for spec in specs]  # a ModuleSpec or a functools.partial of the class
+    return [getattr(mlp, "module", getattr(mlp, "func", None)) is MoELayer for mlp in mlps]
+
+
+def assert_moe_values(args, config, plan: Plan) -> None:
+    model, layout, moe = plan.model, plan.layout, plan.model.moe
+    assert (config.num_moe_experts, config.moe_router_topk) == (moe.experts, moe.top_k)
+    assert config.moe_ffn_hidden_size == (moe.expert_ffn_hidden or model.ffn_hidden_)
+    assert (config.expert_model_parallel_size, config.expert_tensor_parallel_size) == (layout.ep, layout.tp)
+    assert megatron_moe_layers(config) == [model.is_moe_layer(i) for i in range(model.layers)]
+    assert config.moe_shared_expert_intermediate_size == (moe.shared_ffn_hidden or None)
+    assert config.moe_shared_expert_gate == moe.shared_expert_gate
+    assert config.moe_router_score_function == moe.router
+    assert config.moe_router_enable_expert_bias == (moe.router == "sigmoid")
+    assert config.moe_expert_capacity_factor == moe.capacity_factor
+    assert config.moe_pad_expert_input_to_capacity == (moe.capacity_factor is not None)
+    assert config.moe_token_dispatcher_type == "alltoall" and config.moe_grouped_gemm
+    assert config.add_bias_linear == model.bias and config.add_qkv_bias == model.qkv_bias_
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (layout.tp, layout.pp)
+    assert (args.data_parallel_size, args.context_parallel_size) == (layout.dp, layout.cp)
+    assert_attention(args, config, model)
+
+
+def assert_attention(args, config, model: ModelSpec) -> None:
+    mla = model.mla
+    assert config.multi_latent_attention == (mla is not None)
+    if mla is None:
+        assert (config.num_query_groups or config.num_attention_heads) == model.kv_heads_
+        return
+    assert type(config).__name__ == "MLATransformerConfig" and config.rope_type == "rope"
+    assert (config.q_lora_rank, config.kv_lora_rank) == (mla.q_lora_rank, mla.kv_lora_rank)
+    assert (config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim) == (
+        mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim)
+    assert not args.group_query_attention  # validate_args: GQA excludes MLA
+
+
+# ---- refusals, each confirmed by the Megatron code that refuses ------------------------------------
+def argv_with(plan: Plan, base_layout: dict, replace: dict[str, str], add: tuple[str, ...] = ()) -> list[str]:
+    """The arguments the plan would need: a runnable neighbour's arguments with values replaced."""
+    neighbour = plan.model_copy(update={"layout": Layout(**base_layout)})
+    _, _, argv = shell_parts(emit_megatron(neighbour, RUN).text)
+    for flag, value in replace.items():
+        argv[argv.index(flag) + 1] = value
+    return argv + list(add)
+
+
+def confirm_experts_not_divisible(megatron, plan: Plan) -> None:
+    argv = argv_with(plan, dict(dp=16, ep=8, zero=1), {"--expert-model-parallel-size": "16"})
+    with pytest.raises(AssertionError, match="multiple of expert model parallel"):
+        megatron_args(megatron, plan, argv)
+
+
+def confirm_moe_needs_sequence_parallel(megatron, plan: Plan) -> None:
+    """MoELayer.forward itself raises when training with tp > 1 and no sequence parallelism."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    args = megatron_args(megatron, plan, argv_with(plan, dict(dp=8, ep=2, zero=1), {
+        "--tensor-model-parallel-size": "2", "--expert-tensor-parallel-size": "2"}),
+        env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert not args.sequence_parallel
+    layer = mock.Mock(training=True, config=transformer_config(args))
+    layer.attn_tp_group.size.return_value = args.tensor_model_parallel_size
+    with pytest.raises(ValueError, match="without also enabling sequence parallelism"):
+        MoELayer.forward(layer, hidden_states=mock.Mock())
+
+
+def confirm_expert_bias_needs_etp_one(megatron, plan: Plan) -> None:
+    args = megatron_args(megatron, plan, argv_with(plan, dict(dp=8, ep=2, zero=1), {
+        "--tensor-model-parallel-size": "2", "--expert-tensor-parallel-size": "2"}, ("--sequence-parallel",)),
+        env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    with pytest.raises(AssertionError, match="Bias in Moe is only supported when ETP==1"):
+        transformer_config(args)
+
+
+def confirm_ppdp_order_needs_equal_dp(megatron, plan: Plan) -> None:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from megatron.core import parallel_state
+
+    args = megatron_args(megatron, plan, argv_with(plan, dict(tp=2, pp=2, dp=4, ep=2, zero=1, sequence_parallel=True),
+                                                   {}, ("--use-tp-pp-dp-mapping",)),
+                         env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world_size)
+    try:
+        with pytest.raises(AssertionError, match="data parallel size of the attention and moe layers must be the same"):
+            initialize_from_args(parallel_state, args)
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+REFUSALS = {
+    "mixtral-ep16-over-8-experts": ("does not divide the 8 experts", confirm_experts_not_divisible),
+    "mixtral-tp2-no-sp": ("set sequence_parallel", confirm_moe_needs_sequence_parallel),
+    "gpt-moe-bias-tp2": ("ETP==1", confirm_expert_bias_needs_etp_one),
+    "mixtral-ppdp-order-ep2-cp1": ("tp-cp-ep-pp-dp with pp > 1", confirm_ppdp_order_needs_equal_dp),
+}
+
+
+@pytest.mark.parametrize("case", MOE_CASES, ids=[c.name for c in MOE_CASES])
+def test_megatron_runs_the_moe_plan_or_confirms_the_refusal(megatron, case: MoECase):
+    plan = build_moe(case)
+    try:
+        emitted = emit_megatron(plan, RUN)
+    except InfeasibleError as err:
+        assert case.name in REFUSALS, f"plan3d refuses {case.name}: {err}"
+        reason, confirm = REFUSALS[case.name]
+        assert reason in str(err)
+        confirm(megatron, plan)
+        return
+    assert case.name not in REFUSALS, f"{case.name} is emitted, but Megatron's code refuses it"
+    env, _, argv = shell_parts(emitted.text)
+    args = megatron_args(megatron, plan, argv, env)
+    assert_moe_values(args, transformer_config(args), plan)
+    assert megatron_process_groups(args) == plan_groups(plan)
+
+
+def test_layer_pattern_list_is_what_megatrons_parser_evaluates(megatron):
+    """First dense layers become the list form; Megatron's own moe_freq_type reads it back."""
+    plan = build_moe(next(c for c in MOE_CASES if c.model == "deepseek"))
+    env, _, argv = shell_parts(emit_megatron(plan, RUN).text)
+    text = argv[argv.index("--moe-layer-freq") + 1]
+    assert text == "([0]*1+[1]*5)"
+    assert megatron.moe_freq_type(text) == [0, 1, 1, 1, 1, 1]
+
+
+def test_dense_model_with_ep_is_refused_as_megatron_refuses(megatron):
+    dense = MODELS["mixtral"].model_copy(update={"moe": None, "name": "dense"})
+    plan = build_plan(load_cluster("dgx-h100", nodes=1), dense, TrainingSpec(global_batch=64),
+                      Layout(dp=8, ep=2, zero=1))
+    with pytest.raises(InfeasibleError, match="needs a MoE model"):
+        emit_megatron(plan, RUN)
+    flat = plan.model_copy(update={"layout": Layout(dp=8, zero=1)})
+    _, _, argv = shell_parts(emit_megatron(flat, RUN).text)
+    with pytest.raises(AssertionError, match="num_experts must be non None"):
+        megatron_args(megatron, plan, argv + ["--expert-model-parallel-size", "2"])
+
+
+def test_the_moe_matrix_has_both_outcomes():
+    outcomes = {}
+    for case in MOE_CASES:
+        try:
+            emit_megatron(build_moe(case), RUN)
+            outcomes[case.name] = "emitted"
+        except InfeasibleError:
+            outcomes[case.name] = "refused"
+    assert {name for name, outcome in outcomes.items() if outcome == "refused"} == set(REFUSALS)
+    assert sum(outcome == "emitted" for outcome in outcomes.values()) >= 10

@@ -195,7 +195,10 @@ def test_launcher_refuses_what_the_moe_runtime_cannot_run_in_one_line_each():
 
     assert runtime_problems(_moe_plan(ep=2, dp=2)) == []
     assert runtime_problems(_moe_plan(ep=4, dp=4, tp=2, zero=1)) == []
-    assert any("ep=2 needs MoE layers" in p for p in runtime_problems(make_plan(ep=2, dp=2)))
+    ep2 = _moe_plan(ep=2, dp=2)  # a plan file edited by hand: ep=2 on a dense model (check_layout refuses it too)
+    dense = ep2.model_copy(update={"model": ep2.model.model_copy(update={"moe": None})})
+    assert any("ep=2 needs MoE layers" in p for p in runtime_problems(dense))
+    assert runtime_problems(make_plan(dp=2)) == []
     assert any("ZeRO-3" in p for p in runtime_problems(_moe_plan(ep=2, dp=2, zero=3)))
     assert runtime_problems(_moe_plan(dp=2, zero=3)) == []  # ep = 1: FSDP2 shards the experts like any parameter
     assert any("capacity_factor" in p for p in runtime_problems(_with_moe(_moe_plan(), capacity_factor=1.25)))

@@ -126,6 +126,8 @@ class Layout(FrozenModel):
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}", f"mb{self.micro_batch}"]
         if self.cp > 1:
             parts.append(f"cp{self.cp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         if self.vpp > 1:
             parts.append(f"vpp{self.vpp}")
         parts += [f"zero{self.zero}", self.recompute] + (["sp"] if self.sequence_parallel else [])
@@ -154,10 +156,12 @@ class RuleFacts:
     """
 
     def __init__(self, model: ModelSpec, training: TrainingSpec, *, tp, pp, dp, micro_batch, vpp, sequence_parallel,
-                 uneven, cp=1, world_size=None, split_sum=None):
+                 uneven, cp=1, ep=1, world_size=None, split_sum=None):
         self.heads, self.kv_heads, self.ffn_hidden = model.heads, model.kv_heads_, model.ffn_hidden_
         self.layers, self.batch, self.seq = model.layers, training.global_batch, training.seq_len or model.seq_len
-        self.tp, self.pp, self.dp, self.cp, self.mb, self.vpp = tp, pp, dp, cp, micro_batch, vpp
+        self.tp, self.pp, self.dp, self.cp, self.ep, self.mb, self.vpp = tp, pp, dp, cp, ep, micro_batch, vpp
+        self.experts = model.moe.experts if model.moe is not None else 0  # routed experts (0: a dense model)
+        self.model_name = model.name
         self.sp, self.uneven = sequence_parallel, uneven
         self.even = ~uneven if isinstance(uneven, np.ndarray) else not uneven
         self.chunks = pp * vpp
@@ -171,7 +175,7 @@ class RuleFacts:
     @classmethod
     def of(cls, layout: Layout, model: ModelSpec, training: TrainingSpec, world_size: int) -> RuleFacts:
         split = layout.pp_layers
-        return cls(model, training, tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp,
+        return cls(model, training, tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp, ep=layout.ep,
                    micro_batch=layout.micro_batch, vpp=layout.vpp, sequence_parallel=layout.sequence_parallel,
                    uneven=split is not None, world_size=world_size, split_sum=sum(split) if split else None)
 
@@ -238,6 +242,21 @@ def _sp_tokens_uneven(x: RuleFacts) -> str:
             f"tokens over tp); change tp or cp, or drop sequence parallelism")
 
 
+def _ep_without_experts(x: RuleFacts) -> str:
+    return f"ep={x.ep} needs a mixture-of-experts model; {x.model_name} is dense: use ep=1"
+
+
+def _ep_not_dividing_experts(x: RuleFacts) -> str:
+    return (f"ep={x.ep} does not divide the {x.experts} routed experts (each expert-parallel rank holds "
+            f"experts / ep whole experts); valid ep: {_fmt(divisors(x.experts))}")
+
+
+def _ep_not_dividing_dp_cp(x: RuleFacts) -> str:
+    valid = [e for e in divisors(x.dp * x.cp) if not x.experts or x.experts % e == 0]
+    return (f"ep={x.ep} must divide dp*cp = {x.dp * x.cp} (expert parallelism folds into the data- and "
+            f"context-parallel ranks of the MoE layers); valid ep: {_fmt(valid)}")
+
+
 # Context parallelism (Megatron-Core, megatron/training/arguments.py: seq_length % (2 * cp) == 0)
 # cuts each sequence into 2 * cp chunks and gives rank i chunks i and 2cp-1-i, so causal attention
 # costs every rank the same; sequence parallelism then splits a rank's tokens over tp. torchtitan
@@ -270,6 +289,14 @@ LAYOUT_RULES = (
     LayoutRule(9, "sequence", "sequence length not divisible by tp (sequence parallel) or 2*cp (context parallel)",
                lambda x: _cp_chunks_fail(x) | _sp_tokens_fail(x),
                lambda x: _cp_chunks_uneven(x) if _cp_chunks_fail(x) else _sp_tokens_uneven(x)),
+    # Expert parallelism (Megatron-Core: num_experts % expert_model_parallel_size == 0, and EP folds
+    # out of the dp x cp ranks of the MoE layers, `Layout` refusing ep that does not divide them)
+    LayoutRule(17, "experts", "ep > 1 without a mixture-of-experts model", lambda x: (x.ep > 1) & (x.experts == 0),
+               _ep_without_experts),
+    LayoutRule(18, "experts", "ep does not divide the routed experts",
+               lambda x: (x.experts > 0) & (x.experts % x.ep != 0), _ep_not_dividing_experts),
+    LayoutRule(None, "experts", "ep does not divide dp*cp", lambda x: (x.dp * x.cp) % x.ep != 0,
+               _ep_not_dividing_dp_cp),
 )
 SEARCHED_RULES = tuple(rule for rule in LAYOUT_RULES if rule.code is not None)  # what the search's grid can break
 

@@ -1,10 +1,10 @@
 """The search space of layouts, pruned with a recorded reason for every rejection.
 
-A layout here is (tp, pp, dp, cp, micro-batch, vpp, ZeRO stage, recompute, sequence parallel,
-rank order) with tp * pp * dp * cp equal to the GPU count (ep = 1). The space is enumerated in two
-levels so that it is exhaustive yet cheap:
+A layout here is (tp, pp, dp, cp, ep, micro-batch, vpp, ZeRO stage, recompute, sequence parallel,
+rank order) with tp * pp * dp * cp equal to the GPU count and ep dividing dp * cp. The space is
+enumerated in two levels so that it is exhaustive yet cheap:
 
-1. *Shapes* (tp, pp, dp, cp, micro_batch, vpp, sequence_parallel): every rule of
+1. *Shapes* (tp, pp, dp, cp, ep, micro_batch, vpp, sequence_parallel): every rule of
    `plan3d.layout.LAYOUT_RULES` (the table `layout_problems` reads) depends only on these, so each
    shape is checked once, over numpy arrays, and its first failing rule is its reason.
 2. *Layouts*: each valid shape times every allowed (ZeRO stage, recompute, order). A rejected
@@ -26,6 +26,11 @@ each rank CP_AUTO_MIN_TOKENS tokens of a sequence (seq 131,072 -> cp <= 16, Llam
 long-context CP16, Dubey et al. 2024 section 3.3.1; seq <= 8,191 -> cp = 1 only, so short-sequence
 searches are unchanged), and only for an engine whose `can_run.context_parallel` is true.
 `Space.max_cp` / `min_cp` override the default bound.
+
+Expert parallelism (ep) is searched for mixture-of-experts models on engines whose
+`can_run.expert_parallel` is true: every ep dividing dp * cp up to the routed experts (the layout
+rules then keep the divisors of the experts, i.e. of gcd(experts, dp * cp)); dense models keep
+ep = 1. `Space.max_ep` / `min_ep` override the bound.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ import numpy as np
 
 from plan3d.cost.batch import Candidates, estimate_batch
 from plan3d.cost.estimate import estimate
+from plan3d.cost.memory import chunk_moe_layers
 from plan3d.errors import LayoutError
 from plan3d.fit_rules import FIT_RULES, FitFacts, Thresholds, fit_codes
 from plan3d.layout import (
@@ -54,7 +60,7 @@ from plan3d.specs.training import TrainingSpec
 from plan3d.vocab import RECOMPUTE_CODES, RECOMPUTE_MODES
 
 DEFAULT_ORDERS = (DEFAULT_ORDER, "tp-cp-ep-pp-dp")
-SHAPE_KNOBS = ("tp", "pp", "dp", "cp", "micro_batch", "vpp", "sequence_parallel")
+SHAPE_KNOBS = ("tp", "pp", "dp", "cp", "ep", "micro_batch", "vpp", "sequence_parallel")
 CP_AUTO_MIN_TOKENS = 8192  # default bound on cp: each rank keeps at least this many tokens of a sequence
 LAYOUT_KNOBS = SHAPE_KNOBS + ("uneven", "zero", "recompute", "order")
 
@@ -97,6 +103,8 @@ class Space:
     tensor_parallel_with_pp: bool = True  # tp > 1 together with pp > 1 (the engine's rule)
     min_cp: int = 1
     max_cp: int | None = None  # None: the default bound (CP_AUTO_MIN_TOKENS per rank); 0: no bound
+    min_ep: int = 1
+    max_ep: int | None = None  # None: the routed experts of an MoE model (1 for a dense one); 0: no bound
 
     def __post_init__(self) -> None:
         full = tuple(dict.fromkeys(full_order(o) for o in self.orders))  # 'pp-dp' as the table prints it
@@ -106,7 +114,7 @@ class Space:
             raise LayoutError(f"recompute {bad[0] if bad else 'set'!r}: choose from {', '.join(RECOMPUTE_MODES)}")
         if not self.zero or any(z not in (0, 1, 2, 3) for z in self.zero):
             raise LayoutError(f"ZeRO stages {self.zero}: choose from 0, 1, 2, 3")
-        for knob in ("tp", "pp", "dp", "cp", "micro_batch", "vpp"):
+        for knob in ("tp", "pp", "dp", "cp", "ep", "micro_batch", "vpp"):
             lo, hi = self.bounds(knob)
             hi = hi or 0
             if lo < 1 or (hi and hi < lo):
@@ -127,6 +135,14 @@ class Space:
             return self.max_cp
         return max(1, self.min_cp, seq_len // CP_AUTO_MIN_TOKENS)
 
+    def ep_bound(self, experts: int) -> int:
+        """The largest ep searched (0: no bound): `max_ep`, or by default the routed experts of an
+        MoE model (`experts`; its divisors among those of dp*cp are what the layout rules keep) and
+        1 for a dense one (at least min_ep)."""
+        if self.max_ep is not None:
+            return self.max_ep
+        return max(1, self.min_ep, experts)
+
     @property
     def layouts_per_shape(self) -> int:
         return len(self.zero) * len(self.recompute) * len(self.orders)
@@ -142,30 +158,45 @@ def degree_triples(world_size: int, space: Space) -> np.ndarray:
     return triples[keep]
 
 
-def degree_tuples(world_size: int, space: Space, seq_len: int = 0) -> np.ndarray:
-    """Every (tp, pp, dp, cp) with tp * pp * dp * cp == world_size inside the bounds, as a (k, 4)
-    array: cp = 1 first (the rows `degree_triples` gives), then each larger cp allowed."""
+def degree_tuples(world_size: int, space: Space, seq_len: int = 0, experts: int = 0) -> np.ndarray:
+    """Every (tp, pp, dp, cp, ep) with tp * pp * dp * cp == world_size and ep dividing dp * cp
+    inside the bounds, as a (k, 5) array: cp = 1 first (the rows `degree_triples` gives), then each
+    larger cp allowed; within each, ep = 1 first. `experts`: the routed experts of an MoE model
+    (0: dense), the default bound on ep (`Space.ep_bound`)."""
     hi = space.cp_bound(seq_len)
     cps = [c for c in divisors(world_size) if c >= space.min_cp and (not hi or c <= hi)]
     parts = [_with_cp(degree_triples(world_size // cp, space), cp) for cp in cps]
-    return np.concatenate(parts) if parts else np.zeros((0, 4), dtype=np.int64)
+    tuples = np.concatenate(parts) if parts else np.zeros((0, 4), dtype=np.int64)
+    return _with_ep(tuples, space, experts)
+
+
+def _with_ep(tuples: np.ndarray, space: Space, experts: int) -> np.ndarray:
+    """Each (tp, pp, dp, cp) row once per expert-parallel degree ep dividing dp * cp in the bounds."""
+    hi = space.ep_bound(experts)
+    world = int(np.prod(tuples[0])) if len(tuples) else 1
+    eps = np.array([e for e in divisors(world) if e >= space.min_ep and (not hi or e <= hi)] or [0], dtype=np.int64)
+    row, ep = (a.ravel() for a in np.meshgrid(np.arange(len(tuples)), eps, indexing="ij"))
+    keep = (ep > 0) & ((tuples[row, 2] * tuples[row, 3]) % np.maximum(ep, 1) == 0)
+    return np.column_stack([tuples[row[keep]], ep[keep]])
 
 
 def _with_cp(triples: np.ndarray, cp: int) -> np.ndarray:
     return np.column_stack([triples, np.full(len(triples), cp, dtype=np.int64)])
 
 
-def shape_grid(world_size: int, space: Space, layers: int = 0, seq_len: int = 0) -> dict[str, np.ndarray]:
+def shape_grid(world_size: int, space: Space, layers: int = 0, seq_len: int = 0,
+               experts: int = 0) -> dict[str, np.ndarray]:
     """Every well-formed shape as equal-length arrays keyed by SHAPE_KNOBS (refused with a
     SearchBudgetError when there would be more than MAX_SHAPES). `seq_len` sets the default cp
-    bound (`Space.cp_bound`); 0: cp = 1 unless the space bounds it."""
-    tuples = degree_tuples(world_size, space, seq_len)
+    bound (`Space.cp_bound`); 0: cp = 1 unless the space bounds it. `experts` the default ep
+    bound (`Space.ep_bound`); 0: ep = 1 unless the space bounds it."""
+    tuples = degree_tuples(world_size, space, seq_len, experts)
     sps = np.array(sorted(set(space.sequence_parallel)), dtype=bool)
     require_shape_budget(len(tuples), space, len(sps), world_size, layers)
     mbs = np.arange(space.min_micro_batch, space.max_micro_batch + 1, dtype=np.int64)
     vpps = np.arange(space.min_vpp, space.max_vpp + 1, dtype=np.int64)
     t, m, v, s = (a.ravel() for a in np.meshgrid(np.arange(len(tuples)), mbs, vpps, sps, indexing="ij"))
-    grid = {"tp": tuples[t, 0], "pp": tuples[t, 1], "dp": tuples[t, 2], "cp": tuples[t, 3],
+    grid = {"tp": tuples[t, 0], "pp": tuples[t, 1], "dp": tuples[t, 2], "cp": tuples[t, 3], "ep": tuples[t, 4],
             "micro_batch": m, "vpp": v, "sequence_parallel": s, "uneven": np.zeros(len(t), dtype=bool)}
     well_formed = ((grid["vpp"] == 1) | (grid["pp"] > 1)) & (~grid["sequence_parallel"] | (grid["tp"] > 1))
     if space.sequence_parallel_required:
@@ -198,8 +229,8 @@ def require_shape_budget(triples: int, space: Space, sps: int, world_size: int, 
     if vpps > 64 or (layers and space.max_vpp > layers):
         hints.append(f"--max-vpp (now {space.max_vpp}; at most the {layers} layers can be useful)" if layers
                      else f"--max-vpp (now {space.max_vpp})")
-    hints += ["--tp/--pp/--dp/--cp or their --min/--max bounds", "fewer --nodes"]
-    raise SearchBudgetError(f"the search space of {world_size:,} GPUs holds {shapes:,} shapes ({triples:,} tp/pp/dp/cp "
+    hints += ["--tp/--pp/--dp/--cp/--ep or their --min/--max bounds", "fewer --nodes"]
+    raise SearchBudgetError(f"the search space of {world_size:,} GPUs holds {shapes:,} shapes ({triples:,} tp/pp/dp/cp/ep "
                             f"splits x {mbs:,} micro-batch sizes x {vpps:,} vpp values x {sps} sequence-parallel "
                             f"settings), more than the {MAX_SHAPES:,} searched at once; narrow it with "
                             + ", ".join(hints))
@@ -210,7 +241,7 @@ def placed_ranks(layouts: dict[str, np.ndarray], world_size: int) -> tuple[int, 
     if not len(layouts["tp"]):
         return 0, 0
     key = np.zeros(len(layouts["tp"]), dtype=np.int64)  # dp follows from tp, pp, cp
-    for k in ("tp", "pp", "order") + (("cp",) if "cp" in layouts else ()):  # mixed-radix code: a 1-D unique is far faster than unique(axis=0)
+    for k in ("tp", "pp", "order") + tuple(k for k in ("cp", "ep") if k in layouts):  # mixed-radix code: a 1-D unique is far faster than unique(axis=0)
         key = key * (int(layouts[k].max()) + 1) + layouts[k]
     placements = len(np.unique(key))
     return placements, placements * world_size
@@ -234,6 +265,7 @@ def shape_reasons(grid: dict[str, np.ndarray], model: ModelSpec, training: Train
     A shape marked `uneven` carries `balanced_split` as pp_layers, so the even-split rules skip it."""
     uneven = grid.get("uneven")
     facts = RuleFacts(model, training, tp=grid["tp"], pp=grid["pp"], dp=grid["dp"], cp=grid.get("cp", 1),
+                      ep=grid.get("ep", 1),
                       micro_batch=grid["micro_batch"],
                       vpp=grid["vpp"], sequence_parallel=grid["sequence_parallel"],
                       uneven=np.zeros(len(grid["tp"]), dtype=bool) if uneven is None else uneven)
@@ -281,10 +313,10 @@ def expand_layouts(shapes: dict[str, np.ndarray], space: Space) -> dict[str, np.
 def same_placement(layouts: dict[str, np.ndarray], orders: tuple[str, ...]) -> np.ndarray:
     """True where an earlier order of `orders` places every rank the same way for this shape
     (`plan3d.layout.same_groups`, the rule the emitters apply too), looked up per row in a table
-    over which of tp, pp, dp, cp exceed 1."""
-    axes = ("tp", "pp", "dp", "cp")
-    table = np.zeros((16, len(orders)), dtype=bool)  # [which of tp, pp, dp, cp exceed 1, order]
-    for pattern in range(16):
+    over which of tp, pp, dp, cp, ep exceed 1."""
+    axes = ("tp", "pp", "dp", "cp", "ep")
+    table = np.zeros((2 ** len(axes), len(orders)), dtype=bool)  # [which of the axes exceed 1, order]
+    for pattern in range(2 ** len(axes)):
         sizes = {axis: 2 if pattern >> bit & 1 else 1 for bit, axis in enumerate(axes)}
         for i, order in enumerate(orders):
             table[pattern, i] = any(same_groups(order, earlier, sizes) for earlier in orders[:i])
@@ -297,7 +329,8 @@ def layout_at(layouts: dict[str, np.ndarray], orders: tuple[str, ...], i: int, l
     pp, vpp = int(layouts["pp"][i]), int(layouts["vpp"][i])
     split = balanced_split(layers, pp * vpp) if layouts.get("uneven", np.zeros(i + 1, bool))[i] else None
     cp = int(layouts["cp"][i]) if "cp" in layouts else 1
-    return Layout(tp=int(layouts["tp"][i]), pp=pp, dp=int(layouts["dp"][i]), cp=cp, pp_layers=split,
+    ep = int(layouts["ep"][i]) if "ep" in layouts else 1
+    return Layout(tp=int(layouts["tp"][i]), pp=pp, dp=int(layouts["dp"][i]), cp=cp, ep=ep, pp_layers=split,
                   micro_batch=int(layouts["micro_batch"][i]), vpp=int(layouts["vpp"][i]),
                   zero=int(layouts["zero"][i]), recompute=RECOMPUTE_MODES[int(layouts["recompute"][i])],
                   sequence_parallel=bool(layouts["sequence_parallel"][i]),
@@ -310,7 +343,8 @@ def is_uneven(layout: Layout) -> bool:
 
 def layout_row(layout: Layout, orders: tuple[str, ...]) -> dict[str, int | bool]:
     """The inverse of `layout_at` for one Layout (its order must be in `orders`)."""
-    return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "micro_batch": layout.micro_batch,
+    return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "ep": layout.ep,
+            "micro_batch": layout.micro_batch,
             "vpp": layout.vpp, "sequence_parallel": layout.sequence_parallel, "uneven": is_uneven(layout),
             "zero": layout.zero,
             "recompute": RECOMPUTE_CODES[layout.recompute], "order": orders.index(layout.order)}
@@ -365,6 +399,9 @@ def engine_space(space: Space, engine: EngineSpec) -> Space:
     if not can.context_parallel:
         _require(space.min_cp == 1, f"{name} has no context parallelism: cp 1 only (drop --cp / --min-cp)")
         bounds["max_cp"] = 1
+    if not can.expert_parallel:
+        _require(space.min_ep == 1, f"{name} has no expert parallelism: ep 1 only (drop --ep / --min-ep)")
+        bounds["max_ep"] = 1
     if space.uneven and can.uneven_pipeline == "none":
         raise LayoutError(f"--uneven: {name} splits layers evenly over pipeline stages only; drop --uneven")
     # an engine that splits unevenly on its own (Megatron-DeepSpeed) is searched with uneven
@@ -473,7 +510,8 @@ def evaluate_uneven(cluster: ClusterSpec, model: ModelSpec, training: TrainingSp
         rows = layouts["pp"] == pp
         part = {k: a[rows] for k, a in layouts.items()}
         metrics = evaluate_even(cluster, model, training, part, orders, engine,
-                                rank_layers(model.layers, int(pp), part["vpp"]))
+                                rank_layers(model.layers, int(pp), part["vpp"]),
+                                rank_moe_layers(model, int(pp), part["vpp"]) if model.moe is not None else None)
         for k, values in metrics.items():
             out.setdefault(k, np.empty(len(rows), dtype=values.dtype))[rows] = values
     return out
@@ -482,6 +520,15 @@ def evaluate_uneven(cluster: ClusterSpec, model: ModelSpec, training: TrainingSp
 def rank_layers(layers: int, pp: int, vpps: np.ndarray) -> np.ndarray:
     """(pp, n) layers on each pipeline rank (its chunks r, r + pp, ...) of the balanced split."""
     per_vpp = {int(v): [sum(balanced_split(layers, pp * int(v))[r::pp]) for r in range(pp)] for v in np.unique(vpps)}
+    return np.array([per_vpp[int(v)] for v in vpps], dtype=np.float64).reshape(len(vpps), pp).T
+
+
+def rank_moe_layers(model: ModelSpec, pp: int, vpps: np.ndarray) -> np.ndarray:
+    """(pp, n) MoE layers on each pipeline rank of the balanced split (`rank_layers`' layers)."""
+    per_vpp = {}
+    for v in np.unique(vpps):
+        moe = chunk_moe_layers(model, balanced_split(model.layers, pp * int(v)))
+        per_vpp[int(v)] = [sum(moe[r::pp]) for r in range(pp)]
     return np.array([per_vpp[int(v)] for v in vpps], dtype=np.float64).reshape(len(vpps), pp).T
 
 
@@ -506,15 +553,17 @@ SCALAR_METRICS = ("step_time_s", "tokens_per_s", "peak_memory_bytes", "capacity_
 
 def evaluate_even(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec,
                   layouts: dict[str, np.ndarray], orders: tuple[str, ...],
-                  engine: EngineSpec | None = None, layers_per_rank: np.ndarray | None = None) -> dict[str, np.ndarray]:
+                  engine: EngineSpec | None = None, layers_per_rank: np.ndarray | None = None,
+                  moe_layers_per_rank: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Predicted metrics of valid layouts, one vectorised call of the cost model (even splits, or
-    the split `layers_per_rank` lists)."""
+    the split `layers_per_rank` lists, with the MoE layers among them `moe_layers_per_rank`)."""
 
     cands = Candidates(tp=layouts["tp"], pp=layouts["pp"], dp=layouts["dp"],
                        micro_batch=layouts["micro_batch"], vpp=layouts["vpp"], zero=layouts["zero"],
                        recompute=layouts["recompute"], sequence_parallel=layouts["sequence_parallel"],
-                       order=layouts["order"], cp=layouts.get("cp"))
-    return estimate_batch(cluster, model, training, cands, tuple(orders), engine, layers_per_rank)
+                       order=layouts["order"], cp=layouts.get("cp"), ep=layouts.get("ep"))
+    return estimate_batch(cluster, model, training, cands, tuple(orders), engine, layers_per_rank,
+                          moe_layers_per_rank)
 
 
 def search(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space: Space = Space(),
@@ -525,7 +574,8 @@ def search(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space
     start = time.perf_counter()
     if engine is not None:
         space = engine_space(space, engine)
-    shapes = shape_grid(cluster.world_size, space, model.layers, training.seq_len or model.seq_len)
+    shapes = shape_grid(cluster.world_size, space, model.layers, training.seq_len or model.seq_len,
+                        model.moe.experts if model.moe is not None else 0)
     codes = shape_reasons(shapes, model, training)
     if space.uneven:
         codes = allow_uneven(shapes, codes, model, training)

@@ -10,12 +10,13 @@ from __future__ import annotations
 # ---- time of one step -------------------------------------------------------------------------
 # The terms a step's predicted time is the sum of (`Estimate.time_s`), in the order the tables
 # print them.
-TIME_TERMS = ("compute", "recompute", "bubble", "tp_comm", "pp_comm", "overhead", "dp_comm", "zero_comm",
+# `ep_comm`: the exposed expert-parallel all-to-alls of mixture-of-experts layers (0 for dense models).
+TIME_TERMS = ("compute", "recompute", "bubble", "tp_comm", "pp_comm", "ep_comm", "overhead", "dp_comm", "zero_comm",
               "optimizer")
 # The exposed communication terms among them.
-COMM_TERMS = ("tp_comm", "pp_comm", "dp_comm", "zero_comm")
+COMM_TERMS = ("tp_comm", "pp_comm", "ep_comm", "dp_comm", "zero_comm")
 # The terms paid once per micro-batch (the pipeline multiplies them by the micro-batch count).
-PER_MICRO_BATCH_TERMS = ("compute", "recompute", "tp_comm", "pp_comm", "overhead")
+PER_MICRO_BATCH_TERMS = ("compute", "recompute", "tp_comm", "pp_comm", "ep_comm", "overhead")
 SECONDS_SUFFIX = "_s"
 
 

@@ -22,6 +22,7 @@ class LayoutArrays:
     sp: np.ndarray  # 1.0 with sequence parallelism
     m: np.ndarray
     cp: np.ndarray | float = 1.0  # context parallel degree: each rank holds seq / cp tokens of a sequence
+    ep: np.ndarray | float = 1.0  # expert parallel degree: MoE layers split their experts over ep of the dp*cp ranks
 
     @property
     def sp_div(self) -> np.ndarray:
@@ -42,8 +43,15 @@ class LayoutArrays:
         optimizer over it; torchtitan's FSDP mesh is dp_shard_cp."""
         return self.dp * self.cp
 
+    @property
+    def expert_grad_ranks(self) -> np.ndarray:
+        """Ranks an expert's gradient is reduced (and ZeRO-sharded) over: the expert-data-parallel
+        group, dp * cp / ep (Megatron-Core folds ep out of the dp x cp ranks of the MoE layers:
+        parallel_state's expert_data_parallel group; `plan3d.rankmap` builds it as `edp`)."""
+        return self.dp * self.cp / self.ep
 
-def layout_arrays(global_batch: int, tp, pp, dp, mb, vpp, zero, recompute, sp, cp=1) -> LayoutArrays:
+
+def layout_arrays(global_batch: int, tp, pp, dp, mb, vpp, zero, recompute, sp, cp=1, ep=1) -> LayoutArrays:
     f = lambda x: np.asarray(x, dtype=np.float64)  # noqa: E731
     m = global_batch // (np.asarray(mb, dtype=np.int64) * np.asarray(dp, dtype=np.int64))
-    return LayoutArrays(f(tp), f(pp), f(dp), f(mb), f(vpp), f(zero), f(recompute), f(sp), f(m), f(cp))
+    return LayoutArrays(f(tp), f(pp), f(dp), f(mb), f(vpp), f(zero), f(recompute), f(sp), f(m), f(cp), f(ep))

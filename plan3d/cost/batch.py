@@ -15,6 +15,7 @@ from plan3d.cost.comm import layout_links
 from plan3d.cost.context import make_context
 from plan3d.cost.core import Links, evaluate, link_row
 from plan3d.cost.finite import require_finite
+from plan3d.cost.memory import chunk_moe_layers
 from plan3d.specs.cluster import ClusterSpec
 from plan3d.specs.engine import EngineSpec
 from plan3d.specs.model import ModelSpec
@@ -35,6 +36,7 @@ class Candidates:
     sequence_parallel: np.ndarray  # bool
     order: np.ndarray  # index into the `orders` tuple
     cp: np.ndarray | None = None  # context parallel degree (None: 1 for every candidate)
+    ep: np.ndarray | None = None  # expert parallel degree (None: 1 for every candidate)
 
     def __len__(self) -> int:
         return len(self.tp)
@@ -43,18 +45,23 @@ class Candidates:
     def cp_degrees(self) -> np.ndarray:
         return np.ones(len(self.tp), dtype=np.int64) if self.cp is None else np.asarray(self.cp, dtype=np.int64)
 
+    @property
+    def ep_degrees(self) -> np.ndarray:
+        return np.ones(len(self.tp), dtype=np.int64) if self.ep is None else np.asarray(self.ep, dtype=np.int64)
+
 
 def _links(cluster: ClusterSpec, cands: Candidates, orders: tuple[str, ...]) -> Links:
     """Bandwidth and latency arrays of each group, one rank-map look-up per unique shape."""
-    columns = [np.asarray(x, dtype=np.int64) for x in (cands.tp, cands.pp, cands.dp, cands.order, cands.cp_degrees)]
+    columns = [np.asarray(x, dtype=np.int64)
+               for x in (cands.tp, cands.pp, cands.dp, cands.order, cands.cp_degrees, cands.ep_degrees)]
     key = np.zeros(len(columns[0]), dtype=np.int64)
     for col in columns:  # mixed-radix code: a 1-D unique is ~100x faster than unique(axis=0)
         key = key * (int(col.max()) + 1) + col
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     unique = np.stack([col[first] for col in columns], axis=1)
     tiers = tuple(cluster.tiers())
-    table = np.array([link_row(layout_links(tp, pp, dp, orders[order], tiers, cluster.gpus_per_node, cp))
-                      for tp, pp, dp, order, cp in unique.tolist()], dtype=np.float64)
+    table = np.array([link_row(layout_links(tp, pp, dp, orders[order], tiers, cluster.gpus_per_node, cp, ep))
+                      for tp, pp, dp, order, cp, ep in unique.tolist()], dtype=np.float64)
     return Links.from_rows(table[inverse.reshape(-1)])
 
 
@@ -72,23 +79,46 @@ def listed_stages(pp: np.ndarray, rank_layers: np.ndarray):
     return pp_rank, rank_layers, (pp_rank < pp).astype(np.float64)
 
 
+def even_moe_rank_layers(model: ModelSpec, pp: np.ndarray, vpp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(P, n) layers and MoE layers on each pipeline rank of each candidate's even split: an MoE
+    model's stages differ (first dense layers, one MoE layer every n), so every rank is listed."""
+    pp, vpp = np.asarray(pp, dtype=np.int64), np.asarray(vpp, dtype=np.int64)
+    rows = int(pp.max()) if len(pp) else 1
+    layers, moe = np.zeros((rows, len(pp))), np.zeros((rows, len(pp)))
+    for p, v in {(int(a), int(b)) for a, b in zip(pp, vpp)}:
+        chunks = (model.layers // (p * v),) * (p * v)
+        moe_chunks = chunk_moe_layers(model, chunks)
+        hit = (pp == p) & (vpp == v)
+        for r in range(p):
+            layers[r, hit], moe[r, hit] = sum(chunks[r::p]), sum(moe_chunks[r::p])
+    return layers, moe
+
+
 def estimate_batch(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, cands: Candidates,
                    orders: tuple[str, ...], engine: EngineSpec | None = None,
-                   rank_layers: np.ndarray | None = None) -> dict[str, np.ndarray]:
+                   rank_layers: np.ndarray | None = None,
+                   rank_moe_layers: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Step time, throughput, memory and breakdown for every candidate (arrays), as `engine` runs
     them (candidates are assumed to be layouts the engine can run).
 
     `rank_layers` (P, n): layers on pipeline rank r of candidate i (rows r >= its pp are ignored),
-    for uneven splits; None: every candidate splits its layers evenly."""
+    for uneven splits; None: every candidate splits its layers evenly. `rank_moe_layers` (P, n):
+    the MoE layers among them (an MoE model with `rank_layers` needs it)."""
     ctx = make_context(cluster, model, training, engine)
     la = layout_arrays(training.global_batch, cands.tp, cands.pp, cands.dp, cands.micro_batch, cands.vpp,
                        cands.zero, cands.recompute, np.asarray(cands.sequence_parallel, dtype=np.float64),
-                       cands.cp_degrees)
-    if rank_layers is None:
+                       cands.cp_degrees, cands.ep_degrees)
+    moe_layers = 0.0
+    if model.moe is not None:
+        if rank_layers is None:
+            rank_layers, rank_moe_layers = even_moe_rank_layers(model, cands.pp, cands.vpp)
+        pp_rank, layers, weights = listed_stages(la.pp, rank_layers)
+        moe_layers = np.asarray(rank_moe_layers, dtype=np.float64)
+    elif rank_layers is None:
         pp_rank, layers, weights = even_stages(la.pp, model.layers)
     else:
         pp_rank, layers, weights = listed_stages(la.pp, rank_layers)
-    out = evaluate(ctx, la, _links(cluster, cands, orders), pp_rank, layers, weights)
+    out = evaluate(ctx, la, _links(cluster, cands, orders), pp_rank, layers, weights, moe_layers)
     time = out["time_s"]
     result = {k: out[k] for k in ("step_time_s", "tokens_per_s", "peak_memory_bytes", "capacity_bytes",
                                   "mfu", "model_tflops_per_gpu", "bubble_fraction")}

@@ -20,13 +20,21 @@ ATTENTION_GEMMS = GEMMS_PER_LAYER - LINEAR_GEMMS  # scores, scores x V
 
 def layer_gemm_flops(ctx: CostContext, tokens):
     """Forward FLOPs of a layer's weight GEMMs for `tokens` = B*s: 2 * tokens * (params)."""
-    h, q, kv = ctx.hidden, ctx.q_dim, ctx.kv_dim
-    return 2 * tokens * (h * (q + 2 * kv) + q * h + ctx.mlp_mats * h * ctx.ffn)
+    return 2 * tokens * (ctx.attn_weight_params + ctx.mlp_mats * ctx.hidden * ctx.ffn)
 
 
 def layer_attention_flops(ctx: CostContext, batch):
-    """Forward FLOPs of Q K^T and scores x V for `batch` sequences: 4 * B * s^2 * q_dim."""
-    return 4 * batch * ctx.seq**2 * ctx.q_dim
+    """Forward FLOPs of Q K^T and scores x V for `batch` sequences: 4 * B * s^2 * q_dim (MLA:
+    2 B s^2 heads (nope + rope) + 2 B s^2 heads v_head, `CostContext.score_dim`)."""
+    return 4 * batch * ctx.seq**2 * ctx.score_dim
+
+
+def moe_active_gemm_flops(ctx: CostContext, tokens):
+    """Forward FLOPs of an MoE layer's weight GEMMs one token passes through, for `tokens`
+    tokens: attention, top_k routed experts, the shared experts and the router (h x experts) --
+    the active parameters (`plan3d.cost.params.active_layer_params`), not all experts."""
+    mlp = ctx.mlp_mats * ctx.hidden * (ctx.top_k * ctx.expert_ffn + ctx.shared_ffn)
+    return 2 * tokens * (ctx.attn_weight_params + mlp + ctx.hidden * ctx.experts)
 
 
 def logits_flops(ctx: CostContext, tokens):
@@ -38,6 +46,8 @@ def model_flops_per_step(ctx: CostContext) -> float:
     """Model FLOPs of one step (forward + backward = 3x forward, no recompute): what MFU counts."""
     tokens = ctx.global_batch * ctx.seq
     forward = ctx.layers * (layer_gemm_flops(ctx, tokens) + layer_attention_flops(ctx, ctx.global_batch))
+    if ctx.moe_layers:  # MoE layers count their active parameters (top_k experts), as MFU does
+        forward += ctx.moe_layers * (moe_active_gemm_flops(ctx, tokens) - layer_gemm_flops(ctx, tokens))
     return 3.0 * (forward + logits_flops(ctx, tokens))
 
 
@@ -74,10 +84,16 @@ def layer_gemms_s(ctx: CostContext, mb, tp):
     the backward counts twice the forward, so forward + backward pay it once)."""
     tokens = mb * ctx.seq
     if not ctx.fp8_peak_flops:
-        return gemm_s(ctx, (layer_gemm_flops(ctx, tokens) + layer_attention_flops(ctx, mb)) / tp, GEMMS_PER_LAYER)
+        return gemm_s(ctx, (layer_gemm_flops(ctx, tokens) + layer_attention_flops(ctx, mb)) / tp,
+                      GEMMS_PER_LAYER + ctx.attn_extra_gemms)
     cast = memory_bound_s(ctx, fp8_cast_elements(ctx, tokens, tp), ctx.fp8_cast_bytes)
-    return (fp8_linear_s(ctx, layer_gemm_flops(ctx, tokens) / tp, LINEAR_GEMMS)
+    return (fp8_linear_s(ctx, layer_gemm_flops(ctx, tokens) / tp, LINEAR_GEMMS + ctx.attn_extra_gemms)
             + gemm_s(ctx, layer_attention_flops(ctx, mb) / tp, ATTENTION_GEMMS) + cast / 3)
+
+
+def linear_s(ctx: CostContext, flops, kernels):
+    """Linear-layer GEMMs: in FP8 under fp8 training (`fp8_linear_s`), else at the one peak (`gemm_s`)."""
+    return fp8_linear_s(ctx, flops, kernels) if ctx.fp8_peak_flops else gemm_s(ctx, flops, kernels)
 
 
 def memory_bound_s(ctx: CostContext, elements, bytes_per_element):

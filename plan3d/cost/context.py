@@ -63,6 +63,24 @@ class CostContext:
     fp8_peak_flops: float = 0.0  # fp8 training: the linear-layer GEMMs' peak (0: no fp8; plan3d.cost.fp8)
     fp8_max_fraction: float = 0.0
     fp8_cast_bytes: float = 0.0
+    ep_overlap_fraction: float = 0.0  # share of the expert-parallel all-to-alls hidden behind compute
+    # attention as the weights see it (`_attention_fields`: plain or multi-head latent attention)
+    attn_weight_params: int = 0  # weight-matrix parameters of one attention block (its linear GEMMs)
+    attn_split: int = 0  # attention parameters tensor parallelism divides (column/row-parallel weights, column biases)
+    attn_replicated: int = 0  # attention parameters every tp rank holds (row-parallel bias, MLA down-projections)
+    attn_extra_gemms: int = 0  # linear GEMMs beyond fused QKV and the output projection (MLA latents)
+    score_dim: float = 0.0  # (Q.K width + V width) / 2 per token over all heads: q_dim without MLA
+    # mixture of experts (`_moe_fields`; all zero for a dense model)
+    moe_layers: int = 0  # MoE layers of the whole model
+    experts: int = 0  # routed experts per MoE layer
+    top_k: int = 0
+    expert_ffn: int = 0  # FFN width of one routed expert
+    shared_ffn: int = 0  # total FFN width of the shared experts
+    moe_load: float = 1.0  # tokens the busiest expert-parallel rank computes, over the even share (`moe_load_factor`)
+    moe_shared_split: int = 0  # shared experts' parameters tp divides
+    moe_replicated: int = 0  # router (+ bias), shared gate, shared experts' row-parallel bias: every tp rank
+    expert_split: int = 0  # one routed expert's parameters tp divides (ETP = tp)
+    expert_replicated: int = 0  # one routed expert's down-projection bias
 
 
 def bytes_per_param(training: TrainingSpec) -> tuple[int, int, int]:
@@ -115,6 +133,7 @@ def make_context(cluster: ClusterSpec | None, model: ModelSpec, training: Traini
         zero3_per_gpu_nic=bool(runs_as and runs_as.zero3_collectives == "per-gpu-nic"),
         tp_overlap_fraction=runs_as.tp_overlap_fraction if runs_as else 0.0,
         param_gather_overlap=bool(runs_as and runs_as.param_gather_overlap),
+        ep_overlap_fraction=runs_as.ep_overlap_fraction if runs_as else 0.0,
         cpu_cores_per_node=cluster.cpu_cores_per_node or 0,
         gpus_per_node=cluster.gpus_per_node,
     )
@@ -124,7 +143,7 @@ def _model_fields(model: ModelSpec, training: TrainingSpec) -> dict:
     weights, grads, optim = bytes_per_param(training)
     return dict(
         layers=model.layers, hidden=model.hidden, heads=model.heads,
-        q_dim=model.heads * model.head_dim_, kv_dim=model.kv_heads_ * model.head_dim_,
+        **_attention_fields(model), **_moe_fields(model),
         ffn=model.ffn_hidden_, mlp_mats=3 if model.activation == "swiglu" else 2,
         vocab=model.vocab, seq=training.seq_len or model.seq_len,
         position_params=model.seq_len * model.hidden if model.position == "learned" else 0,
@@ -132,6 +151,68 @@ def _model_fields(model: ModelSpec, training: TrainingSpec) -> dict:
         global_batch=training.global_batch, act_bytes=4 if training.precision == "fp32" else 2,
         weight_bytes=weights, grad_bytes=grads, optim_bytes=optim,
     )
+
+
+def _attention_fields(model: ModelSpec) -> dict:
+    """Attention shapes. Plain (GQA) attention: Q and O of heads*head_dim, K and V of
+    kv_heads*head_dim, Q/K/V column-parallel, O row-parallel (Shoeybi et al. 2019).
+
+    Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434, section 2.1; Megatron-Core
+    MLASelfAttention): the down-projections h -> q_lora and h -> kv_lora + rope and their RMSNorms
+    are replicated over tp (Megatron-Core builds them `duplicated`), the up-projections are
+    column-parallel and the output projection heads*v_head -> h row-parallel. For activations,
+    FLOPs and the CP ring the per-head Q and K are nope + rope wide and V v_head wide, as the
+    up-projections materialise them for the attention kernel: q_dim = heads*(nope + rope),
+    kv_dim = heads*(nope + rope + v_head) / 2 (so that K + V = 2*kv_dim). An approximation: the
+    latent tensors themselves (kv_lora per token) are not counted as activations."""
+    h = model.hidden
+    if model.mla is None:
+        q, kv = model.heads * model.head_dim_, model.kv_heads_ * model.head_dim_
+        weights = h * (q + 2 * kv) + q * h
+        return dict(q_dim=q, kv_dim=kv, attn_weight_params=weights, attn_split=weights + (q + 2 * kv) * model.qkv_bias_,
+                    attn_replicated=h * model.bias, attn_extra_gemms=0, score_dim=q)
+    mla, a = model.mla, model.heads
+    qk, v = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim
+    q_down = h * mla.q_lora_rank if mla.q_lora_rank else 0
+    q_up = (mla.q_lora_rank or h) * a * qk
+    kv_down = h * (mla.kv_lora_rank + mla.qk_rope_head_dim)
+    kv_up = mla.kv_lora_rank * a * (mla.qk_nope_head_dim + v)
+    split = q_up + kv_up + a * v * h
+    return dict(q_dim=a * qk, kv_dim=a * (qk + v) / 2, attn_weight_params=split + q_down + kv_down,
+                attn_split=split, attn_replicated=q_down + (mla.q_lora_rank or 0) + kv_down + mla.kv_lora_rank,
+                attn_extra_gemms=1 + (mla.q_lora_rank is not None), score_dim=a * (qk + v) / 2)
+
+
+# The load the busiest expert-parallel rank gets, over the mean (a prior, not fitted): dropless
+# routing with an auxiliary balance loss keeps the per-expert token counts within roughly +-10% of
+# the mean once training has settled (DeepSeek-V3, arXiv 2412.19437, section 2.1.2 and Fig. 9;
+# Switch Transformer, arXiv 2101.03961, section 2.2, sets capacity factor 1.0-1.25 for the same
+# spread). Every rank waits for the busiest at the combine all-to-all, so the time model pays it.
+MOE_IMBALANCE = 1.1
+
+
+def moe_load_factor(model: ModelSpec) -> float:
+    """Tokens an expert-parallel rank computes, as a multiple of its even share top_k*tokens/ep:
+    the capacity factor when one is set (Megatron-Core pads each expert to its capacity with
+    --moe-pad-expert-input-to-capacity; without padding the capacity caps the busiest expert at
+    the same figure), else the MOE_IMBALANCE prior of dropless routing."""
+    cf = model.moe.capacity_factor
+    return float(cf) if cf is not None else MOE_IMBALANCE
+
+
+def _moe_fields(model: ModelSpec) -> dict:
+    """The MoE layer's shapes split as the shared accounting contract splits them (cost-model.md,
+    "Mixture of experts"): the dense part (router, shared experts, shared gate) and one routed expert."""
+    moe = model.moe
+    if moe is None:
+        return {}
+    h, mats, bias = model.hidden, 3 if model.activation == "swiglu" else 2, int(model.bias)
+    fe, fs = moe.expert_ffn_hidden or model.ffn_hidden_, moe.shared_ffn_hidden
+    return dict(moe_layers=model.moe_layers, experts=moe.experts, top_k=moe.top_k, expert_ffn=fe, shared_ffn=fs,
+                moe_load=moe_load_factor(model),
+                moe_shared_split=(mats * h * fs + (mats - 1) * fs * bias) if fs else 0,
+                moe_replicated=h * moe.experts + moe.experts * bias + h * moe.shared_expert_gate + (h * bias if fs else 0),
+                expert_split=mats * h * fe + (mats - 1) * fe * bias, expert_replicated=h * bias)
 
 
 def reserve_bytes(cluster: ClusterSpec | None, training: TrainingSpec) -> float:

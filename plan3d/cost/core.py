@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from plan3d.cost import comm, compute, memory
+from plan3d.cost import comm, compute, memory, moe
 from plan3d.cost.arrays import LayoutArrays
 from plan3d.cost.context import CostContext
 from plan3d.cost.pipeline import masked_argmax, masked_max, pipeline_s
@@ -46,12 +46,14 @@ def link_row(links: dict) -> list[float]:
     return [x for group in LINK_GROUPS for op in COLLECTIVE_KINDS for x in links[group].cost(op)]
 
 
-def stage_micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, layers) -> dict:
-    """Per micro-batch times of one rank of pipeline rank `pp_rank` holding `layers` layers.
+def stage_micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, layers, moe_layers=0.0) -> dict:
+    """Per micro-batch times of one rank of pipeline rank `pp_rank` holding `layers` layers, of
+    which `moe_layers` are mixture-of-experts layers.
 
     Each layer pass (forward, recompute, backward = 2x forward) costs its GPU time (kernels plus
     its two blocking TP all-reduces) combined with the host time to issue it; what the host adds
-    beyond the GPU time is reported as `overhead`.
+    beyond the GPU time is reported as `overhead`. An MoE layer's forward is `moe_layer_forward_s`
+    and its expert-parallel all-to-alls are reported as `ep_comm` (`plan3d.cost.moe.ep_comm_s`).
 
     With context parallelism every formula reads the rank's share of each sequence
     (`LayoutArrays.mb_share` = mb / cp: Megatron-Core's 2 x cp load-balanced chunks give every
@@ -64,22 +66,39 @@ def stage_micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_ran
     tp_pair = 2 * _tp_exchange_s(la, links, boundary_bytes) * (1 - ctx.tp_overlap_fraction)  # exposed, per pass
     full = la.recompute >= FULL
     attention_fwd = compute.attention_core_forward_s(ctx, share, la.tp)
+    dense = _layer_passes(ctx, la, layer_fwd, tp_pair, attention_fwd)
+    if ctx.moe_layers:
+        moe_fwd = moe.moe_layer_forward_s(ctx, la)
+        routed = _layer_passes(ctx, la, moe_fwd, tp_pair, attention_fwd)
+        per_rank = lambda key: (layers - moe_layers) * dense[key] + moe_layers * routed[key]  # noqa: E731
+        ep_comm = moe_layers * moe.ep_comm_s(ctx, la, links.of("ep", "all_gather"), full)
+    else:
+        per_rank = lambda key: layers * dense[key]  # noqa: E731
+        ep_comm = np.zeros_like(layer_fwd)
+    logits_fwd = np.where(last, compute.logits_forward_s(ctx, share, la.tp), 0.0)
+    embed = np.where(first, compute.memory_bound_s(ctx, share * ctx.seq * ctx.hidden, ctx.elementwise_bytes), 0.0)
+    ring_fwd, ring_bwd = cp_ring_exposed_s(ctx, la, links, attention_fwd)
+    ring = np.where(full, 2 * ring_fwd, ring_fwd) + ring_bwd
+    return {"compute": 3 * (per_rank("fwd") + logits_fwd + embed), "recompute": per_rank("redo"),
+            "tp_comm": (layers * np.where(full, 3, 2) * tp_pair + _vocab_parallel_s(ctx, la, links, first, last)
+                        + np.where(la.cp > 1, layers * ring, 0.0)),
+            "pp_comm": _p2p_s(ctx, la, links, boundary_bytes),
+            "ep_comm": ep_comm,
+            "overhead": per_rank("host") + ctx.micro_batch_overhead_s,
+            "backward": 2 * (per_rank("fwd") + logits_fwd)}
+
+
+def _layer_passes(ctx: CostContext, la: LayoutArrays, layer_fwd, tp_pair, attention_fwd) -> dict:
+    """One layer's forward time (`fwd`), its recompute (`redo`: the whole forward under full
+    recompute, the attention core under selective) and what the host adds to its passes (`host`)."""
+    full = la.recompute >= FULL
     redo = np.where(full, layer_fwd, np.where(la.recompute == SELECTIVE, attention_fwd, 0.0))
     host = ctx.layer_overhead_s
     passes = (compute.pass_s(ctx, layer_fwd + tp_pair, host)
               + compute.pass_s(ctx, 2 * layer_fwd + tp_pair, 2 * host)
               + np.where(full, compute.pass_s(ctx, layer_fwd + tp_pair, host), redo))
     gpu_layer = 3 * layer_fwd + redo + np.where(full, 3, 2) * tp_pair
-    logits_fwd = np.where(last, compute.logits_forward_s(ctx, share, la.tp), 0.0)
-    embed = np.where(first, compute.memory_bound_s(ctx, share * ctx.seq * ctx.hidden, ctx.elementwise_bytes), 0.0)
-    ring_fwd, ring_bwd = cp_ring_exposed_s(ctx, la, links, attention_fwd)
-    ring = np.where(full, 2 * ring_fwd, ring_fwd) + ring_bwd
-    return {"compute": 3 * (layers * layer_fwd + logits_fwd + embed), "recompute": layers * redo,
-            "tp_comm": (layers * np.where(full, 3, 2) * tp_pair + _vocab_parallel_s(ctx, la, links, first, last)
-                        + np.where(la.cp > 1, layers * ring, 0.0)),
-            "pp_comm": _p2p_s(ctx, la, links, boundary_bytes),
-            "overhead": layers * (passes - gpu_layer) + ctx.micro_batch_overhead_s,
-            "backward": 2 * (layers * layer_fwd + logits_fwd)}
+    return {"fwd": layer_fwd, "redo": redo, "host": passes - gpu_layer}
 
 
 def cp_kv_chunk_bytes(ctx: CostContext, la: LayoutArrays):
@@ -152,7 +171,8 @@ def _p2p_s(ctx: CostContext, la: LayoutArrays, links: Links, boundary_bytes):
     return np.where(la.pp > 1, 2 * la.vpp * (send + gather), 0.0)
 
 
-def stage_step_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, params, backward_s, compute_s) -> dict:
+def stage_step_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, params, backward_s, compute_s,
+                 expert_params=0.0) -> dict:
     """Per step work of one rank outside the pipeline: data-parallel gradient reduction (hidden
     behind `dp_overlap_fraction` of one backward), ZeRO-3 traffic (hidden behind the same share
     of the compute), the tied-embedding all-reduce between first and last stage, the optimizer.
@@ -165,7 +185,9 @@ def stage_step_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, para
 
     With context parallelism the group is dp x cp (`LayoutArrays.grad_ranks`): each cp rank
     holds gradients of its share of the tokens, reduced with the data-parallel replicas
-    (Megatron-Core DistributedDataParallel.dp_cp_group)."""
+    (Megatron-Core DistributedDataParallel.dp_cp_group). The routed experts' parameters
+    (`expert_params`, MoE models) are reduced and sharded the same way over the expert-data-
+    parallel group instead (`edp`, dp*cp/ep ranks), one after the other with the dense ones."""
     grads = params * ctx.grad_bytes
     ranks = la.grad_ranks
     gather_weights = _collective_s(links, "dp_cp", "all_gather", params * ctx.weight_bytes, ranks)
@@ -173,6 +195,16 @@ def stage_step_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, para
     zero3_link = "dp_nic" if ctx.zero3_per_gpu_nic else "dp_cp"
     zero3_gather = _collective_s(links, zero3_link, "all_gather", params * ctx.weight_bytes, ranks)
     zero3_scatter = _collective_s(links, zero3_link, "reduce_scatter", grads, ranks)
+    all_reduce = _collective_s(links, "dp_cp", "all_reduce", grads, ranks)
+    optimizer_s = compute.optimizer_s(ctx, params, np.where(la.zero >= 1, ranks, 1.0))
+    if ctx.moe_layers:
+        e_ranks, e_grads, e_weights = la.expert_grad_ranks, expert_params * ctx.grad_bytes, expert_params * ctx.weight_bytes
+        gather_weights = gather_weights + _collective_s(links, "edp", "all_gather", e_weights, e_ranks)
+        scatter_grads = scatter_grads + _collective_s(links, "edp", "reduce_scatter", e_grads, e_ranks)
+        zero3_gather = zero3_gather + _collective_s(links, "edp", "all_gather", e_weights, e_ranks)
+        zero3_scatter = zero3_scatter + _collective_s(links, "edp", "reduce_scatter", e_grads, e_ranks)
+        all_reduce = all_reduce + _collective_s(links, "edp", "all_reduce", e_grads, e_ranks)
+        optimizer_s = optimizer_s + compute.optimizer_s(ctx, expert_params, np.where(la.zero >= 1, e_ranks, 1.0))
     overlap = ctx.dp_overlap_fraction
     shared = (pp_rank == 0) | (pp_rank == la.pp - 1)
     tied = ctx.tied & (la.pp > 1) & shared
@@ -186,7 +218,6 @@ def stage_step_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, para
                    + np.maximum(gather_weights - overlap * backward_s / 2, 0.0))
     else:
         sharded = np.maximum(scatter_grads + gather_weights + tied_s - overlap * backward_s, 0.0)
-    all_reduce = _collective_s(links, "dp_cp", "all_reduce", grads, ranks)
     replicated = np.maximum(all_reduce + tied_s - overlap * backward_s, 0.0)
     zero3_tied = np.maximum(tied_s - overlap * backward_s, 0.0)  # ZeRO-3 grads: per micro-batch, below
     dp = np.where(la.zero >= 3, zero3_tied, np.where(la.zero >= 1, sharded, replicated))
@@ -196,7 +227,7 @@ def stage_step_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, para
     zero3_overlap = overlap if ctx.zero3_overlap_fraction is None else ctx.zero3_overlap_fraction
     return {"dp_comm": dp + _step_sync_s(la, links),
             "zero_comm": np.maximum(zero3 - zero3_overlap * compute_s, 0.0),
-            "optimizer": compute.optimizer_s(ctx, params, np.where(la.zero >= 1, ranks, 1.0))}
+            "optimizer": optimizer_s}
 
 
 def core_share(ctx: CostContext, la: LayoutArrays):
@@ -208,22 +239,23 @@ def core_share(ctx: CostContext, la: LayoutArrays):
     return np.minimum(1.0, ctx.cpu_cores_per_node / ranks_on_node)
 
 
-def evaluate(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, layers, weights) -> dict:
-    """Everything for the stacked stages: memory per stage, times, step time and rates.
+def evaluate(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, layers, weights, moe_layers=0.0) -> dict:
+    """Everything for the stacked stages: memory per stage, times, step time and rates
+    (`moe_layers`: the MoE layers among each stage's `layers`).
 
     Extreme (schema-valid) inputs may overflow; the callers reject non-finite results with a
     message naming the input (`plan3d.cost.finite`), so numpy's own warnings are silenced here."""
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        return _evaluate(ctx, la, links, pp_rank, layers, weights)
+        return _evaluate(ctx, la, links, pp_rank, layers, weights, moe_layers)
 
 
-def _evaluate(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, layers, weights) -> dict:
-    mem = memory.stage_memory(ctx, la, pp_rank, layers)
-    per_mb = stage_micro_batch_s(ctx, la, links, pp_rank, layers)
+def _evaluate(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, layers, weights, moe_layers) -> dict:
+    mem = memory.stage_memory(ctx, la, pp_rank, layers, moe_layers)
+    per_mb = stage_micro_batch_s(ctx, la, links, pp_rank, layers, moe_layers)
     per_mb_total = sum(per_mb[k] for k in PER_MICRO_BATCH_TERMS)
     pipe, bubble = pipeline_s(per_mb_total, weights, la.m, la.vpp, core_share(ctx, la))
     extra = stage_step_s(ctx, la, links, pp_rank, mem["params"], per_mb["backward"],
-                         la.m * (per_mb["compute"] + per_mb["recompute"]))
+                         la.m * (per_mb["compute"] + per_mb["recompute"]), mem["expert_params"])
     slow = masked_argmax(per_mb_total, weights)
     pick = lambda a: np.take_along_axis(np.broadcast_to(a, per_mb_total.shape), slow[None], 0)[0]  # noqa: E731
     time = {k: la.m * pick(per_mb[k]) for k in PER_MICRO_BATCH_TERMS}

@@ -9,6 +9,7 @@ import numpy as np
 from plan3d.cost.arrays import layout_arrays
 from plan3d.cost.comm import GROUPS, layout_links
 from plan3d.cost.finite import require_finite
+from plan3d.cost.memory import rank_layer_counts
 from plan3d.cost.trust import provenance
 from plan3d.cost.context import make_context
 from plan3d.cost.core import Links, evaluate, link_row
@@ -63,15 +64,17 @@ def estimate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, lay
     check_layout(layout, model, training, cluster.world_size)
     ctx = make_context(cluster, model, training, engine)
     tiers = tuple(cluster.tiers())
-    links = layout_links(layout.tp, layout.pp, layout.dp, layout.order, tiers, cluster.gpus_per_node, layout.cp)
+    links = layout_links(layout.tp, layout.pp, layout.dp, layout.order, tiers, cluster.gpus_per_node, layout.cp,
+                         layout.ep)
     la = layout_arrays(training.global_batch, [layout.tp], [layout.pp], [layout.dp], [layout.micro_batch],
                        [layout.vpp], [layout.zero], [RECOMPUTE_CODES[layout.recompute]],
-                       [float(layout.sequence_parallel)], [layout.cp])
+                       [float(layout.sequence_parallel)], [layout.cp], [layout.ep])
     link_arrays = Links.from_rows(np.array([link_row(links)], dtype=np.float64))
-    chunks = layout.stage_layers(model.layers)
-    layers = np.array([sum(chunks[r::layout.pp]) for r in range(layout.pp)], dtype=np.float64)[:, None]
+    counts = [rank_layer_counts(model, layout, r) for r in range(layout.pp)]
+    layers = np.array([c[0] for c in counts], dtype=np.float64)[:, None]
+    moe_layers = np.array([c[1] for c in counts], dtype=np.float64)[:, None]
     pp_rank = np.arange(layout.pp, dtype=np.float64)[:, None]
-    out = evaluate(ctx, la, link_arrays, pp_rank, layers, np.ones_like(layers))
+    out = evaluate(ctx, la, link_arrays, pp_rank, layers, np.ones_like(layers), moe_layers)
     result = _to_estimate(out, layout, _tiers(links, layout), _warnings(cluster, model, layout))
     require_finite(_numbers(result), cluster, model, training, engine)
     trust = provenance(cluster, engine, training, layout.zero)
@@ -81,8 +84,9 @@ def estimate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, lay
 
 def _tiers(links: dict, layout: Layout) -> dict:
     """The tier each group spans: tp, pp, dp; with context parallelism also cp (its ring) and
-    dp_cp (the group gradients are reduced over)."""
-    shown = GROUPS + (("cp", "dp_cp") if layout.cp > 1 else ())
+    dp_cp (the group gradients are reduced over); with expert parallelism ep (the all-to-all) and
+    edp (the experts' gradients)."""
+    shown = GROUPS + (("cp", "dp_cp") if layout.cp > 1 else ()) + (("ep", "edp") if layout.ep > 1 else ())
     return {k: links[k].tier for k in shown}
 
 
@@ -116,10 +120,22 @@ def _to_estimate(out: dict, layout: Layout, tiers: dict, warnings: list[str]) ->
 
 def _warnings(cluster: ClusterSpec, model: ModelSpec, layout: Layout) -> list[str]:
     out = list(rankmap_for(layout, cluster.gpus_per_node).warnings(cluster.tiers()))
-    if model.moe is not None:
-        out.append("mixture-of-experts layers are modelled as dense layers")
+    out += moe_warnings(model)
     idle = idle_gpus_warning(layout.world_size, cluster.world_size)
     return out + ([idle] if idle else [])
+
+
+def moe_warnings(model: ModelSpec) -> list[str]:
+    """What the cost model approximates of a mixture-of-experts or latent-attention model."""
+    out = []
+    if model.moe is not None and model.moe.capacity_factor is not None:
+        out.append(f"capacity factor {model.moe.capacity_factor:g}: every expert-parallel rank is costed at that "
+                   "multiple of its even share of tokens (padded to capacity); the quality cost of dropped tokens "
+                   "is not modelled")
+    if model.mla is not None:
+        out.append("multi-head latent attention: K and V costed as materialised per head (nope + rope, v_head "
+                   "wide); the latent activations are not counted")
+    return out
 
 
 def idle_gpus_warning(layout_gpus: int, cluster_gpus: int) -> str | None:

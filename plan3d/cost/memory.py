@@ -24,15 +24,33 @@ LOGITS_BYTES = 4  # the loss reads fp32 logits
 def layer_params_split(ctx: CostContext) -> int:
     """Per-layer parameters that tensor parallelism divides: every weight matrix and the
     column-parallel biases (QKV, MLP up/gate) -- Shoeybi et al. 2019 (Megatron-LM)."""
-    h, q, kv, f, mats = ctx.hidden, ctx.q_dim, ctx.kv_dim, ctx.ffn, ctx.mlp_mats
-    weights = h * (q + 2 * kv) + q * h + mats * h * f
-    biases = (q + 2 * kv) * ctx.qkv_bias + (mats - 1) * f * ctx.bias
-    return weights + biases
+    h, f, mats = ctx.hidden, ctx.ffn, ctx.mlp_mats
+    return ctx.attn_split + mats * h * f + (mats - 1) * f * ctx.bias
 
 
 def layer_params_replicated(ctx: CostContext) -> int:
-    """Per-layer parameters every tp rank holds: two norms, the row-parallel output biases."""
-    return 2 * ctx.norm_params + (2 * ctx.hidden if ctx.bias else 0)
+    """Per-layer parameters every tp rank holds: two norms, the row-parallel output biases (and
+    MLA's replicated down-projections, `CostContext.attn_replicated`)."""
+    return 2 * ctx.norm_params + ctx.attn_replicated + (ctx.hidden if ctx.bias else 0)
+
+
+def moe_layer_params_split(ctx: CostContext) -> int:
+    """An MoE layer's dense part that tp divides: attention and the shared experts."""
+    return ctx.attn_split + ctx.moe_shared_split
+
+
+def moe_layer_params_replicated(ctx: CostContext) -> int:
+    """An MoE layer's dense part every tp rank holds: norms, attention's replicated parameters,
+    the router (h x experts, + bias), the shared gate, the shared experts' down bias."""
+    return 2 * ctx.norm_params + ctx.attn_replicated + ctx.moe_replicated
+
+
+def expert_rank_params(ctx: CostContext, tp, ep):
+    """Parameters of the routed experts ONE rank holds per MoE layer: experts / ep local experts,
+    each FFN split by tp (expert tensor parallelism = tp: up/gate column-parallel with their
+    biases, down row-parallel with its bias replicated; Megatron-Core's default
+    --expert-tensor-parallel-size = tp)."""
+    return ctx.experts / ep * (ctx.expert_split / tp + ctx.expert_replicated)
 
 
 def padded_vocab(ctx: CostContext, tp):
@@ -40,9 +58,12 @@ def padded_vocab(ctx: CostContext, tp):
     return np.ceil(ctx.vocab / tp) * tp
 
 
-def stage_params(ctx: CostContext, tp, pp, pp_rank, layers_on_rank):
-    """Parameters one rank of pipeline rank `pp_rank` holds (all its virtual chunks)."""
-    layers = layers_on_rank * (layer_params_split(ctx) / tp + layer_params_replicated(ctx))
+def stage_params(ctx: CostContext, tp, pp, pp_rank, layers_on_rank, moe_on_rank=0.0):
+    """Dense-part parameters one rank of pipeline rank `pp_rank` holds (all its virtual chunks):
+    its dense layers, the dense part of its `moe_on_rank` MoE layers, and the ends. Replicated
+    over ep; ZeRO shards them over dp*cp."""
+    layers = ((layers_on_rank - moe_on_rank) * (layer_params_split(ctx) / tp + layer_params_replicated(ctx))
+              + moe_on_rank * (moe_layer_params_split(ctx) / tp + moe_layer_params_replicated(ctx)))
     vocab_rows = padded_vocab(ctx, tp) / tp * ctx.hidden
     first = np.where(pp_rank == 0, vocab_rows + ctx.position_params, 0.0)
     head = np.where(ctx.tied & (pp == 1), 0.0, vocab_rows)
@@ -50,28 +71,44 @@ def stage_params(ctx: CostContext, tp, pp, pp_rank, layers_on_rank):
     return layers + first + last
 
 
-def model_states(ctx: CostContext, params, dp, zero) -> dict:
+def model_states(ctx: CostContext, params, dp, zero, expert_params=0.0, edp=1.0) -> dict:
     """Bytes of weights, gradients and optimizer states on one rank under ZeRO stage `zero`:
-    1 shards the optimizer over dp, 2 also the gradients, 3 also the weights (ZeRO paper, Fig. 1)."""
-    return {
-        "weights": params * ctx.weight_bytes / np.where(zero >= 3, dp, 1.0),
-        "gradients": params * ctx.grad_bytes / np.where(zero >= 2, dp, 1.0),
-        "optimizer": params * ctx.optim_bytes / np.where(zero >= 1, dp, 1.0),
-    }
+    1 shards the optimizer over dp, 2 also the gradients, 3 also the weights (ZeRO paper, Fig. 1).
+    The routed experts' parameters (`expert_params`) shard the same way over the expert-data-
+    parallel group `edp` = dp*cp/ep instead (Megatron-Core's distributed optimizer shards expert
+    parameters over expert_data_parallel_group)."""
+    def part(per_param, stage):
+        return (params * per_param / np.where(zero >= stage, dp, 1.0)
+                + expert_params * per_param / np.where(zero >= stage, edp, 1.0))
+    return {"weights": part(ctx.weight_bytes, 3), "gradients": part(ctx.grad_bytes, 2),
+            "optimizer": part(ctx.optim_bytes, 1)}
 
 
 def model_state_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, pp_rank: int) -> dict:
-    """Exact bytes of weights, gradients and optimizer states ONE rank of stage `pp_rank` holds."""
+    """Exact bytes of weights, gradients and optimizer states ONE rank of stage `pp_rank` holds
+    (the shared accounting contract: dense part over dp*cp, routed experts over dp*cp/ep)."""
     ctx = make_context(None, model, training)
-    layers = _rank_layers(layout, model.layers, pp_rank)
-    params = stage_params(ctx, float(layout.tp), float(layout.pp), float(pp_rank), float(layers))
-    states = model_states(ctx, params, float(layout.dp * layout.cp), float(layout.zero))
+    layers, moe = rank_layer_counts(model, layout, pp_rank)
+    params = stage_params(ctx, float(layout.tp), float(layout.pp), float(pp_rank), float(layers), float(moe))
+    experts = moe * expert_rank_params(ctx, float(layout.tp), float(layout.ep))
+    dp_cp = float(layout.dp * layout.cp)
+    states = model_states(ctx, params, dp_cp, float(layout.zero), experts, dp_cp / layout.ep)
     return {k: float(v) for k, v in states.items()}
 
 
-def _rank_layers(layout: Layout, layers: int, pp_rank: int) -> int:
-    """Layers on pipeline rank `pp_rank`: its chunks pp_rank, pp_rank + pp, ..."""
-    return sum(layout.stage_layers(layers)[pp_rank::layout.pp])
+def chunk_moe_layers(model: ModelSpec, chunks: tuple[int, ...]) -> list[int]:
+    """MoE layers in each virtual stage of a split (`chunks`: layers per stage, in order)."""
+    out, start = [], 0
+    for n in chunks:
+        out.append(sum(model.is_moe_layer(i) for i in range(start, start + n)))
+        start += n
+    return out
+
+
+def rank_layer_counts(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[int, int]:
+    """(layers, MoE layers) on pipeline rank `pp_rank`: its chunks pp_rank, pp_rank + pp, ..."""
+    chunks = layout.stage_layers(model.layers)
+    return sum(chunks[pp_rank::layout.pp]), sum(chunk_moe_layers(model, chunks)[pp_rank::layout.pp])
 
 
 # ---- activations ---------------------------------------------------------------------------
@@ -87,6 +124,32 @@ def layer_activation_bytes(ctx: CostContext, la: LayoutArrays):
     return (replicated + attention + mlp) * ctx.act_bytes / 2
 
 
+def routed_tokens(ctx: CostContext, la: LayoutArrays):
+    """Token copies the local experts of one rank compute per micro-batch: top_k * tokens on
+    average (each of the ep ranks of an expert-parallel group routes top_k * tokens copies, and a
+    rank's experts / ep local experts get 1/ep of them), times the load of the busiest rank
+    (`CostContext.moe_load`: the capacity factor, or the imbalance prior). With expert tensor
+    parallelism every tp rank of an expert computes all its tokens (on its share of the FFN)."""
+    return ctx.top_k * ctx.seq * la.mb_share * ctx.moe_load
+
+
+def moe_layer_activation_bytes(ctx: CostContext, la: LayoutArrays):
+    """Bytes one MoE layer stores for one micro-batch without recompute: the dense layer's
+    norm/attention terms, the shared experts as a dense MLP of their width, the routed experts'
+    FFN activations for the `routed_tokens` they compute (split by tp), the permuted tokens each
+    way (the experts' input and their output before the combine, routed x h, whole on every tp
+    rank: Megatron-Core MoEAlltoAllTokenDispatcher keeps both for the backward) and the router's
+    logits and probabilities (tokens x experts, sequence-split under sequence parallelism)."""
+    sb = ctx.seq * la.mb_share
+    replicated = 10 * sb * ctx.hidden / la.sp_div
+    attention = 2 * sb * (2 * ctx.q_dim + 2 * ctx.kv_dim) / la.tp
+    shared = 2 * sb * ctx.shared_ffn * ctx.mlp_mats / la.tp
+    routed = routed_tokens(ctx, la)
+    experts = 2 * routed * ctx.expert_ffn * ctx.mlp_mats / la.tp
+    dispatch = 2 * routed * ctx.hidden + 2 * sb * ctx.experts / la.sp_div  # elements
+    return (replicated + attention + shared + experts) * ctx.act_bytes / 2 + dispatch * ctx.act_bytes
+
+
 def in_flight(la: LayoutArrays, pp_rank):
     """Micro-batches whose activations rank `pp_rank` holds at its peak, in units of its full
     stage: p - r under 1F1B (Narayanan et al. 2021); with v chunks Megatron warms up
@@ -96,29 +159,48 @@ def in_flight(la: LayoutArrays, pp_rank):
     return np.minimum(np.where(la.vpp > 1, interleaved, plain), la.m)
 
 
-def stage_activation_bytes(ctx: CostContext, la: LayoutArrays, pp_rank, layers_on_rank):
+def stage_activation_bytes(ctx: CostContext, la: LayoutArrays, pp_rank, layers_on_rank, moe_on_rank=0.0):
     """Activations at the peak of rank `pp_rank`: in-flight micro-batches times its layers
-    (full recompute keeps only each layer's input, 2*s*B*h, plus one layer's working set), and
-    the fp32 logits of one micro-batch on the last stage (its seq / cp tokens with context parallelism)."""
+    (full recompute keeps only each layer's input, 2*s*B*h, plus one layer's working set: the
+    larger of a dense and an MoE layer where it has both), and the fp32 logits of one micro-batch
+    on the last stage (its seq / cp tokens with context parallelism)."""
+    full = la.recompute >= RECOMPUTE_CODES["full"]
     per_layer = layer_activation_bytes(ctx, la)
+    per_moe = moe_layer_activation_bytes(ctx, la) if ctx.moe_layers else per_layer
     checkpoint = 2 * ctx.seq * la.mb_share * ctx.hidden / la.sp_div * ctx.act_bytes / 2
-    stored = np.where(la.recompute >= RECOMPUTE_CODES["full"], checkpoint, per_layer)
-    working = np.where(la.recompute >= RECOMPUTE_CODES["full"], per_layer, 0.0)
-    acts = in_flight(la, pp_rank) * layers_on_rank * stored + working
+    stored = np.where(full, checkpoint, per_layer)
+    stored_moe = np.where(full, checkpoint, per_moe)
+    largest = np.where(moe_on_rank > 0, np.maximum(per_layer, per_moe), per_layer)
+    working = np.where(full, largest, 0.0)
+    acts = in_flight(la, pp_rank) * ((layers_on_rank - moe_on_rank) * stored + moe_on_rank * stored_moe) + working
     logits = ctx.seq * la.mb_share * padded_vocab(ctx, la.tp) / la.tp * LOGITS_BYTES
     return acts + np.where(pp_rank == la.pp - 1, logits, 0.0)
 
 
 def buffer_bytes(ctx: CostContext, la: LayoutArrays):
     """Communication buffers: pipeline send/receive (forward and backward), the sequence-parallel
-    all-gather output, under ZeRO-3 two gathered layers (one in use, one prefetched), and with
-    context parallelism the ring's K/V buffers (`cp_ring_buffer_bytes`)."""
+    all-gather output, under ZeRO-3 two gathered layers (one in use, one prefetched; for an MoE
+    model the larger of a dense layer and an MoE layer with its local experts), with context
+    parallelism the ring's K/V buffers (`cp_ring_buffer_bytes`), and with expert parallelism the
+    all-to-all's send and receive buffers of one MoE layer (`ep_a2a_buffer_bytes`)."""
     boundary = ctx.seq * la.mb_share * ctx.hidden * ctx.act_bytes
     p2p = np.where(la.pp > 1, 2 * boundary / la.sp_div, 0.0)
     sp_gather = np.where(la.sp > 0, boundary, 0.0)
     layer_full = (layer_params_split(ctx) / la.tp + layer_params_replicated(ctx)) * ctx.weight_bytes
+    if ctx.moe_layers:
+        moe_full = (moe_layer_params_split(ctx) / la.tp + moe_layer_params_replicated(ctx)
+                    + expert_rank_params(ctx, la.tp, la.ep)) * ctx.weight_bytes
+        layer_full = np.maximum(layer_full, moe_full)
+        p2p = p2p + np.where(la.ep > 1, ep_a2a_buffer_bytes(ctx, la), 0.0)
     return (p2p + sp_gather + np.where(la.zero >= 3, 2 * layer_full, 0.0)
             + np.where(la.cp > 1, cp_ring_buffer_bytes(ctx, la), 0.0))
+
+
+def ep_a2a_buffer_bytes(ctx: CostContext, la: LayoutArrays):
+    """One MoE layer's dispatch all-to-all: the send and the receive buffer of the routed tokens
+    a rank exchanges (its sequence-parallel share: top_k * tokens / sp_div copies of h elements,
+    at the busiest rank's load)."""
+    return 2 * routed_tokens(ctx, la) * ctx.hidden / la.sp_div * ctx.act_bytes
 
 
 CP_RING_BUFFERS = 4  # K/V-chunk-sized buffers at the ring's peak (the backward), see cp_ring_buffer_bytes
@@ -134,15 +216,19 @@ def cp_ring_buffer_bytes(ctx: CostContext, la: LayoutArrays):
     return CP_RING_BUFFERS * chunk
 
 
-def stage_memory(ctx: CostContext, la: LayoutArrays, pp_rank, layers_on_rank) -> dict:
-    """Every memory category of one rank of pipeline rank `pp_rank`, and their total."""
-    params = stage_params(ctx, la.tp, la.pp, pp_rank, layers_on_rank)
-    out = model_states(ctx, params, la.grad_ranks, la.zero)
-    out["activations"] = stage_activation_bytes(ctx, la, pp_rank, layers_on_rank)
+def stage_memory(ctx: CostContext, la: LayoutArrays, pp_rank, layers_on_rank, moe_on_rank=0.0) -> dict:
+    """Every memory category of one rank of pipeline rank `pp_rank` holding `layers_on_rank`
+    layers of which `moe_on_rank` are MoE layers, and their total; `params` is the dense part,
+    `expert_params` the routed experts' (ZeRO-sharded over dp*cp and dp*cp/ep respectively)."""
+    params = stage_params(ctx, la.tp, la.pp, pp_rank, layers_on_rank, moe_on_rank)
+    experts = moe_on_rank * expert_rank_params(ctx, la.tp, la.ep) if ctx.moe_layers else 0.0 * params
+    out = model_states(ctx, params, la.grad_ranks, la.zero, experts, la.expert_grad_ranks)
+    out["activations"] = stage_activation_bytes(ctx, la, pp_rank, layers_on_rank, moe_on_rank)
     out["buffers"] = buffer_bytes(ctx, la) + 0.0 * pp_rank
     out["reserve"] = np.full_like(out["buffers"], ctx.reserve_bytes)
     out["total"] = sum(out[k] for k in ("weights", "gradients", "optimizer", "activations", "buffers", "reserve"))
     out["params"] = params
+    out["expert_params"] = experts
     return out
 
 

@@ -15,6 +15,7 @@ MEMORY_LABELS = {"weights": "weights", "gradients": "gradients", "optimizer": "o
                  "reserve": "reserve (context, NCCL, fragmentation)"}
 TIME_LABELS = {"compute": "compute (forward + backward)", "recompute": "recompute",
                "bubble": "pipeline bubble", "tp_comm": "TP communication", "pp_comm": "PP communication",
+               "ep_comm": "EP all-to-all (MoE dispatch/combine, exposed)",
                "overhead": "host overhead (kernel launches)",
                "dp_comm": "DP communication (exposed)", "zero_comm": "ZeRO-3 gathers (exposed)",
                "optimizer": "optimizer step"}
@@ -37,6 +38,8 @@ def time_table(est) -> Table:
     table.add_column("time", justify="right")
     table.add_column("share", justify="right")
     for key in TIME_TERMS:
+        if key == "ep_comm" and est.layout.get("ep", 1) == 1 and not est.time_s[key]:
+            continue  # no expert parallelism: no all-to-all row
         table.add_row(TIME_LABELS[key], ms(est.time_s[key]), f"{est.time_s[key] / est.step_time_s:.1%}")
     table.add_row("[bold]step[/bold]", f"[bold]{ms(est.step_time_s)}[/bold]", "100%")
     return table
@@ -56,7 +59,8 @@ def summary_lines(est, cluster, model, training) -> list[str]:
 
 def _layout_text(layout: dict) -> str:
     cp = [f"cp {layout['cp']}"] if layout.get("cp", 1) > 1 else []
-    parts = [f"tp {layout['tp']}", f"pp {layout['pp']}", f"dp {layout['dp']}", *cp, f"micro-batch {layout['micro_batch']}"]
+    ep = [f"ep {layout['ep']}"] if layout.get("ep", 1) > 1 else []
+    parts = [f"tp {layout['tp']}", f"pp {layout['pp']}", f"dp {layout['dp']}", *cp, *ep, f"micro-batch {layout['micro_batch']}"]
     if layout["vpp"] > 1:
         parts.append(f"vpp {layout['vpp']}")
     parts += [f"ZeRO {layout['zero']}", f"recompute {layout['recompute']}"]

@@ -350,7 +350,7 @@ class Explanation:
 
 # the labels of the explain table's time rows, one per term `ranking.EXPLAINED_TERMS` compares
 EXPLAIN_TIME_LABELS = {"compute": "compute", "recompute": "recompute", "bubble": "bubble", "tp_comm": "TP comm",
-                       "pp_comm": "PP comm", "dp_comm": "DP comm", "zero_comm": "ZeRO comm", "optimizer": "optimizer"}
+                       "pp_comm": "PP comm", "ep_comm": "EP all-to-all", "dp_comm": "DP comm", "zero_comm": "ZeRO comm", "optimizer": "optimizer"}
 EXPLAIN_ROWS = ((("tokens/s", "tokens_per_s"), ("step time", "step_time_s"))
                 + tuple((EXPLAIN_TIME_LABELS[t], seconds_column(t)) for t in ranking.EXPLAINED_TERMS)
                 + (("peak memory", "peak_memory_bytes"), ("MFU", "mfu")))
@@ -406,7 +406,8 @@ def print_explanation(ex: Explanation, console: Console | None = None, engine: b
     table = Table(title=f"explain: {r.layout(ex.row).short()} against the best, {r.layout(ex.best).short()}")
     for header in ("term", "this layout", "best", "difference"):
         table.add_column(header, justify="left" if header == "term" else "right")
-    for label, key in (row for row in EXPLAIN_ROWS if row[1] in m):
+    moe_only = () if r.model.moe is not None else (seconds_column("ep_comm"),)  # no all-to-all row for dense models
+    for label, key in (row for row in EXPLAIN_ROWS if row[1] in m and row[1] not in moe_only):
         this, best = float(m[key][ex.row]), float(m[key][ex.best])
         diff = _fmt(key, this - best) if key != "mfu" else f"{(this - best) * 100:+.1f} pts"
         table.add_row(label, _fmt(key, this), _fmt(key, best), diff)

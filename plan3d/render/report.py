@@ -18,7 +18,8 @@ from plan3d.vocab import TIME_TERMS
 # row of its own here (the shares are of the whole step, overhead included).
 BREAKDOWN_TERMS = tuple(t for t in TIME_TERMS if t != "overhead")
 TIME_LABELS = {"compute": "compute", "recompute": "recompute", "bubble": "pipeline bubble",
-               "tp_comm": "TP comm", "pp_comm": "PP comm", "dp_comm": "DP comm (exposed)",
+               "tp_comm": "TP comm", "pp_comm": "PP comm", "ep_comm": "EP all-to-all (exposed)",
+               "dp_comm": "DP comm (exposed)",
                "zero_comm": "ZeRO-3 gathers (exposed)", "optimizer": "optimizer step"}
 
 

@@ -53,6 +53,8 @@ class CanRun(SpecModel):
                                          "embedding and the output layer count as pipeline layers "
                                          "(Megatron-DeepSpeed `partition-method type:transformer|embedding`).")
     context_parallel: bool = False
+    expert_parallel: bool = Field(False, description="Expert parallelism for mixture-of-experts models "
+                                  "(ep > 1: each MoE layer's experts split over ep of the dp*cp ranks).")
 
     @field_validator("orders")
     @classmethod
@@ -86,6 +88,9 @@ class RunsAs(SpecModel):
     tp_overlap_fraction: float = bounded(0.0, FRACTION, description="Share of the tensor-parallel "
                                        "collectives hidden behind the layer's GEMMs (Megatron-Core --tp-comm-overlap "
                                        "with Transformer Engine userbuffers); 0: blocking.")
+    ep_overlap_fraction: float = bounded(0.0, FRACTION, description="Share of the expert-parallel all-to-alls "
+                                         "(MoE dispatch and combine) hidden behind compute (Megatron-Core "
+                                         "--overlap-moe-expert-parallel-comm with the 1F1B A2A overlap); 0: exposed.")
     fused: list[Text] = Field(default_factory=list, description="Fused kernels (documentation).")
 
 
@@ -168,6 +173,8 @@ class EngineSpec(SpecModel):
             out.append(f"{name} places ranks only as {' or '.join(can.orders)}; set the order to one of them")
         if layout.cp > 1 and not can.context_parallel:
             out.append(f"{name} has no context parallelism in plan3d's model: use cp=1")
+        if getattr(layout, "ep", 1) > 1 and not can.expert_parallel:
+            out.append(f"{name} has no expert parallelism: use ep=1")
         if layout.pp_layers is not None and len(set(layout.pp_layers)) > 1 and can.uneven_pipeline == "none":
             out.append(f"{name} splits layers evenly over pipeline stages only: drop pp_layers")
         return out

@@ -1,0 +1,76 @@
+"""Time of a mixture-of-experts layer: its GEMMs at the tokens each local expert gets, the router,
+the token permutation, and the expert-parallel all-to-alls.
+
+Expert parallelism as Megatron-Core runs it (Shazeer et al. 2017; Lepikhin et al. 2020, GShard;
+Megatron-Core MoELayer with MoEAlltoAllTokenDispatcher): the ep ranks of an expert-parallel group
+(carved out of dp x cp) each hold experts / ep experts of every MoE layer; a rank's router picks
+top_k experts per token, the dispatch all-to-all sends each token copy to the rank holding its
+expert, the local experts run as a grouped GEMM, and the combine all-to-all brings the outputs
+back. Expert tensor parallelism equals tp (each expert's FFN split like the dense MLP).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from plan3d.cost import comm
+from plan3d.cost.arrays import LayoutArrays
+from plan3d.cost.compute import (ATTENTION_GEMMS, gemm_s, layer_attention_flops, linear_s,
+                                 memory_bound_s)
+from plan3d.cost.context import CostContext
+from plan3d.cost.memory import routed_tokens
+
+A2A_PER_LAYER_PASS = 2  # dispatch and combine, in the forward; their transposes in the backward
+
+
+def moe_layer_forward_s(ctx: CostContext, la: LayoutArrays):
+    """Forward time of one MoE layer for one micro-batch on one rank (no communication).
+
+    GEMMs: attention as in a dense layer; the shared experts as a dense MLP of their width; the
+    router, h x experts per token (sequence-split under sequence parallelism); the local experts
+    as experts/ep GEMM pairs (fused up+gate, down) over the rank's `routed_tokens` -- each pair
+    priced by the saturating GEMM curve at its own size (top_k * tokens * ep / experts tokens per
+    expert), so small experts run further below the ceiling than the dense MLP. Memory-bound
+    work: the dense layer's elementwise terms at the MoE widths, the router's softmax/top-k over
+    tokens x experts, and the permutation: every routed copy read and written once to gather it
+    by expert before the dispatch and once more to restore token order after the combine."""
+    tokens = la.mb_share * ctx.seq
+    routed = routed_tokens(ctx, la)
+    h, mats = ctx.hidden, ctx.mlp_mats
+    attention_linear = 2 * tokens * ctx.attn_weight_params / la.tp
+    shared = 2 * tokens * mats * h * ctx.shared_ffn / la.tp
+    experts = 2 * routed * mats * h * ctx.expert_ffn / la.tp
+    linear = linear_s(ctx, attention_linear + shared + experts,
+                      2 + ctx.attn_extra_gemms + (2 if ctx.shared_ffn else 0) + 2 * ctx.experts / la.ep)
+    router = gemm_s(ctx, 2 * tokens * h * ctx.experts / la.sp_div, 1)
+    scores = gemm_s(ctx, layer_attention_flops(ctx, la.mb_share) / la.tp, ATTENTION_GEMMS)
+    elements = (tokens * h / la.sp_div + tokens * (ctx.q_dim + 2 * ctx.kv_dim + mats * ctx.shared_ffn) / la.tp
+                + routed * mats * ctx.expert_ffn / la.tp + tokens * ctx.experts / la.sp_div)
+    permute = memory_bound_s(ctx, 2 * routed * h / la.sp_div, 2 * ctx.act_bytes)
+    score_traffic = memory_bound_s(ctx, la.mb_share * ctx.heads / la.tp * ctx.seq**2, ctx.attention_score_bytes)
+    return (linear + router + scores + permute + score_traffic
+            + memory_bound_s(ctx, elements, ctx.elementwise_bytes))
+
+
+def ep_a2a_bytes(ctx: CostContext, la: LayoutArrays):
+    """Bytes one rank holds for one dispatch (or combine) all-to-all: its routed token copies of
+    h elements, top_k * tokens * h at the busiest rank's load, sequence-split under sequence
+    parallelism (Megatron-Core dispatches the sequence-parallel shard, then all-gathers the
+    tokens over the expert tensor-parallel group); (ep - 1) / ep of it leaves the rank."""
+    return routed_tokens(ctx, la) * ctx.hidden / la.sp_div * ctx.act_bytes
+
+
+def all_to_all_s(size_bytes, n, bytes_per_s, latency_s):
+    """Pairwise all-to-all of `size_bytes` per rank over `n` ranks: (n-1)/n of it leaves each rank,
+    in n-1 exchanges (Thakur et al. 2005, pairwise exchange): the volume and hops of a ring
+    all-gather, priced with the ep link's all-gather bandwidth and latency."""
+    return comm.all_gather_s(size_bytes, n, bytes_per_s, latency_s)
+
+
+def ep_comm_s(ctx: CostContext, la: LayoutArrays, ep_link, full_recompute):
+    """Exposed seconds of one MoE layer's all-to-alls per micro-batch: dispatch and combine in the
+    forward, the same two in the backward, and again in a full recompute's forward; each hidden
+    by `ep_overlap_fraction` (0 by default: Megatron-Core 0.19 overlaps them only with
+    --overlap-moe-expert-parallel-comm, torchtitan 0.3 not at all)."""
+    one = all_to_all_s(ep_a2a_bytes(ctx, la), la.ep, *ep_link)
+    count = 2 * A2A_PER_LAYER_PASS + np.where(full_recompute, A2A_PER_LAYER_PASS, 0)
+    return np.where(la.ep > 1, count * one * (1 - ctx.ep_overlap_fraction), 0.0)

@@ -138,7 +138,7 @@ def candidates(run: Run, engine) -> list[Layout]:
     per_replica = run.training.global_batch // run.knobs["dp"]
     choices = {
         "micro_batch": [b for b in (1, 2, 4, 8, 16) if per_replica % b == 0],
-        "vpp": [v for v in (1, 2, 3, 4, 6, 8) if v == 1 or engine.can_run.interleaving],
+        "vpp": [v for v in run.vpp_choices or (1, 2, 3, 4, 6, 8) if v == 1 or engine.can_run.interleaving],
         "recompute": list(engine.can_run.recompute),
         "sequence_parallel": [False, True] if engine.can_run.sequence_parallel else [False],
     }

@@ -56,6 +56,7 @@ class Run:
     measured_s: float
     how_measured: str
     pair_of: str | None = None  # held-out FP8 rows: the BF16 run they are compared with
+    vpp_choices: tuple[int, ...] | None = None  # interleaving depths to try when unstated (None: 1, 2, 3, 4, 6, 8)
 
 
 def load(path: Path = DATA) -> tuple[list[Run], list[tuple[str, str]]]:
@@ -243,7 +244,16 @@ def extra_to_run(row: dict) -> Run:
         raise Excluded(f"layout not expressible: {str(err).splitlines()[-1].strip()}") from None
     return Run(id=row["id"], source=row["source"]["ref"], engine="megatron-core", cluster=EXTRA_CLUSTERS[gpu],
                gpus=int(row["hardware"]["num_gpus"]), model=model, training=training, knobs=knobs, unknown=unknown,
-               measured_s=measured[0], how_measured=measured[1], pair_of=row.get("pair_of"))
+               measured_s=measured[0], how_measured=measured[1], pair_of=row.get("pair_of"),
+               vpp_choices=vpp_depths(model.layers, knobs["pp"]))
+
+
+def vpp_depths(layers: int, pp: int) -> tuple[int, ...]:
+    """Interleaving depths Megatron-Core can run on an even split: the divisors of layers / pp
+    (its MoE README: 'the legal values of vpp_size are all common divisors of num_layers/pp_size';
+    Mixtral 8x22B's reference mapping uses 7)."""
+    per_rank = layers // pp if layers % pp == 0 else 1
+    return tuple(v for v in range(1, per_rank + 1) if per_rank % v == 0)
 
 
 def extra_gpu_kind(text: str) -> str:

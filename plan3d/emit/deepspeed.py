@@ -33,6 +33,20 @@ which PipelineEngine's `assert self.dp_world_size == self.grid.data_parallel_siz
 and runtime/precision_config.py, and refuses Apex "amp"; its ops/fp_quantizer FP8 GEMM is a
 quantization kernel no config key turns on for training), so an fp8 plan would
 silently train in bf16 at a slower step than predicted.
+
+Mixture of experts (checked against 0.19.8): with ep = 1 no key is needed (the Hugging Face
+model computes every expert on every rank; AutoTP splits the expert linears like the dense MLP,
+module_inject/auto_tp.py, and leaves the router whole, as plan3d counts them). With ep > 1 the
+config-only path is AutoEP, `"expert_parallel": {"enabled": true, "autoep_size": ep}`
+(runtime/config.py `get_expert_parallel_config`, module_inject/auto_ep_config.py): at
+`deepspeed.initialize` it replaces the MoE blocks of a Hugging Face model of a family with a preset
+(auto_ep_presets: mixtral, qwen3_moe, qwen3_5_moe, deepseek_v2, deepseek_v3, minimax_m3) by
+expert-parallel layers; its groups (utils/groups.py `_create_expert_and_data_parallel`, tp = 1):
+ep groups of consecutive ranks inside each pipeline stage, expert data parallel strided by ep,
+plan3d's "ep" and "edp" groups. Refused, naming the reason: ep > 1 with tp > 1 (AutoEP keeps
+each expert whole, `expert_tensor_parallel_size` must be 1, auto_ep_folding.py
+`validate_folding_global`, where plan3d splits experts over tp), and ep > 1 with a capacity factor
+(AutoEP routes dropless: auto_ep_layer.py builds no capacity and drops nothing).
 """
 from __future__ import annotations
 
@@ -53,6 +67,23 @@ def refuse_fp8(plan: Plan) -> None:
         raise InfeasibleError(f"DeepSpeed {VERSIONS} has no FP8 training in its config (its precision sections "
                               "are fp16, bf16 and torch_autocast): re-plan with --precision bf16, or emit "
                               "megatron or torchtitan for fp8")
+
+
+def refuse_moe(plan: Plan) -> None:
+    """What DeepSpeed 0.19 cannot run of a MoE plan with expert parallelism (AutoEP)."""
+    moe, layout = plan.model.moe, plan.layout
+    if layout.ep == 1:
+        return
+    if moe is None:
+        raise InfeasibleError(f"DeepSpeed {VERSIONS}'s expert parallelism (AutoEP) replaces MoE layers; "
+                              f"{plan.model.name} has none: set ep=1 or give the model spec a moe")
+    if layout.tp > 1:
+        raise InfeasibleError(f"DeepSpeed {VERSIONS}'s AutoEP keeps each expert whole (expert_parallel."
+                              "expert_tensor_parallel_size must be 1) and plan3d splits experts over "
+                              f"tp={layout.tp}: re-plan with tp=1, or emit megatron (expert tensor parallel = tp)")
+    if moe.capacity_factor is not None:
+        raise InfeasibleError(f"DeepSpeed {VERSIONS}'s AutoEP routes dropless (no capacity factor key); the model "
+                              f"spec has capacity_factor={moe.capacity_factor:g}: drop it, or emit megatron")
 
 
 def model_dtype(plan: Plan) -> str:
@@ -84,6 +115,8 @@ def ds_config(plan: Plan) -> dict:
     config["data_types"] = {"grad_accum_dtype": grad_accum_dtype(plan)}
     if layout.tp > 1:
         config["tensor_parallel"] = {"autotp_size": layout.tp}
+    if layout.ep > 1:
+        config["expert_parallel"] = {"enabled": True, "autoep_size": layout.ep}
     return config
 
 
@@ -108,15 +141,32 @@ def _notes(plan: Plan) -> list[str]:
         optimizer = "without ZeRO" if layout.zero == 0 else "at ZeRO-1 with bf16 and fp32 accumulation (BF16_Optimizer)"
         notes.append(f"DeepSpeed all-reduces gradients after the last backward {optimizer}; the time model "
                      "assumes the reduction overlapped with the backward: expect the step to take longer")
+    notes += _moe_notes(plan)
     if layout.recompute != "none":
         notes.append(f"recompute={layout.recompute}: wrap layers with deepspeed.checkpointing.checkpoint "
                      "(or activation_checkpoint_interval=1 in PipelineModule); DeepSpeed has no config switch")
     return notes
 
 
+def _moe_notes(plan: Plan) -> list[str]:
+    moe, layout = plan.model.moe, plan.layout
+    if moe is None:
+        return []
+    if layout.ep > 1:
+        return [f"expert_parallel.autoep_size={layout.ep}: AutoEP finds the MoE blocks of a Hugging Face model of "
+                "a preset family (mixtral, qwen3_moe, qwen3_5_moe, deepseek_v2, deepseek_v3, minimax_m3); for "
+                "another model set expert_parallel's moe_layer_pattern, router_pattern and expert_pattern keys"]
+    note = "ep=1: every rank computes all experts with the model's own MoE code (no expert_parallel key)"
+    if moe.capacity_factor is not None:
+        note += (f"; the model code decides token dropping, the plan's capacity_factor={moe.capacity_factor:g} "
+                 "is not a DeepSpeed setting")
+    return [note]
+
+
 def emit_deepspeed(plan: Plan) -> Emitted:
     """The config as JSON, with the settings that live in user code as notes."""
     _, notes = target_engine(plan, PROFILE, VERSIONS)
     refuse_fp8(plan)
+    refuse_moe(plan)
     text = json_text(ds_config(plan), indent=2) + "\n"
     return Emitted(text, notes + _notes(plan))

@@ -310,3 +310,96 @@ def test_the_moe_matrix_has_both_outcomes():
             outcomes[case.name] = "refused"
     assert {name for name, outcome in outcomes.items() if outcome == "refused"} == set(REFUSALS)
     assert sum(outcome == "emitted" for outcome in outcomes.values()) >= 10
+
+
+# ---- DeepSpeed 0.19.8: AutoEP (`expert_parallel`) ----------------------------------------------------
+AUTOEP_CASES = ["mixtral-ep8-dp8-zero1", "mixtral-ep4-dp8-zero3", "deepseek-ep8-dp16-full", "gpt-moe-ep4-dp8-bias"]
+
+
+@pytest.fixture(scope="module")
+def deepspeed():
+    return require("deepspeed")
+
+
+def deepspeed_expert_groups(plan: Plan) -> dict[str, set[tuple[int, ...]]]:
+    """DeepSpeed's own `_create_expert_and_data_parallel` (utils/groups.py, what AutoEP calls with
+    mp_size = 1) run as each rank of the plan's world, its communication layer replaced by one that
+    only records the groups: the ep and expert-data-parallel groups each rank ends up in."""
+    from deepspeed.utils import groups
+
+    layout, found = plan.layout, {"ep": set(), "edp": set()}
+    for rank in range(layout.world_size):
+        fake = mock.Mock(is_initialized=lambda: True, get_world_size=lambda group=None: layout.world_size,
+                         get_rank=lambda group=None, rank=rank: rank, new_group=lambda ranks: tuple(ranks))
+        with mock.patch.object(groups, "dist", fake), mock.patch.object(groups, "log_dist", lambda *a, **k: None), \
+                mock.patch.object(groups, "_EXPERT_PARALLEL_GROUP", {}), \
+                mock.patch.object(groups, "_EXPERT_DATA_PARALLEL_GROUP", {}), \
+                mock.patch.object(groups, "_EXPERT_PARALLEL_GROUP_RANKS", {}), \
+                mock.patch.object(groups, "_EXPERT_DATA_PARALLEL_GROUP_RANKS", {}):
+            groups._create_expert_and_data_parallel(layout.ep, mp_size=1, pp_size=layout.pp)
+            name = f"ep_size_{layout.ep}"
+            found["ep"].add(tuple(groups._EXPERT_PARALLEL_GROUP[name]))
+            found["edp"].add(tuple(groups._EXPERT_DATA_PARALLEL_GROUP[name]))
+    return found
+
+
+@pytest.mark.parametrize("name", AUTOEP_CASES)
+def test_deepspeed_autoep_section_with_the_plans_ep_and_groups(deepspeed, name, monkeypatch):
+    from deepspeed.module_inject.auto_ep_config import validate_autoep_config
+    from deepspeed.runtime import config as ds_config_module
+    from plan3d.emit.deepspeed import ds_config, refuse_moe
+
+    plan = build_moe(next(c for c in MOE_CASES if c.name == name))
+    layout = plan.layout
+    refuse_moe(plan)  # nothing to refuse
+    config = ds_config(plan)
+    monkeypatch.setattr(ds_config_module.dist, "get_rank", lambda group=None: 0)  # rank 0 of the plan's world
+    monkeypatch.setattr(ds_config_module.dist, "get_world_size", lambda group=None: layout.world_size)
+    parsed = ds_config_module.DeepSpeedConfig(config)
+    autoep = parsed.expert_parallel_config
+    assert autoep.enabled and autoep.autoep_size == layout.ep and autoep.expert_tensor_parallel_size == 1
+    validate_autoep_config(autoep, layout.world_size, layout.pp, 1, 1, zero_stage=layout.zero)
+    assert parsed.zero_optimization_stage == layout.zero
+    expected = {key: {tuple(g) for g in plan.rankmap.groups[key]} for key in ("ep", "edp")}
+    assert deepspeed_expert_groups(plan) == expected
+
+
+def test_deepspeed_refuses_expert_tensor_parallelism_as_autoep_does(deepspeed):
+    from deepspeed.module_inject.auto_ep_config import parse_autoep_config, validate_autoep_config
+    from plan3d.emit.deepspeed import refuse_moe
+
+    plan = build_moe(next(c for c in MOE_CASES if c.name == "mixtral-tp2-ep4-dp4-sp"))
+    with pytest.raises(InfeasibleError, match="keeps each expert whole"):
+        refuse_moe(plan)
+    layout = plan.layout  # what the plan needs: experts split over tp, i.e. expert tensor parallel = tp
+    wanted = parse_autoep_config({"enabled": True, "autoep_size": layout.ep, "expert_tensor_parallel_size": layout.tp})
+    with pytest.raises(ValueError, match="expert_tensor_parallel_size=2 is reserved"):
+        validate_autoep_config(wanted, layout.world_size, 1, layout.tp, 1)
+
+
+def test_deepspeed_refuses_a_capacity_factor_with_autoep(deepspeed):
+    """AutoEP's config has no capacity factor: the key is not read."""
+    from deepspeed.module_inject.auto_ep_config import parse_autoep_config
+    from plan3d.emit.deepspeed import refuse_moe
+
+    plan = build_moe(next(c for c in MOE_CASES if c.name == "mixtral-cf-ep2-dp8"))
+    with pytest.raises(InfeasibleError, match="dropless"):
+        refuse_moe(plan)
+    parsed = parse_autoep_config({"enabled": True, "autoep_size": 2, "capacity_factor": 1.25})
+    assert not any("capacity" in key for key in vars(parsed))
+
+
+def test_emit_deepspeed_follows_the_profile_on_expert_parallelism(deepspeed):
+    """emit deepspeed writes the AutoEP section where the deepspeed-0.19 profile can run ep > 1, and
+    otherwise refuses with the profile's sentence."""
+    import json
+
+    from plan3d.emit.deepspeed import PROFILE, emit_deepspeed
+    from plan3d.specs.catalog import load_engine
+
+    plan = build_moe(next(c for c in MOE_CASES if c.name == "mixtral-ep8-dp8-zero1"))
+    if getattr(load_engine(PROFILE).can_run, "expert_parallel", False):
+        assert json.loads(emit_deepspeed(plan).text)["expert_parallel"] == {"enabled": True, "autoep_size": 8}
+    else:
+        with pytest.raises(InfeasibleError, match="expert parallelism"):
+            emit_deepspeed(plan)

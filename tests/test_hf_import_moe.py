@@ -322,10 +322,10 @@ def test_llama4_interleaved_moe_layers_keep_the_count(tmp_path):
 
 # ---- what the spec cannot hold is named, never dropped ---------------------------------------------
 @pytest.mark.parametrize("name, fragments", [
-    ("deepseek-v3", ["num_nextn_predict_layers 1", "e_score_correction_bias", "n_group 8", "norm_topk_prob True",
+    ("deepseek-v3", ["num_nextn_predict_layers 1", "e_score_correction_bias", "n_group 8", "norm_topk_prob true",
                      "routed_scaling_factor 2.5"]),
     ("gpt-oss-20b", ["sliding_window 128 on 12 of 24 layers", f"{64 * 24:,} parameters", "swiglu_limit 7.0"]),
-    ("qwen3-30b-a3b", ["q_norm/k_norm", "norm_topk_prob True"]),
+    ("qwen3-30b-a3b", ["q_norm/k_norm", "norm_topk_prob true"]),
     ("llama-4-scout", ["no_rope_layers: 12 of 48"]),
 ])
 def test_unmodelled_fields_are_warned_by_name(tmp_path, name, fragments):
@@ -348,7 +348,7 @@ def test_a_window_only_counts_when_shorter_than_seq_len(tmp_path):
 
 @pytest.mark.parametrize("config, fragment", [
     (MIXTRAL_8X7B | {"num_experts_per_tok": None}, "num_local_experts 8 without num_experts_per_tok"),
-    (DEEPSEEK_V3 | {"scoring_func": "sqrtsoftplus"}, "scoring_func 'sqrtsoftplus'"),
+    (DEEPSEEK_V3 | {"scoring_func": "sqrtsoftplus"}, 'scoring_func "sqrtsoftplus"'),
     (DEEPSEEK_V3 | {"moe_layer_freq": [0, 1]}, "moe_layer_freq [0, 1] is not a whole number"),
     (DEEPSEEK_V3 | {"v_head_dim": None}, "v_head_dim"),
     (QWEN3_30B_A3B | {"mlp_only_layers": [48]}, "mlp_only_layers must list layer indices from 0 to 47"),

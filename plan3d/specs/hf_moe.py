@@ -27,6 +27,7 @@ layers, so parameter counts agree, and `layer_rule_warning` says where the layer
 """
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -57,8 +58,12 @@ MAX_LAYERS = 100_000  # ModelSpec.layers' bound: a larger value is refused by va
 
 
 def shown(value: Any) -> str:
-    """A config value as a message shows it: repr, control characters escaped, at most 40 characters."""
-    return printable(repr(value))[:40]
+    """A config value as a message shows it: as JSON writes it, control characters escaped, at most 40 characters."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):  # not JSON data (a caller's dict): Python's spelling
+        text = repr(value)
+    return printable(text)[:40]
 
 
 def _present(config: dict, names: tuple[str, ...]) -> tuple[str, Any] | None:

@@ -51,7 +51,7 @@ otherwise the same builder with the plan's layers, width, heads, KV heads, FFN a
 Refused (InfeasibleError, exit 1) with what to change: what the profile cannot run
 (`target_engine`), a model that is not Llama-shaped (torchtitan 0.3 has no LayerNorm/GELU/learned
 position decoder), tied embeddings with pp > 1 and fp16 (0.3 raises on both), a head dimension
-other than hidden / heads, experts.
+other than hidden / heads, experts (`moe_refusal` names what is missing).
 """
 from __future__ import annotations
 
@@ -139,8 +139,7 @@ def _check_expressible(plan: Plan) -> None:
             f"torchtitan {VERSIONS} has no decoder for {model.name} ({', '.join(unlike)}): its llama3 builder is "
             "SwiGLU / RMSNorm / RoPE without biases; emit megatron or deepspeed for this model")
     if model.moe is not None or layout.ep > 1:
-        raise InfeasibleError(f"torchtitan {VERSIONS}'s llama3 is dense: plan {model.name} without experts "
-                              "(ep=1), or emit megatron")
+        raise InfeasibleError(moe_refusal(plan))
     if model.head_dim_ * model.heads != model.hidden:
         raise InfeasibleError(f"torchtitan {VERSIONS}'s llama3 builder sets head dim = hidden / heads; "
                               f"{model.name} has {model.head_dim_} x {model.heads} != {model.hidden}")
@@ -152,6 +151,27 @@ def _check_expressible(plan: Plan) -> None:
         raise InfeasibleError(f"torchtitan {VERSIONS} trains in bf16 or fp32 (training.mixed_precision_param); "
                               "re-plan with --precision bf16")
     _check_schedule(plan)
+
+
+def moe_refusal(plan: Plan) -> str:
+    """Why this emitter writes no MoE job for torchtitan 0.3.0, naming what is missing.
+
+    0.3.0 builds MoE models only through its deepseek_v3, kimi_k2_7, qwen3, qwen3_5 and gpt_oss
+    recipes (models/*/__init__.py: MLA, QK-norm, hybrid-attention or attention-sink decoders), none the llama3
+    builder this emitter writes; and its expert parallelism (`parallelism.expert_parallel_degree`,
+    distributed/parallel_dims.py) takes the ep ranks from dp_shard x cp x tp, leaving each expert
+    whole (experts are split over tp only with ep = 1), where plan3d splits experts over tp."""
+    model, layout = plan.model, plan.layout
+    if model.moe is None:
+        return (f"torchtitan {VERSIONS}'s expert parallelism needs a MoE model; {model.name} has no experts: "
+                "set ep=1")
+    reasons = ["this emitter writes torchtitan's llama3 builder, and 0.3.0 builds MoE models only from its "
+               "deepseek_v3 / kimi_k2_7 / qwen3 / qwen3_5 / gpt_oss recipes"]
+    if layout.ep > 1 and layout.tp > 1:
+        reasons.append(f"its expert_parallel_degree takes ranks from tp and keeps experts whole, where plan3d "
+                       f"splits them over tp={layout.tp}")
+    return (f"torchtitan {VERSIONS} job for MoE model {model.name} is not written: " + "; ".join(reasons)
+            + "; emit megatron (or deepspeed) for it")
 
 
 def _check_schedule(plan: Plan) -> None:

@@ -166,7 +166,8 @@ def _shared(config: dict, kind: str, expert_width: int, source: str) -> tuple[in
     if kind == "llama4":
         return expert_width, False
     if kind == "qwen":
-        return _whole(config, "shared_expert_intermediate_size", source, 0), True
+        width = _whole(config, "shared_expert_intermediate_size", source, 0)
+        return width, width > 0  # HF Qwen2MoeSparseMoeBlock: the gate scales the shared expert's output
     shared_width = _whole(config, "shared_expert_intermediate_size", source, 0)
     if shared_width:  # a generic family that writes it Qwen's way
         return shared_width, False
@@ -202,7 +203,7 @@ def moe_fields(config: dict, model_type: str, layers: Any, dense_width: Any, sou
     shared_width, gate = _shared(config, kind["shared"], expert_width or 0, source)
     flags = hf_moe_layers(config, layers, source)
     if not any(flags):
-        return fields  # no layer routes: a dense model (moe_warnings says so)
+        return fields  # no layer routes: a dense model (hf_unmodelled.layer_rule_warning says so)
     first_dense, every = layer_rule(flags)
     moe = {"experts": experts, "top_k": top_k[1], "shared_ffn_hidden": shared_width, "shared_expert_gate": gate,
            "every": every, "first_dense_layers": first_dense, "router": _router(config, model_type, source)}

@@ -57,6 +57,7 @@ class Run:
     how_measured: str
     pair_of: str | None = None  # held-out FP8 rows: the BF16 run they are compared with
     vpp_choices: tuple[int, ...] | None = None  # interleaving depths to try when unstated (None: 1, 2, 3, 4, 6, 8)
+    measured_alt_s: float | None = None  # held-out: the step time under the other reading of the FLOP count
 
 
 def load(path: Path = DATA) -> tuple[list[Run], list[tuple[str, str]]]:
@@ -245,7 +246,8 @@ def extra_to_run(row: dict) -> Run:
     return Run(id=row["id"], source=row["source"]["ref"], engine="megatron-core", cluster=EXTRA_CLUSTERS[gpu],
                gpus=int(row["hardware"]["num_gpus"]), model=model, training=training, knobs=knobs, unknown=unknown,
                measured_s=measured[0], how_measured=measured[1], pair_of=row.get("pair_of"),
-               vpp_choices=vpp_depths(model.layers, knobs["pp"]))
+               vpp_choices=vpp_depths(model.layers, knobs["pp"]),
+               measured_alt_s=(row.get("derived") or {}).get("iteration_time_s_if_causal"))
 
 
 def vpp_depths(layers: int, pp: int) -> tuple[int, ...]:

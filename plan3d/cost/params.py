@@ -107,7 +107,9 @@ def total_params(model: ModelSpec) -> int:
 
 
 def active_params(model: ModelSpec) -> int:
-    """Parameters one token passes through (MoE: top_k routed experts per MoE layer; the
-    embedding and output layers counted whole, as DeepSeek and Mixtral report theirs)."""
+    """Parameters one token passes through (MoE: top_k routed experts per MoE layer), with the
+    embedding and output layers counted whole, as Mistral, Qwen and Meta report theirs. DeepSeek
+    and OpenAI leave the input embedding out of their active figures (V2-Lite 2.4B, gpt-oss-120b
+    5.13B): subtract `embedding_params` to compare with those."""
     layers = sum(active_layer_params(model, i) for i in range(model.layers))
     return layers + embedding_params(model) + output_params(model)

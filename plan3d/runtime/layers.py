@@ -17,13 +17,13 @@ from torch import nn
 from plan3d.runtime import tp as tpx
 
 
-def _tag(param: nn.Parameter, tp_dim: int | None, kind: str) -> nn.Parameter:
+def tag_param(param: nn.Parameter, tp_dim: int | None, kind: str) -> nn.Parameter:
     param.tp_dim, param.init_kind = tp_dim, kind
     return param
 
 
-def _param(*shape: int, tp_dim: int | None, kind: str) -> nn.Parameter:
-    return _tag(nn.Parameter(torch.empty(*shape)), tp_dim, kind)
+def make_param(*shape: int, tp_dim: int | None, kind: str) -> nn.Parameter:
+    return tag_param(nn.Parameter(torch.empty(*shape)), tp_dim, kind)
 
 
 class ColLinear(nn.Module):
@@ -31,8 +31,8 @@ class ColLinear(nn.Module):
 
     def __init__(self, d_in: int, d_out: int, tp: tpx.TPInfo, bias: bool):
         super().__init__()
-        self.weight = _param(d_out // tp.size, d_in, tp_dim=0, kind="normal")
-        self.bias = _param(d_out // tp.size, tp_dim=0, kind="zeros") if bias else None
+        self.weight = make_param(d_out // tp.size, d_in, tp_dim=0, kind="normal")
+        self.bias = make_param(d_out // tp.size, tp_dim=0, kind="zeros") if bias else None
 
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)
@@ -44,8 +44,8 @@ class RowLinear(nn.Module):
     def __init__(self, d_in: int, d_out: int, tp: tpx.TPInfo, bias: bool):
         super().__init__()
         self.tp = tp
-        self.weight = _param(d_out, d_in // tp.size, tp_dim=1, kind="proj")
-        self.bias = _param(d_out, tp_dim=None, kind="zeros") if bias else None
+        self.weight = make_param(d_out, d_in // tp.size, tp_dim=1, kind="proj")
+        self.bias = make_param(d_out, tp_dim=None, kind="zeros") if bias else None
 
     def forward(self, x):
         out = tpx.exit_(F.linear(x, self.weight), self.tp)

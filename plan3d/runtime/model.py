@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from plan3d.runtime import cp as cpx
 from plan3d.runtime import tp as tpx
-from plan3d.runtime.layers import ColLinear, RowLinear, _param, _tag
+from plan3d.runtime.layers import ColLinear, RowLinear, make_param, tag_param
 from plan3d.runtime.moe import MoE, EPInfo
 from plan3d.specs.model import ModelSpec
 
@@ -40,7 +40,7 @@ TIED = "embed.tok.weight"
 def _norm(model: ModelSpec) -> nn.Module:
     norm = nn.LayerNorm(model.hidden) if model.norm == "layernorm" else nn.RMSNorm(model.hidden, eps=1e-5)
     for name, p in norm.named_parameters():
-        _tag(p, None, "ones" if name == "weight" else "zeros")
+        tag_param(p, None, "ones" if name == "weight" else "zeros")
     return norm
 
 
@@ -144,11 +144,11 @@ class Embedding(nn.Module):
         super().__init__()
         self.tp, self.cp = tp, cp
         self.tok = nn.Module()
-        self.tok.weight = _param(model.vocab // tp.size, model.hidden, tp_dim=0, kind="normal")
+        self.tok.weight = make_param(model.vocab // tp.size, model.hidden, tp_dim=0, kind="normal")
         self.pos = None
         if model.position == "learned":
             self.pos = nn.Module()
-            self.pos.weight = _param(model.seq_len, model.hidden, tp_dim=None, kind="normal")
+            self.pos.weight = make_param(model.seq_len, model.hidden, tp_dim=None, kind="normal")
 
     def forward(self, tokens):
         x = tpx.vocab_embedding(tokens, self.tok.weight, self.tp)
@@ -175,7 +175,7 @@ class Head(nn.Module):
         self.out = None
         if own_weight:
             self.out = nn.Module()
-            self.out.weight = _param(model.vocab // tp.size, model.hidden, tp_dim=0, kind="normal")
+            self.out.weight = make_param(model.vocab // tp.size, model.hidden, tp_dim=0, kind="normal")
 
     def forward(self, x, tied_weight=None):
         weight = tied_weight if self.out is None else self.out.weight

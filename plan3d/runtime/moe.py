@@ -37,7 +37,7 @@ from torch import nn
 from torch.autograd import Function
 
 from plan3d.runtime import tp as tpx
-from plan3d.runtime.layers import ColLinear, RowLinear, _param
+from plan3d.runtime.layers import ColLinear, RowLinear, make_param
 from plan3d.specs.model import ModelSpec
 
 
@@ -141,8 +141,8 @@ class Expert(nn.Module):
         self.up = ColLinear(model.hidden, width, tp, model.bias)
         self.gate = ColLinear(model.hidden, width, tp, model.bias) if self.swiglu else None
         self.down = nn.Module()
-        self.down.weight = _param(model.hidden, width // tp.size, tp_dim=1, kind="proj")
-        self.down.bias = _param(model.hidden, tp_dim=None, kind="zeros") if model.bias else None
+        self.down.weight = make_param(model.hidden, width // tp.size, tp_dim=1, kind="proj")
+        self.down.bias = make_param(model.hidden, tp_dim=None, kind="zeros") if model.bias else None
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.act(self.gate(x)) * self.up(x) if self.swiglu else self.act(self.up(x))
@@ -163,7 +163,7 @@ class SharedExperts(nn.Module):
         self.scale = None
         if model.moe.shared_expert_gate:
             self.scale = nn.Module()
-            self.scale.weight = _param(1, model.hidden, tp_dim=None, kind="normal")
+            self.scale.weight = make_param(1, model.hidden, tp_dim=None, kind="normal")
             self.scale.weight.tp_full_grad = True
 
     def forward(self, x):
@@ -183,8 +183,8 @@ class MoE(nn.Module):
         self.outer_tp, self.tp, self.ep = tp, tpx.without_sequence_parallel(tp), ep
         self.n_experts, self.top_k, self.score = moe.experts, moe.top_k, moe.router
         self.router = nn.Module()
-        self.router.weight = _param(moe.experts, model.hidden, tp_dim=None, kind="normal")
-        self.router.bias = _param(moe.experts, tp_dim=None, kind="zeros") if model.bias else None
+        self.router.weight = make_param(moe.experts, model.hidden, tp_dim=None, kind="normal")
+        self.router.bias = make_param(moe.experts, tp_dim=None, kind="zeros") if model.bias else None
         _mark(self.router, tp_full_grad=True)
         width, local = moe.expert_ffn_hidden or model.ffn_hidden_, moe.experts // ep.size
         first = ep.rank * local

@@ -17,7 +17,7 @@ import numpy as np
 
 from plan3d.layout import Layout, short_order
 
-DECISION_KNOBS = ("tp", "pp", "dp", "cp", "micro_batch", "zero")
+DECISION_KNOBS = ("tp", "pp", "dp", "cp", "ep", "micro_batch", "zero")
 TIE_FRACTION = 0.02
 
 

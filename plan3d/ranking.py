@@ -56,7 +56,7 @@ def moving_parts(layouts: dict[str, np.ndarray]) -> np.ndarray:
     return ((layouts["zero"] > 0).astype(int) + layouts["zero"] // 3 + (layouts["recompute"] > 0)
             + (layouts["vpp"] > 1) + layouts["sequence_parallel"].astype(int) + (layouts["order"] > 0)
             + (layouts["pp"] > 1) + (layouts["tp"] > 1) + layouts["uneven"].astype(int)
-            + ((layouts["cp"] > 1) if "cp" in layouts else 0))
+            + ((layouts["cp"] > 1) if "cp" in layouts else 0) + ((layouts["ep"] > 1) if "ep" in layouts else 0))
 
 
 def memory_fraction(result: SearchResult) -> np.ndarray:
@@ -142,11 +142,11 @@ def why_wins(result: SearchResult, order: np.ndarray, objective: str = "throughp
 
 
 def other_degrees(result: SearchResult, rows: np.ndarray) -> int | None:
-    """The first of `rows` whose (tp, pp, dp, cp) differ from the first row's."""
+    """The first of `rows` whose (tp, pp, dp, cp, ep) differ from the first row's."""
     lay = result.layouts
     first = rows[0]
     differ = np.zeros(len(rows), dtype=bool)
-    for knob in ("tp", "pp", "dp", "cp"):
+    for knob in ("tp", "pp", "dp", "cp", "ep"):
         if knob in lay:
             differ |= lay[knob][rows] != lay[knob][first]
     hits = np.flatnonzero(differ)
@@ -333,7 +333,7 @@ def _recommend_instead(report: CheckReport, cluster, model, training, min_mfu, m
     if result.feasible_count:
         best = int(order[0])
         lay = result.layout(best)
-        report.recommended = {"layout": lay.model_dump(mode="json", exclude={"pp_layers", "cp", "ep"}),
+        report.recommended = {"layout": lay.model_dump(mode="json", exclude={"pp_layers", "cp"} | _unit_ep(lay)),
                               "tokens_per_s": float(result.metrics["tokens_per_s"][best]),
                               "mfu": float(result.metrics["mfu"][best])}
         knobs = ", ".join(f"{k}: {json.dumps(v)}" for k, v in report.recommended["layout"].items())
@@ -351,3 +351,8 @@ def _recommend_instead(report: CheckReport, cluster, model, training, min_mfu, m
         what, fix = f"fits and meets {' and '.join(flags)}", f"relax {' / '.join(flags)}, or {fix}"
     report.findings.append(Finding("error", f"no layout of {model.name} on {cluster.world_size} "
                                    f"{cluster.gpu.name} GPUs {what}", fix))
+
+
+def _unit_ep(layout) -> set[str]:
+    """{"ep"} when the layout has no expert parallelism (the field is then left out of the JSON)."""
+    return {"ep"} if layout.ep == 1 else set()

@@ -72,6 +72,9 @@ PpOpt = Annotated[int, typer.Option("--pp", help="Pipeline-parallel degree.")]
 DpOpt = Annotated[int, typer.Option("--dp", help="Data-parallel degree.")]
 CpOpt = Annotated[int, typer.Option("--cp", help="Context-parallel degree: each sequence split over cp GPUs "
                                     "(2*cp load-balanced chunks; the sequence length must divide into them).")]
+EpOpt = Annotated[int, typer.Option("--ep", help="Expert-parallel degree (mixture-of-experts models): each MoE "
+                                    "layer's experts split over ep of the dp*cp ranks; ep divides dp*cp and the "
+                                    "routed experts.")]
 MicroBatchOpt = Annotated[int, typer.Option("--micro-batch", help="Sequences per micro-batch.")]
 VppOpt = Annotated[int, typer.Option("--vpp", help="Virtual pipeline stages per rank (interleaved 1F1B).")]
 ZeroOpt = Annotated[int, typer.Option("--zero", help="ZeRO stage 0-3.")]

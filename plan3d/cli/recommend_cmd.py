@@ -56,6 +56,11 @@ def recommend(
     min_cp: Annotated[int, _opt("--min-cp", "Lower bound on cp.")] = 1,
     max_cp: Annotated[IntOpt, _opt("--max-cp", "Upper bound on cp (default: seq-len / 8192, so that each GPU "
                                    "keeps at least 8,192 tokens of a sequence; cp 1 for shorter sequences).")] = None,
+    ep: Annotated[IntOpt, _opt("--ep", "Fix the expert-parallel degree (mixture-of-experts models; it divides "
+                               "dp*cp and the routed experts).")] = None,
+    min_ep: Annotated[int, _opt("--min-ep", "Lower bound on ep.")] = 1,
+    max_ep: Annotated[IntOpt, _opt("--max-ep", "Upper bound on ep (default: the routed experts of an MoE model, "
+                                   "1 for a dense one).")] = None,
     micro_batch: Annotated[IntOpt, _opt("--micro-batch", "Fix the micro-batch size.")] = None,
     max_micro_batch: Annotated[int, _opt("--max-micro-batch", "Largest micro-batch tried.")] = 8,
     vpp: Annotated[IntOpt, _opt("--vpp", "Fix the virtual pipeline stages per rank.")] = None,
@@ -147,7 +152,7 @@ def space_from_flags(flags: dict):
     sp = (False, True) if flags["sequence_parallel"] is None else (flags["sequence_parallel"],)
     orders = tuple(flags["order"] or DEFAULT_ORDERS)
     return Space(**bound("tp", flags["min_tp"], flags["max_tp"]), **bound("pp", flags["min_pp"], flags["max_pp"]),
-                 **bound("dp", flags["min_dp"], flags["max_dp"]), **_cp_bounds(flags),
+                 **bound("dp", flags["min_dp"], flags["max_dp"]), **_cp_bounds(flags), **_ep_bounds(flags),
                  **bound("micro_batch", 1, max(flags["max_micro_batch"], flags["micro_batch"] or 1)),
                  **bound("vpp", 1, max(flags["max_vpp"], flags["vpp"] or 1)),
                  zero=tuple(flags["zero"] or (0, 1, 2, 3)), recompute=recompute, sequence_parallel=sp, orders=orders,
@@ -170,9 +175,22 @@ def _cp_bounds(flags: dict) -> dict:
     return {"min_cp": lo, "max_cp": hi}
 
 
+def _ep_bounds(flags: dict) -> dict:
+    """min_ep / max_ep of the flags; no --ep / --max-ep leaves max_ep None (the search's default
+    bound, `Space.ep_bound`: the routed experts, or 1 for a dense model)."""
+    fixed, lo, hi = flags.get("ep"), flags.get("min_ep", 1), flags.get("max_ep")
+    if fixed is not None:
+        _require_at_least_1("ep", fixed)
+        return {"min_ep": fixed, "max_ep": fixed}
+    _require_at_least_1("min_ep", lo)
+    if hi is not None:
+        _require_at_least_1("max_ep", hi)
+    return {"min_ep": lo, "max_ep": hi}
+
+
 MAX_INT_FLAG = 1_000_000_000  # no degree, batch or count is larger (and pp * vpp stays inside int64)
 INT_FLAGS = ("top", "pick", "tp", "min_tp", "max_tp", "pp", "min_pp", "max_pp", "dp", "min_dp", "max_dp",
-             "cp", "min_cp", "max_cp",
+             "cp", "min_cp", "max_cp", "ep", "min_ep", "max_ep",
              "micro_batch", "max_micro_batch", "vpp", "max_vpp", "min_nodes", "max_nodes")
 
 

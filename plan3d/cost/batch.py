@@ -94,6 +94,12 @@ def even_moe_rank_layers(model: ModelSpec, pp: np.ndarray, vpp: np.ndarray) -> t
     return layers, moe
 
 
+def _same_on_every_rank(per_rank: np.ndarray, pp: np.ndarray) -> bool:
+    """Whether every candidate holds as many MoE layers on each of its pipeline ranks."""
+    valid = np.arange(per_rank.shape[0])[:, None] < pp[None, :]
+    return bool(np.all(np.where(valid, per_rank, per_rank[0]) == per_rank[0]))
+
+
 def estimate_batch(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, cands: Candidates,
                    orders: tuple[str, ...], engine: EngineSpec | None = None,
                    rank_layers: np.ndarray | None = None,
@@ -110,10 +116,15 @@ def estimate_batch(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpe
                        cands.cp_degrees, cands.ep_degrees)
     moe_layers = 0.0
     if model.moe is not None:
-        if rank_layers is None:
+        even = rank_layers is None
+        if even:
             rank_layers, rank_moe_layers = even_moe_rank_layers(model, cands.pp, cands.vpp)
-        pp_rank, layers, weights = listed_stages(la.pp, rank_layers)
         moe_layers = np.asarray(rank_moe_layers, dtype=np.float64)
+        if even and _same_on_every_rank(moe_layers, la.pp):  # e.g. every layer an MoE layer: three stage kinds do
+            pp_rank, layers, weights = even_stages(la.pp, model.layers)
+            moe_layers = np.broadcast_to(moe_layers[0], layers.shape)
+        else:
+            pp_rank, layers, weights = listed_stages(la.pp, rank_layers)
     elif rank_layers is None:
         pp_rank, layers, weights = even_stages(la.pp, model.layers)
     else:

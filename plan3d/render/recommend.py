@@ -71,7 +71,9 @@ class Recommendation:
 # ---- plain data (JSON) ---------------------------------------------------------------------------
 def row_dict(result: SearchResult, row: int, tokens: float | None = None) -> dict:
     m = result.metrics
-    out = {"layout": result.layout(row).model_dump(mode="json", exclude={"cp", "ep"}, exclude_none=True)}
+    lay = result.layout(row)
+    unit = {knob for knob in ("cp", "ep") if getattr(lay, knob) == 1}  # left out at 1, as before cp and ep existed
+    out = {"layout": lay.model_dump(mode="json", exclude=unit, exclude_none=True)}
     out.update({k: float(m[k][row]) for k in METRICS if k in m})
     out["headroom_bytes"] = out["capacity_bytes"] - out["peak_memory_bytes"]
     out["fits"] = bool(m["fits"][row])
@@ -178,7 +180,8 @@ def layout_cells(result: SearchResult, row: int) -> list[str]:
     order = short_order(lay.order)
     pp = f"{lay.pp}*" if lay.pp_layers is not None else str(lay.pp)
     cp = [str(lay.cp)] if shows_cp(result) else []
-    return [str(lay.tp), pp, str(lay.dp), *cp, str(lay.micro_batch), str(lay.vpp), str(lay.zero),
+    ep = [str(lay.ep)] if shows_ep(result) else []
+    return [str(lay.tp), pp, str(lay.dp), *cp, *ep, str(lay.micro_batch), str(lay.vpp), str(lay.zero),
             lay.recompute, "y" if lay.sequence_parallel else "", order]
 
 
@@ -186,6 +189,12 @@ def shows_cp(result: SearchResult) -> bool:
     """Whether the table has a cp column: only when the search evaluated some cp > 1."""
     cp = result.layouts.get("cp")
     return cp is not None and bool((cp > 1).any())
+
+
+def shows_ep(result: SearchResult) -> bool:
+    """Whether the table has an ep column: only when the search evaluated some ep > 1."""
+    ep = result.layouts.get("ep")
+    return ep is not None and bool((ep > 1).any())
 
 
 def metric_cells(result: SearchResult, row: int, tokens: float | None) -> list[str]:
@@ -205,7 +214,7 @@ ALSO_SHOWN = 3  # alternatives named per row under the table; --json lists all
 
 def layouts_table(result: SearchResult, rows, title: str, tokens: float | None = None) -> Table:
     table = Table(title=title)
-    headers = HEADERS[:4] + ["cp"] + HEADERS[4:] if shows_cp(result) else HEADERS
+    headers = HEADERS[:4] + (["cp"] if shows_cp(result) else []) + (["ep"] if shows_ep(result) else []) + HEADERS[4:]
     for header in headers + (["days"] if tokens else []):
         table.add_column(header, justify="left" if header in ("recompute", "order", "top comm") else "right")
     for i, row in enumerate(rows):
@@ -236,7 +245,7 @@ def alternatives_lines(report: Recommendation) -> list[str]:
 def decisions_line(report: Recommendation) -> str:
     """How rows were folded, and the next different choice after the shown ones."""
     r = report.result
-    knobs = "tp/pp/dp/cp/mb/ZeRO" if shows_cp(r) else "tp/pp/dp/mb/ZeRO"
+    knobs = "tp/pp/dp" + ("/cp" if shows_cp(r) else "") + ("/ep" if shows_ep(r) else "") + "/mb/ZeRO"
     line = (f"one row per decision: layouts of one {knobs} within {grouping.TIE_FRACTION:.0%} "
             "of each other are one row, their alternatives named below (--json: `alternatives`)")
     nxt = report.next_decision

@@ -183,11 +183,11 @@ def _attention_fields(model: ModelSpec) -> dict:
                 attn_extra_gemms=1 + (mla.q_lora_rank is not None), score_dim=a * (qk + v) / 2)
 
 
-# The load the busiest expert-parallel rank gets, over the mean (a prior, not fitted): dropless
-# routing with an auxiliary balance loss keeps the per-expert token counts within roughly +-10% of
-# the mean once training has settled (DeepSeek-V3, arXiv 2412.19437, section 2.1.2 and Fig. 9;
-# Switch Transformer, arXiv 2101.03961, section 2.2, sets capacity factor 1.0-1.25 for the same
-# spread). Every rank waits for the busiest at the combine all-to-all, so the time model pays it.
+# The load the busiest expert-parallel rank gets, over the mean: a stated prior, neither fitted nor
+# measured. Balanced routing keeps per-expert token counts near the mean (DeepSeek-V3, arXiv
+# 2412.19437, section 2.1.2, auxiliary-loss-free balancing; Switch Transformer, arXiv 2101.03961,
+# section 2.2, trains with capacity factors 1.0-1.25); 10% above it is assumed. Every rank waits
+# for the busiest at the combine all-to-all, so the time model pays it.
 MOE_IMBALANCE = 1.1
 
 

@@ -134,13 +134,33 @@ def test_emit_deepspeed_ep_follows_the_profile():
             emit_deepspeed(plan)
 
 
-@pytest.mark.parametrize("layout,names", [
-    (dict(dp=8, zero=3), ["deepseek_v3", "emit megatron"]),
-    (dict(tp=2, dp=4, ep=2, zero=3, sequence_parallel=True), ["keeps experts whole", "tp=2"]),
+def deepseek_like(**moe) -> ModelSpec:
+    return moe_model(layers=6, mla=DEEPSEEK_MLA, **({"experts": 16, "top_k": 4, "expert_ffn_hidden": 512,
+                                                   "shared_ffn_hidden": 1024, "first_dense_layers": 1,
+                                                   "router": "sigmoid"} | moe))
+
+
+def test_torchtitan_builds_a_deepseek_shaped_moe_with_expert_parallelism():
+    text = emit_torchtitan(moe_plan(deepseek_like(), nodes=2, dp=16, ep=8, zero=3)).text
+    assert "deepseek_v3._build_dsv3_layers(" in text and "expert_parallel_degree=8," in text
+    for value in ("n_dense_layers=1", "num_experts=16", "num_shared_experts=2", "moe_hidden_dim=512",
+                  "router_top_k=4", 'router_score_func="sigmoid"', "q_lora_rank=0", "kv_lora_rank=256",
+                  'scaling="none"'):
+        assert value in text
+    compile(text, "plan3d_job.py", "exec")  # valid Python
+
+
+@pytest.mark.parametrize("model,layout,names", [
+    (moe_model(), dict(dp=8, zero=3), ["have MLA", "emit megatron"]),
+    (deepseek_like(), dict(tp=2, dp=4, ep=2, zero=3, sequence_parallel=True), ["keeps experts whole", "tp=2"]),
+    (deepseek_like(), dict(dp=8, ep=2, zero=0), ["ZeRO-2/3 with ep > 1"]),
+    (deepseek_like(every=2), dict(dp=8, zero=3), ["one every 2"]),
+    (deepseek_like(shared_ffn_hidden=700), dict(dp=8, zero=3), ["whole routed-expert widths"]),
+    (deepseek_like(capacity_factor=1.0), dict(dp=8, zero=3), ["dropless"]),
 ])
-def test_torchtitan_refuses_moe_naming_what_is_missing(layout, names):
+def test_torchtitan_refuses_moe_naming_what_is_missing(model, layout, names):
     with pytest.raises(InfeasibleError) as err:
-        emit_torchtitan(moe_plan(**layout))
+        emit_torchtitan(moe_plan(model, **layout))
     message = str(err.value)
     assert all(name in message for name in names) and "\n" not in message
 

@@ -51,12 +51,15 @@ otherwise the same builder with the plan's layers, width, heads, KV heads, FFN a
 Refused (InfeasibleError, exit 1) with what to change: what the profile cannot run
 (`target_engine`), a model that is not Llama-shaped (torchtitan 0.3 has no LayerNorm/GELU/learned
 position decoder), tied embeddings with pp > 1 and fp16 (0.3 raises on both), a head dimension
-other than hidden / heads, experts (`moe_refusal` names what is missing).
+other than hidden / heads. MoE plans: a DeepSeek-V3-shaped model (MLA, shared experts, first dense
+layers) through torchtitan's deepseek_v3 builder with `expert_parallel_degree`, where plan3d's
+expert placement maps (plan3d/emit/torchtitan_moe.py); the rest is refused naming what is missing.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from plan3d.emit import torchtitan_moe
 from plan3d.emit.common import Emitted, target_engine
 from plan3d.errors import InfeasibleError
 from plan3d.layout import Layout
@@ -107,7 +110,8 @@ def emit_torchtitan(plan: Plan, compile: bool | None = None, module: str = DEFAU
     flavor = matching_flavor(plan.model)
     notes += _notes(plan, flavor)
     fp8 = plan.training.precision == "fp8"
-    body = [_header(plan, profile, module), _imports(flavor, fp8), _function(plan, flavor, compile)]
+    body = [_header(plan, profile, module), _imports(flavor, fp8, plan.model.moe is not None),
+            _function(plan, flavor, compile)]
     return Emitted("\n".join(body), notes)
 
 
@@ -115,7 +119,7 @@ def matching_flavor(model: ModelSpec) -> Flavor | None:
     """The registered llama3 flavor with exactly the model's shapes, if any."""
     shapes = (model.layers, model.hidden, model.heads, model.kv_heads_, model.ffn_hidden_, model.vocab,
               model.tied_embeddings)
-    if rope_theta(model) != ROPE_THETA:
+    if rope_theta(model) != ROPE_THETA or model.moe is not None or model.mla is not None:
         return None
     for flavor in FLAVORS:
         if shapes == (flavor.layers, flavor.hidden, flavor.heads, flavor.kv_heads, flavor.ffn_hidden,
@@ -138,9 +142,9 @@ def _check_expressible(plan: Plan) -> None:
         raise InfeasibleError(
             f"torchtitan {VERSIONS} has no decoder for {model.name} ({', '.join(unlike)}): its llama3 builder is "
             "SwiGLU / RMSNorm / RoPE without biases; emit megatron or deepspeed for this model")
-    if model.moe is not None or layout.ep > 1:
-        raise InfeasibleError(moe_refusal(plan))
-    if model.head_dim_ * model.heads != model.hidden:
+    if model.moe is not None or layout.ep > 1 or model.mla is not None:
+        _check_moe(plan)
+    elif model.head_dim_ * model.heads != model.hidden:
         raise InfeasibleError(f"torchtitan {VERSIONS}'s llama3 builder sets head dim = hidden / heads; "
                               f"{model.name} has {model.head_dim_} x {model.heads} != {model.hidden}")
     if model.tied_embeddings and layout.pp > 1:  # models/common/decoder.py update_from_config raises
@@ -153,25 +157,17 @@ def _check_expressible(plan: Plan) -> None:
     _check_schedule(plan)
 
 
-def moe_refusal(plan: Plan) -> str:
-    """Why this emitter writes no MoE job for torchtitan 0.3.0, naming what is missing.
-
-    0.3.0 builds MoE models only through its deepseek_v3, kimi_k2_7, qwen3, qwen3_5 and gpt_oss
-    recipes (models/*/__init__.py: MLA, QK-norm, hybrid-attention or attention-sink decoders), none the llama3
-    builder this emitter writes; and its expert parallelism (`parallelism.expert_parallel_degree`,
-    distributed/parallel_dims.py) takes the ep ranks from dp_shard x cp x tp, leaving each expert
-    whole (experts are split over tp only with ep = 1), where plan3d splits experts over tp."""
-    model, layout = plan.model, plan.layout
-    if model.moe is None:
-        return (f"torchtitan {VERSIONS}'s expert parallelism needs a MoE model; {model.name} has no experts: "
-                "set ep=1")
-    reasons = ["this emitter writes torchtitan's llama3 builder, and 0.3.0 builds MoE models only from its "
-               "deepseek_v3 / kimi_k2_7 / qwen3 / qwen3_5 / gpt_oss recipes"]
-    if layout.ep > 1 and layout.tp > 1:
-        reasons.append(f"its expert_parallel_degree takes ranks from tp and keeps experts whole, where plan3d "
-                       f"splits them over tp={layout.tp}")
-    return (f"torchtitan {VERSIONS} job for MoE model {model.name} is not written: " + "; ".join(reasons)
-            + "; emit megatron (or deepspeed) for it")
+def _check_moe(plan: Plan) -> None:
+    """MoE and MLA plans go through torchtitan's deepseek_v3 builder (plan3d.emit.torchtitan_moe)."""
+    model = plan.model
+    problems = torchtitan_moe.moe_problems(plan)
+    if model.moe is None and model.mla is not None:
+        problems.append("its MLA decoder is deepseek_v3's MLA + MoE builder; the spec has no experts")
+    if plan.training.precision == "fp8":
+        problems.append("this emitter writes fp8 (Float8LinearConverter) for the llama3 builder only")
+    if problems:
+        raise InfeasibleError(f"torchtitan {VERSIONS} cannot build {model.name} as planned: " + "; ".join(problems)
+                              + "; emit megatron for it")
 
 
 def _check_schedule(plan: Plan) -> None:
@@ -190,8 +186,8 @@ def _check_schedule(plan: Plan) -> None:
 
 
 def _notes(plan: Plan, flavor: Flavor | None) -> list[str]:
-    notes = []
-    if flavor is None:
+    notes = torchtitan_moe.moe_notes(plan)
+    if flavor is None and plan.model.moe is None:
         notes.append(f"{plan.model.name} is no registered torchtitan llama3 flavor: the job builds it with "
                      f"torchtitan's llama3 builder (RoPE theta {rope_theta(plan.model):g}); point "
                      f"hf_assets_path at a tokenizer with {plan.model.vocab} tokens")
@@ -225,18 +221,20 @@ def _header(plan: Plan, profile: str, module: str) -> str:
     )
 
 
-def _imports(flavor: Flavor | None, fp8: bool = False) -> str:
+def _imports(flavor: Flavor | None, fp8: bool = False, moe: bool = False) -> str:
     recipe = flavor.recipe if flavor else "llama3_8b"
-    lines = ["import dataclasses", ""] if flavor is None else []
+    lines = ["import dataclasses", ""] if flavor is None and not moe else []
     lines += [
         "from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss",
         *(["from torchtitan.components.quantization import Float8LinearConverter"] if fp8 else []),
         "from torchtitan.config import CompileConfig, ParallelismConfig",
         "from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC",
         "from torchtitan.models.common.config_utils import decoder_vocab_size",
-        f"from torchtitan.models.llama3.config_registry import {recipe} as recipe",
         "from torchtitan.trainer import Trainer",
     ]
+    if moe:
+        return "\n".join(torchtitan_moe.imports() + lines) + "\n"
+    lines.insert(-1, f"from torchtitan.models.llama3.config_registry import {recipe} as recipe")
     if flavor:
         lines.append("from torchtitan.models.llama3 import model_registry")
     else:
@@ -247,7 +245,10 @@ def _imports(flavor: Flavor | None, fp8: bool = False) -> str:
 
 def _function(plan: Plan, flavor: Flavor | None, compile: bool) -> str:
     converter = float8_converter(compile) if plan.training.precision == "fp8" else None
-    model_lines = _flavor_model(flavor, converter) if flavor else _custom_model(plan, converter)
+    if plan.model.moe is not None:
+        model_lines = torchtitan_moe.model_lines(plan, _rope_cache_len(plan))
+    else:
+        model_lines = _flavor_model(flavor, converter) if flavor else _custom_model(plan, converter)
     return (
         f"\ndef {CONFIG_FUNCTION}() -> Trainer.Config:\n"
         "    config = recipe()\n"
@@ -289,7 +290,7 @@ def _flavor_model(flavor: Flavor, converter: str | None = None) -> list[str]:
 def _custom_model(plan: Plan, converter: str | None = None) -> list[str]:
     """The plan's shapes through torchtitan 0.3.0's own llama3 builder (what its flavors call)."""
     model = plan.model
-    seq = max(ROPE_MAX_SEQ_LEN, plan.training.seq_len or model.seq_len)
+    seq = _rope_cache_len(plan)
     dim, vocab = model.hidden, model.vocab
     return [
         "model = llama3.Llama3Model.Config(",
@@ -312,6 +313,10 @@ def _custom_model(plan: Plan, converter: str | None = None) -> list[str]:
     ]
 
 
+def _rope_cache_len(plan: Plan) -> int:
+    return max(ROPE_MAX_SEQ_LEN, plan.training.seq_len or plan.model.seq_len)
+
+
 def parallelism_settings(plan: Plan) -> dict:
     """`ParallelismConfig` keyword arguments (torchtitan/config/configs.py) for the plan's layout."""
     layout = plan.layout
@@ -325,6 +330,8 @@ def parallelism_settings(plan: Plan) -> dict:
         "context_parallel_degree": layout.cp,
         "pipeline_parallel_degree": layout.pp,
     }
+    if layout.ep > 1:
+        out["expert_parallel_degree"] = layout.ep
     if layout.pp > 1:
         out |= {"pipeline_parallel_schedule": "Interleaved1F1B" if layout.vpp > 1 else "1F1B",
                 "pipeline_parallel_microbatch_size": layout.micro_batch,
@@ -354,7 +361,7 @@ def training_settings(plan: Plan) -> dict:
         "seq_len": training.seq_len or plan.model.seq_len,
         "mixed_precision_param": "float32" if training.precision == "fp32" else "bfloat16",
     }
-    if layout.pp > 1:
+    if layout.pp > 1 or plan.model.moe is not None:  # MoE: as torchtitan's deepseek_v3 recipes
         out["disable_cuda_graphs"] = True
     return out
 

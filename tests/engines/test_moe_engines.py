@@ -403,3 +403,113 @@ def test_emit_deepspeed_follows_the_profile_on_expert_parallelism(deepspeed):
     else:
         with pytest.raises(InfeasibleError, match="expert parallelism"):
             emit_deepspeed(plan)
+
+
+# ---- torchtitan 0.3.0: deepseek_v3 builder with expert_parallel_degree ------------------------------
+from test_torchtitan_engine import check_batch, check_pipeline, check_recompute, load_job, titan  # noqa: E402,F401
+
+TITAN_CASES = {
+    "deepseek-ep8-dp16-zero3-full": ("deepseek", 2, dict(dp=16, ep=8, zero=3, recompute="full"), None),
+    "deepseek-pp2-ep4-dp8-zero2": ("deepseek", 2, dict(pp=2, dp=8, ep=4, zero=2), None),
+    "deepseek-cp2-ep4-dp4-zero3": ("deepseek", 1, dict(cp=2, dp=4, ep=4, zero=3), 8192),
+    "deepseek-tp2-dp4-ep1-zero3-sp": ("deepseek", 1, dict(tp=2, dp=4, zero=3, sequence_parallel=True), None),
+    "deepseek-noshared-ep2-dp8-zero3": ("deepseek-noshared", 1, dict(dp=8, ep=2, zero=3), None),
+}
+MODELS["deepseek-noshared"] = MODELS["deepseek"].model_copy(
+    update={"name": "deepseek-noshared", "moe": MODELS["deepseek"].moe.model_copy(update={"shared_ffn_hidden": 0})})
+
+
+def titan_plan(name: str) -> Plan:
+    model, nodes, layout, seq = TITAN_CASES[name]
+    return build_moe(MoECase(name, model, nodes, layout, seq_len=seq))
+
+
+def titan_groups(config, world: int) -> dict[str, set[tuple[int, ...]]]:
+    """torchtitan's own ParallelDims.build_mesh on torch's fake process group, once per rank: the
+    ep and efsdp (expert FSDP) groups each rank is in."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    assert not dist.is_initialized(), "another test left torch.distributed initialized"
+    found = {"ep": set(), "efsdp": set()}
+    for rank in range(world):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            dims = ParallelDims.from_config(config.parallelism, world)
+            dims.build_mesh()
+            for name in found:
+                found[name].add(tuple(dims.get_mesh(name).mesh.flatten().tolist()))
+        finally:
+            dist.destroy_process_group()
+    return found
+
+
+def check_titan_moe_model(plan: Plan, config) -> None:
+    """The model torchtitan builds (on the meta device) has the plan's layers, experts and MLA and
+    exactly plan3d's parameter count."""
+    import torch
+    from plan3d.cost.params import total_params
+
+    model, moe, mla = plan.model, plan.model.moe, plan.model.mla
+    model_config = config.model_spec.model
+    model_config.update_from_config(config=config)  # as Trainer.__init__ (sharding, seq_len <= RoPE)
+    layers = model_config.layers
+    assert [layer.moe is not None for layer in layers] == [model.is_moe_layer(i) for i in range(model.layers)]
+    routed = next(layer.moe for layer in layers if layer.moe is not None)
+    assert (routed.num_experts, routed.router.top_k, routed.router.score_func) == (moe.experts, moe.top_k, moe.router)
+    attention = layers[0].attention
+    assert (attention.q_lora_rank or None, attention.kv_lora_rank) == (mla.q_lora_rank, mla.kv_lora_rank)
+    assert (attention.qk_nope_head_dim, attention.qk_rope_head_dim, attention.v_head_dim) == (
+        mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim)
+    with torch.device("meta"):
+        built = model_config.build()
+    assert sum(p.numel() for p in built.parameters()) == total_params(model)
+
+
+@pytest.mark.parametrize("name", list(TITAN_CASES))
+def test_torchtitan_builds_the_moe_plan_with_its_expert_groups(name, titan, load_job):
+    from plan3d.emit.torchtitan import emit_torchtitan
+
+    plan = titan_plan(name)
+    layout = plan.layout
+    config = load_job(emit_torchtitan(plan).text, "job_" + name.replace("-", "_"))
+    dims = titan["dims"].ParallelDims.from_config(config.parallelism, layout.world_size)
+    assert (dims.tp, dims.pp, dims.cp, dims.ep, dims.dp_shard) == (layout.tp, layout.pp, layout.cp, layout.ep,
+                                                                   layout.dp)
+    check_batch(plan, config, dims)
+    check_recompute(layout, config.activation_checkpoint, titan["ac"])
+    check_titan_moe_model(plan, config)
+    if layout.pp > 1:
+        check_pipeline(plan, config, dims, titan)
+    if layout.ep > 1:
+        groups = titan_groups(config, layout.world_size)
+        assert groups["ep"] == {tuple(g) for g in plan.rankmap.groups["ep"]}
+        assert groups["efsdp"] == {tuple(g) for g in plan.rankmap.groups["edp"]}
+
+
+def test_torchtitan_refusals_are_torchtitans(titan, load_job):
+    """Mixtral-like (no MLA): torchtitan's llama3 builder has no experts. ep with tp: the expert
+    weights' placement with EP on has no TP axis (experts whole). ep at ZeRO-0: the expert mesh
+    efsdp = dp_shard * cp * tp / ep has no ranks when dp_shard is 1."""
+    import inspect
+
+    import spmd_types as spmd
+    import torchtitan.models.llama3 as llama3
+    from torchtitan.distributed.parallel_dims import MeshAxisName
+    from torchtitan.models.common.moe_sharding import expert_param_placement_sparse
+    from plan3d.emit.torchtitan import emit_torchtitan
+
+    with pytest.raises(InfeasibleError, match="have MLA"):
+        emit_torchtitan(build_moe(MoECase("m", "mixtral", 1, dict(dp=8, ep=8, zero=3))))
+    assert not any("expert" in p or "moe" in p for p in inspect.signature(llama3._build_llama3_layers).parameters)
+    tp_ep = build_moe(MoECase("x", "deepseek", 1, dict(tp=2, dp=4, ep=2, zero=3, sequence_parallel=True)))
+    with pytest.raises(InfeasibleError, match="keeps experts whole"):
+        emit_torchtitan(tp_ep)
+    axes = expert_param_placement_sparse().axis_types  # routed-expert weights with EP on
+    assert axes[MeshAxisName.EP] == spmd.S(0) and MeshAxisName.TP not in axes
+    zero0 = build_moe(MoECase("y", "deepseek", 1, dict(dp=8, ep=2, zero=0)))
+    with pytest.raises(InfeasibleError, match="ZeRO-2/3 with ep > 1"):
+        emit_torchtitan(zero0)
+    dims = titan["dims"].ParallelDims(dp_replicate=8, dp_shard=1, cp=1, tp=1, pp=1, ep=2, world_size=8)
+    assert dims.dp_shard * dims.cp * dims.tp // dims.ep == 0  # build_mesh's efsdp: no expert-FSDP ranks

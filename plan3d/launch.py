@@ -94,9 +94,6 @@ def moe_problems(plan: Plan) -> list[str]:
     for name, width in widths.items():
         if width % layout.tp:
             problems.append(f"tp={layout.tp} does not divide {name}={width} (experts are split by tp)")
-    if layout.zero == 3 and layout.ep > 1:
-        problems.append("the bundled runtime shards experts with ZeRO 1-2 only: ZeRO-3 (FSDP2) with ep > 1 "
-                        "is not supported; use zero 1 or 2, or ep=1")
     return problems
 
 

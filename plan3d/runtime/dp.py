@@ -117,30 +117,58 @@ class FullyShardedDP(ReplicatedDP):
             out[e.name] = {k: v.full_tensor() for k, v in {"param": e.param.detach(), **state}.items() if k != "step"}
         return out
 
-    def _my_chunk(self, full: torch.Tensor) -> torch.Tensor:
-        return full.chunk(self.dp, dim=0)[self.dp_rank]
+    def _my_chunk(self, full: torch.Tensor, e: Entry) -> torch.Tensor:
+        """This rank's FSDP2 shard (dim 0) of a full tensor: over dp x cp, or over the
+        expert-data-parallel group for a routed expert's parameter under ep > 1 (`shard_stages`)."""
+        replicas = self.ctx.replicas(expert=sharded_by_experts(e, self.ctx))
+        return full.chunk(replicas.size, dim=0)[replicas.rank]
 
     def load_logical_state(self, tensors: LogicalState, step: int) -> None:
         with torch.no_grad():
             for e in self.entries:
-                local_tensor(e.param).copy_(self._my_chunk(tensors[e.name]["param"]))
+                local_tensor(e.param).copy_(self._my_chunk(tensors[e.name]["param"], e))
                 moments = {}
                 for k in self.moment_names():
                     moment = torch.zeros_like(e.param)
-                    local_tensor(moment).copy_(self._my_chunk(tensors[e.name][k]))
+                    local_tensor(moment).copy_(self._my_chunk(tensors[e.name][k], e))
                     moments[k] = moment
                 if moments:
                     self.opt.state[e.param] = {"step": torch.tensor(float(step)), **moments}
 
 
+def sharded_by_experts(e: Entry, ctx: ParallelContext) -> bool:
+    """Whether ZeRO 3 shards this parameter over the expert-data-parallel group (a routed
+    expert's under ep > 1; with ep = 1 the experts are sharded with their block over dp x cp)."""
+    return e.expert and ctx.ep.size > 1
+
+
+def _shard_expert(expert: nn.Module, ctx: ParallelContext, mp) -> None:
+    """One routed expert as an FSDP2 unit over the edp mesh; gradients summed, divided by dp x cp."""
+    from torch.distributed.fsdp import fully_shard
+
+    edp = ctx.expert_mesh["edp"]
+    fully_shard(expert, mesh=edp, mp_policy=mp)
+    expert.set_gradient_divide_factor(float(ctx.dp_cp_size))
+    if edp.size() > 1:
+        # a plain sum, then the division: gloo has no PREMUL_SUM. Not on a 1-rank mesh: there torch
+        # 2.13 (`_fsdp_collectives.foreach_reduce`) divides by the factor twice with it.
+        expert.set_force_sum_reduction_for_comms(True)
+
+
 def shard_stages(stages: list[nn.Module], ctx: ParallelContext, amp_dtype) -> None:
-    """FSDP2: one unit per transformer block and one per stage (torchtitan's composition)."""
+    """FSDP2: one unit per transformer block and one per stage (torchtitan's composition).
+    Under ep > 1 each routed expert is first its own unit over the expert-data-parallel mesh,
+    its gradient reduce-scattered as a sum and divided by dp x cp (the batch's replicas), as
+    torchtitan 0.3 shards experts over its `dp_shard_mod_ep` mesh with a gradient divide factor."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # imports DTensor: ZeRO 3 only
 
     mesh = ctx.dp_cp_mesh  # dp x cp, as torchtitan folds cp into its FSDP mesh
     mp = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32) if amp_dtype else MixedPrecisionPolicy()
     for stage in stages:
         for block in stage.layers.values():
+            if block.routed and ctx.ep.size > 1:
+                for expert in block.mlp.experts.values():
+                    _shard_expert(expert, ctx, mp)
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(stage, mesh=mesh, mp_policy=mp)
 

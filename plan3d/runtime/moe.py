@@ -133,10 +133,12 @@ def plan_dispatch(ids: torch.Tensor, experts: int, ep: EPInfo) -> Dispatch:
 # ---- the experts -----------------------------------------------------------------------------------
 class Expert(nn.Module):
     """One routed expert's FFN, tp-split: up (and gate) column slices with their biases, the down
-    row slice; `partial` returns this tp rank's share of the output, without the down bias."""
+    row slice. `partial`: this tp rank's share of the output; the forward sums the shares over tp
+    and adds the down bias (call the module: FSDP2 gathers a sharded expert in its forward hook)."""
 
     def __init__(self, model: ModelSpec, width: int, tp: tpx.TPInfo):
         super().__init__()
+        self.tp = tp
         self.act, self.swiglu = _activation(model), model.activation == "swiglu"
         self.up = ColLinear(model.hidden, width, tp, model.bias)
         self.gate = ColLinear(model.hidden, width, tp, model.bias) if self.swiglu else None
@@ -147,6 +149,10 @@ class Expert(nn.Module):
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.act(self.gate(x)) * self.up(x) if self.swiglu else self.act(self.up(x))
         return F.linear(hidden, self.down.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = tpx.exit_(self.partial(x), self.tp)
+        return out if self.down.bias is None else out + self.down.bias
 
 
 class SharedExperts(nn.Module):
@@ -216,11 +222,7 @@ class MoE(nn.Module):
         return (pairs * weights.unsqueeze(-1)).sum(dim=1)
 
     def _experts(self, rows, plan: Dispatch):
-        """Rows sorted by local expert -> their expert outputs (tp partials reduced, biases added)."""
+        """Rows sorted by local expert -> their expert outputs (each expert's tp partial sums
+        all-reduced, its bias added)."""
         entered = tpx.enter(rows, self.tp)
-        parts = [expert.partial(chunk) for expert, chunk in zip(self.experts.values(), entered.split(plan.per_expert))]
-        out = tpx.exit_(torch.cat(parts), self.tp)
-        biases = [expert.down.bias for expert in self.experts.values()]
-        if biases[0] is None:
-            return out
-        return out + torch.stack(biases)[plan.local_ids]
+        return torch.cat([expert(chunk) for expert, chunk in zip(self.experts.values(), entered.split(plan.per_expert))])

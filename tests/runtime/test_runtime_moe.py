@@ -3,9 +3,11 @@
 The model is tiny-moe (8 experts, top 2, every second layer) with a gated shared expert, so that
 routing, the all-to-all dispatch, the shared experts and their gate all run. One single-process
 run (the module's reference) and three multi-rank runs, 4 steps each:
-- ep2 dp2 (4 ranks), ZeRO-0, checkpoints at steps 2 and 4: losses 1-4 equal one process;
+- ep2 dp2 (4 ranks) with ZeRO-3 (FSDP2: each expert its own unit over edp), checkpoints at
+  steps 2 and 4: losses 1-4 equal one process;
 - ep2 dp4 tp2 with sequence parallelism and ZeRO-1 (8 ranks; experts sharded over edp = 2),
-  resumed from the ep2 dp2 run's step 2 (a reshard: tp 1 -> 2, edp 1 -> 2): losses 3-4;
+  resumed from the ep2 dp2 run's step 2 (a reshard: tp 1 -> 2, edp 1 -> 2, FSDP2 shards -> flat
+  ZeRO-1 buffers): losses 3-4;
 - ep4 dp2 cp2 pp2 with ZeRO-2 and full recompute (8 ranks; ep folded out of dp x cp): losses 1-4.
 Every step's loss (within 1e-5) and gradient norm equal one process's; every rank's model-state
 bytes equal the MoE accounting contract (docs/runtime.md: the dense part sharded over dp x cp,
@@ -70,9 +72,9 @@ def assert_same_run(run_dir, reference, steps=range(1, STEPS + 1)) -> None:
 
 @pytest.fixture(scope="module")
 def ep2_dp2(tmp_path_factory):
-    """The ep2 dp2 run (checkpoints at steps 2 and 4): its plan, directory and ranks."""
+    """The ep2 dp2 ZeRO-3 run (checkpoints at steps 2 and 4): its plan, directory and ranks."""
     run_dir = tmp_path_factory.mktemp("moe-ep2-dp2")
-    plan = moe_plan(ep=2, dp=2)
+    plan = moe_plan(ep=2, dp=2, zero=3)
     return plan, run_dir, _launch(plan, run_dir, extra=("--save-every", "2"))
 
 
@@ -147,7 +149,7 @@ def check_expert_groups(plan, ranks: list[dict]) -> None:
 
 # ---- launched ---------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_ep2_dp2_matches_single_process(moe_reference, ep2_dp2):
+def test_ep2_dp2_zero3_matches_single_process(moe_reference, ep2_dp2):
     plan, run_dir, ranks = ep2_dp2
     assert_same_run(run_dir, moe_reference)
     check_expert_groups(plan, ranks)
@@ -157,7 +159,8 @@ def test_ep2_dp2_matches_single_process(moe_reference, ep2_dp2):
 
 @pytest.mark.slow
 def test_ep2_dp4_tp2_sequence_parallel_zero1_resumes_the_ep2_dp2_checkpoint(moe_reference, ep2_dp2, tmp_path):
-    """Experts resharded from (ep2, tp1, edp1) to (ep2, tp2, edp2); the run continues exactly."""
+    """Experts resharded from (ep2, tp1, edp1, FSDP2) to (ep2, tp2, edp2, flat ZeRO-1); the run
+    continues exactly."""
     _, source, _ = ep2_dp2
     plan = moe_plan(ep=2, dp=4, tp=2, sequence_parallel=True, zero=1)
     ranks = _launch(plan, tmp_path, extra=("--no-save", "--resume-from", str(source / "checkpoints" / "step_00000002")))

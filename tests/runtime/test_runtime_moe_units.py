@@ -34,7 +34,7 @@ def _act(model, t):
 
 
 def _expert_by_hand(model, expert, x):
-    up = F.linear(x, expert.up.weight, expert.up.bias)
+    up = F.linear(x, expert.up.weight, expert.up.bias)  # by hand, not the module's code
     hidden = _act(model, F.linear(x, expert.gate.weight, expert.gate.bias)) * up if expert.gate is not None else _act(model, up)
     return F.linear(hidden, expert.down.weight, expert.down.bias)
 
@@ -141,7 +141,7 @@ def test_tp_slices_of_an_expert_add_up_to_the_whole_expert():
     init_stage(whole, one_tp, seed=7, layers=model.layers)
     x = torch.randn(5, model.hidden)
     expert = whole.layers["0"].mlp.experts["6"]
-    want = expert.partial(x) + expert.down.bias
+    want = expert(x)
     parts = []
     for rank in range(2):
         tp = TPInfo(2, rank, None, False)
@@ -199,8 +199,7 @@ def test_launcher_refuses_what_the_moe_runtime_cannot_run_in_one_line_each():
     dense = ep2.model_copy(update={"model": ep2.model.model_copy(update={"moe": None})})
     assert any("ep=2 needs MoE layers" in p for p in runtime_problems(dense))
     assert runtime_problems(make_plan(dp=2)) == []
-    assert any("ZeRO-3" in p for p in runtime_problems(_moe_plan(ep=2, dp=2, zero=3)))
-    assert runtime_problems(_moe_plan(dp=2, zero=3)) == []  # ep = 1: FSDP2 shards the experts like any parameter
+    assert runtime_problems(_moe_plan(ep=2, dp=2, zero=3)) == []  # FSDP2 units per expert over edp
     assert any("capacity_factor" in p for p in runtime_problems(_with_moe(_moe_plan(), capacity_factor=1.25)))
     assert any("does not divide experts=6" in p for p in runtime_problems(_with_moe(_moe_plan(ep=4, dp=4), experts=6)))
     assert any("expert_ffn_hidden=66" in p for p in runtime_problems(_with_moe(_moe_plan(tp=4), expert_ffn_hidden=66)))
@@ -208,3 +207,50 @@ def test_launcher_refuses_what_the_moe_runtime_cannot_run_in_one_line_each():
     mla = plan.model.model_copy(update={"mla": MLASpec(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16)})
     assert any("MLA" in p for p in runtime_problems(plan.model_copy(update={"model": mla})))
     assert all("\n" not in p for p in runtime_problems(_with_moe(_moe_plan(ep=4, dp=4, zero=3), experts=6, capacity_factor=1.0)))
+
+
+def _one_rank_context():
+    from plan3d.runtime.context import ParallelContext
+    from plan3d.runtime.tp import TPInfo
+
+    sizes = {"pp": 1, "dp": 1, "tp": 1, "cp": 1}
+    return ParallelContext(0, 1, None, {d: 0 for d in sizes}, torch.device("cpu"), TPInfo(1, 0, None, False),
+                           None, sizes)
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_expert_gradients_are_divided_by_the_batch_replicas_not_the_expert_replicas(flat):
+    """An ep rank whose experts have no replica (edp = 1) still divides their gradients by
+    dp x cp (here 2): the all-to-all already summed the tokens of both ep ranks. SplitDP adds
+    up the two engines' norms and bytes."""
+    from plan3d.runtime.context import Replicas
+    from plan3d.runtime.dp import ReplicatedDP, SplitDP
+    from plan3d.runtime.engine import collect_entries
+    from plan3d.runtime.model import Stage, init_stage
+    from plan3d.runtime.zero import FlatZeroDP
+
+    model, ctx = _tiny_moe(), _one_rank_context()
+    stage = Stage(model, ctx.tp, range(1), first=True, last=True)
+    init_stage(stage, ctx.tp, seed=1, layers=model.layers)
+    entries = collect_entries([stage], ctx)
+    experts = [e for e in entries if e.expert]
+    dense = [e for e in entries if not e.expert]
+    assert experts and dense and all(".experts." in e.name for e in experts)
+    mine, halved = Replicas(1, 0, None, 1), Replicas(1, 0, None, 2)
+    make = (lambda part, r: FlatZeroDP(part, ctx, "adam", 1e-3, 1, replicas=r)) if flat else \
+        (lambda part, r: ReplicatedDP(part, ctx, "adam", 1e-3, r))
+    engine = SplitDP(make(dense, mine), make(experts, halved))
+    tokens = torch.randint(model.vocab, (2, model.seq_len))
+    raw = {}
+    for e in entries:
+        e.param.register_hook(lambda g, name=e.name: raw.__setitem__(name, g.clone()))
+    F.cross_entropy(stage(tokens).flatten(0, 1), tokens.flatten()).backward()
+    engine.reduce_grads()
+    for part in engine.parts:
+        for e in part.entries:
+            got = part.view(part.main_grad, e) if flat else e.param.grad
+            want = raw[e.name] / (2 if e.expert else 1)
+            assert torch.allclose(got, want, atol=1e-9), e.name
+    assert torch.isclose(engine.grad_sq_sum(), engine.dense.grad_sq_sum() + engine.experts.grad_sq_sum())
+    total = engine.state_bytes()
+    assert total["weights"] == sum(p.numel() * 4 for p in stage.parameters())

@@ -155,7 +155,7 @@ def test_ep_all_to_alls_by_hand(h100_512, mixtral):
     one = 7 / 8 * size / bandwidth + 7 * latency
     assert est.time_s["ep_comm"] == pytest.approx(1024 // 256 * 32 * 4 * one, rel=1e-9)
     assert link.tier == "ib-ndr"
-    inside = estimate(h100_512, mixtral, training, layout.model_copy(update={"tp": 1, "dp": 512}), engine)
+    inside = estimate(h100_512, mixtral, training, Layout(dp=512, ep=8, zero=1), engine)
     assert inside.tiers["ep"] == "nvlink4" and inside.time_s["ep_comm"] > 0
     plain = estimate(h100_512, mixtral, training, layout.model_copy(update={"ep": 1}), engine)
     assert plain.time_s["ep_comm"] == 0 and "ep" not in plain.tiers
@@ -243,6 +243,20 @@ def test_engines_without_expert_parallelism_refuse_it(h100_512, mixtral):
     assert engine_space(Space(), deepspeed).max_ep == 1
     with pytest.raises(LayoutError, match="no expert parallelism"):
         engine_space(Space(min_ep=2), deepspeed)
+
+
+def test_megatron_core_needs_sequence_parallelism_with_tp_and_ep(h100_512, mixtral):
+    """Megatron-Core's TransformerConfig raises for tp > 1 and ep > 1 without sequence parallelism:
+    estimate refuses it by name, the search drops it under its own reason (code 19)."""
+    training = TrainingSpec(global_batch=1024)
+    megatron = load_engine(MEGATRON)
+    with pytest.raises(LayoutError, match="megatron-core runs tp > 1 with ep > 1 only with sequence parallelism"):
+        estimate(h100_512, mixtral, training, Layout(tp=2, dp=256, ep=8), megatron)
+    result = search(load_cluster("dgx-h100", 2), mixtral, training, engine=megatron)
+    lay = result.layouts
+    assert result.rejected[19] > 0
+    assert not ((lay["tp"] > 1) & (lay["ep"] > 1) & ~lay["sequence_parallel"].astype(bool)).any()
+    assert estimate(h100_512, mixtral, training, Layout(tp=2, dp=256, ep=8), load_engine("torchtitan")).step_time_s > 0
 
 
 # ---- the search: the done-when checks ------------------------------------------------------------

@@ -55,6 +55,8 @@ class CanRun(SpecModel):
     context_parallel: bool = False
     expert_parallel: bool = Field(False, description="Expert parallelism for mixture-of-experts models "
                                   "(ep > 1: each MoE layer's experts split over ep of the dp*cp ranks).")
+    sequence_parallel_with_ep: bool = Field(False, description="tp > 1 together with ep > 1 needs sequence "
+                                            "parallelism (Megatron-Core TransformerConfig raises otherwise).")
 
     @field_validator("orders")
     @classmethod
@@ -175,6 +177,9 @@ class EngineSpec(SpecModel):
             out.append(f"{name} has no context parallelism in plan3d's model: use cp=1")
         if getattr(layout, "ep", 1) > 1 and not can.expert_parallel:
             out.append(f"{name} has no expert parallelism: use ep=1")
+        if (can.sequence_parallel_with_ep and getattr(layout, "ep", 1) > 1 and layout.tp > 1
+                and not layout.sequence_parallel):
+            out.append(f"{name} runs tp > 1 with ep > 1 only with sequence parallelism: set sequence_parallel")
         if layout.pp_layers is not None and len(set(layout.pp_layers)) > 1 and can.uneven_pipeline == "none":
             out.append(f"{name} splits layers evenly over pipeline stages only: drop pp_layers")
         return out

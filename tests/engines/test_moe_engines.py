@@ -279,6 +279,43 @@ def test_megatron_runs_the_moe_plan_or_confirms_the_refusal(megatron, case: MoEC
     assert megatron_process_groups(args) == plan_groups(plan)
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "gpt-moe"])
+def test_megatron_builds_plan3ds_parameter_count(megatron, name):
+    """Megatron's GPTModel from the emitted arguments (one rank, local layer specs, meta device) has
+    exactly plan3d's total parameters: experts, shared experts and their gate, router, Q/K/V and
+    expert biases all come through. (MLA is left out: Megatron's local MLA spec drops the q/kv
+    latent norms that its Transformer Engine spec fuses into the up-projections, and the CPU tier
+    has no Transformer Engine.) CUDA-only plumbing is stood in for: the rotary buffer's device and
+    the all-to-all dispatcher's device-to-host stream."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from plan3d.cost.params import total_params
+
+    plan = build_plan(load_cluster("dgx-h100", nodes=1), MODELS[name], TrainingSpec(global_batch=8), Layout(dp=1))
+    env, _, argv = shell_parts(emit_megatron(plan, RUN).text)
+    args = megatron_args(megatron, plan, argv, env)
+    config = transformer_config(args)
+    config.perform_initialization, config.use_cpu_initialization = False, True
+    config.persist_layer_norm = config.gradient_accumulation_fusion = False  # Apex / TE kernels
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        initialize_from_args(parallel_state, args)
+        with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"), \
+                mock.patch.object(torch.cuda, "Stream", lambda *a, **k: None), torch.device("meta"):
+            model = GPTModel(config=config, transformer_layer_spec=get_gpt_decoder_block_spec(config, False),
+                             vocab_size=plan.model.vocab, max_sequence_length=args.max_position_embeddings,
+                             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                             position_embedding_type=args.position_embedding_type)
+        assert sum(p.numel() for p in model.parameters()) == total_params(plan.model)
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
 def test_layer_pattern_list_is_what_megatrons_parser_evaluates(megatron):
     """First dense layers become the list form; Megatron's own moe_freq_type reads it back."""
     plan = build_moe(next(c for c in MOE_CASES if c.model == "deepseek"))

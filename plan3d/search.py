@@ -64,8 +64,8 @@ SHAPE_KNOBS = ("tp", "pp", "dp", "cp", "ep", "micro_batch", "vpp", "sequence_par
 CP_AUTO_MIN_TOKENS = 8192  # default bound on cp: each rank keeps at least this many tokens of a sequence
 LAYOUT_KNOBS = SHAPE_KNOBS + ("uneven", "zero", "recompute", "order")
 
-# (code, short reason); code 0 is "valid". Codes 1-9 are the layout rules (LAYOUT_RULES, in order),
-# 10-12 the fit rules (FIT_RULES), 13-15 the search's own.
+# (code, short reason); code 0 is "valid". Codes 1-9 and 17-18 are the layout rules (LAYOUT_RULES, in
+# order), 10-12 the fit rules (FIT_RULES), 13-16 and 19 the search's own.
 REASONS = {
     **{rule.code: rule.reason for rule in SEARCHED_RULES},
     **{rule.code: rule.reason for rule in FIT_RULES},

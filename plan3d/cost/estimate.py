@@ -38,7 +38,7 @@ class Estimate:
     memory_bytes: dict  # categories of the most-loaded rank
     stage_memory_bytes: list  # total per pipeline rank
     time_s: dict
-    tiers: dict  # tp, pp, dp (and cp, dp_cp when cp > 1) -> name of the tier the group spans
+    tiers: dict  # tp, pp, dp (and cp, dp_cp when cp > 1; ep, edp when ep > 1) -> name of the tier the group spans
     worst_pp_rank: int
     warnings: list = field(default_factory=list)
     layout: dict = field(default_factory=dict)

@@ -114,7 +114,6 @@ class Dispatch:
     recv: list[int]  # rows from each ep rank
     by_expert: torch.Tensor  # received rows sorted by local expert
     per_expert: list[int]  # received rows per local expert
-    local_ids: torch.Tensor  # local expert of each row, sorted
 
 
 def plan_dispatch(ids: torch.Tensor, experts: int, ep: EPInfo) -> Dispatch:
@@ -127,7 +126,7 @@ def plan_dispatch(ids: torch.Tensor, experts: int, ep: EPInfo) -> Dispatch:
     local_ids = torch.repeat_interleave(torch.arange(local, device=ids.device).repeat(ep.size), received.reshape(-1))
     by_expert = torch.argsort(local_ids, stable=True)
     return Dispatch(order, counts.view(ep.size, local).sum(1).tolist(), received.sum(1).tolist(), by_expert,
-                    received.sum(0).tolist(), local_ids[by_expert])
+                    received.sum(0).tolist())
 
 
 # ---- the experts -----------------------------------------------------------------------------------

@@ -316,6 +316,72 @@ def test_megatron_builds_plan3ds_parameter_count(megatron, name):
         dist.destroy_process_group()
 
 
+def megatron_rank_params(megatron, plan: Plan, rank: int) -> tuple[int, int]:
+    """(dense, expert) parameters Megatron's GPTModel holds on `rank` of the plan's world, built as
+    that rank (fake process group, its pipeline stage's layers, meta device); expert parameters are
+    the ones Megatron marks `allreduce = False` (reduced over the expert-data-parallel group)."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    env, _, argv = shell_parts(emit_megatron(plan, RUN).text)
+    args = megatron_args(megatron, plan, argv, env)
+    config = transformer_config(args)
+    config.perform_initialization, config.use_cpu_initialization = False, True
+    config.persist_layer_norm = config.gradient_accumulation_fusion = False  # Apex / TE kernels
+    # the CPU tier's fallbacks (torch LayerNorm, local DotProductAttention) refuse sequence and
+    # context parallelism, which shape no parameter: the model is built without them
+    config.sequence_parallel, config.context_parallel_size = False, 1
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.layout.world_size)
+    try:
+        initialize_from_args(parallel_state, args)
+        with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"), \
+                mock.patch.object(torch.cuda, "Stream", lambda *a, **k: None), torch.device("meta"):
+            model = GPTModel(config=config, transformer_layer_spec=get_gpt_decoder_block_spec(config, False),
+                             vocab_size=plan.model.vocab, max_sequence_length=args.max_position_embeddings,
+                             pre_process=parallel_state.is_pipeline_first_stage(),
+                             post_process=parallel_state.is_pipeline_last_stage(),
+                             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                             position_embedding_type=args.position_embedding_type)
+        expert = sum(p.numel() for p in model.parameters() if not getattr(p, "allreduce", True))
+        return sum(p.numel() for p in model.parameters()) - expert, expert
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def contract_rank_params(plan: Plan, pp_rank: int) -> tuple[float, float]:
+    """(dense, expert) parameters of one rank by plan3d's accounting contract, read back from
+    `plan3d.cost.memory.model_state_bytes`: its weights at ZeRO-0 are (dense + expert) x bytes, at
+    ZeRO-3 dense / (dp*cp) + expert / (dp*cp/ep) times the same bytes."""
+    from plan3d.cost.context import make_context
+    from plan3d.cost.memory import model_state_bytes
+
+    per_weight = make_context(None, plan.model, plan.training).weight_bytes
+    weights = {zero: model_state_bytes(plan.model, plan.training, plan.layout.model_copy(update={"zero": zero}),
+                                       pp_rank)["weights"] / per_weight for zero in (0, 3)}
+    dense_share, expert_share = 1 / (plan.layout.dp * plan.layout.cp), plan.layout.ep / (plan.layout.dp * plan.layout.cp)
+    expert = (weights[3] - dense_share * weights[0]) / (expert_share - dense_share)
+    return weights[0] - expert, expert
+
+
+@pytest.mark.parametrize("name", ["mixtral-tp2-ep4-dp4-sp", "mixtral-tp2-pp2-ep2-dp4", "qwen2moe-tp2-ep2-dp4-gate",
+                                  "gpt-moe-ep4-dp8-bias", "mixtral-tp2-cp2-ep4-dp4"])
+def test_megatron_ranks_hold_what_the_accounting_contract_says(megatron, name):
+    """On the first and the last rank, Megatron's model holds the dense and expert parameter
+    counts of plan3d's shared accounting contract (experts / ep local experts split over tp; router,
+    norms and shared gate replicated over tp; dense part replicated over ep)."""
+    plan = build_moe(next(c for c in MOE_CASES if c.name == name))
+    for rank in (0, plan.layout.world_size - 1):
+        pp_rank = next(group.index(rank) for group in plan.rankmap.groups["pp"] if rank in group)
+        dense, expert = contract_rank_params(plan, pp_rank)
+        assert megatron_rank_params(megatron, plan, rank) == (round(dense), round(expert)), f"rank {rank}"
+        assert abs(dense - round(dense)) < 1e-3 and abs(expert - round(expert)) < 1e-3
+
+
 def test_layer_pattern_list_is_what_megatrons_parser_evaluates(megatron):
     """First dense layers become the list form; Megatron's own moe_freq_type reads it back."""
     plan = build_moe(next(c for c in MOE_CASES if c.model == "deepseek"))

@@ -242,7 +242,7 @@ def extra_to_run(row: dict) -> Run:
     try:
         Layout(**knobs)
     except ValueError as err:
-        raise Excluded(f"layout not expressible: {str(err).splitlines()[-1].strip()}") from None
+        raise Excluded(f"layout not expressible: {first_error(err)}") from None
     return Run(id=row["id"], source=row["source"]["ref"], engine="megatron-core", cluster=EXTRA_CLUSTERS[gpu],
                gpus=int(row["hardware"]["num_gpus"]), model=model, training=training, knobs=knobs, unknown=unknown,
                measured_s=measured[0], how_measured=measured[1], pair_of=row.get("pair_of"),
@@ -256,6 +256,14 @@ def vpp_depths(layers: int, pp: int) -> tuple[int, ...]:
     Mixtral 8x22B's reference mapping uses 7)."""
     per_rank = layers // pp if layers % pp == 0 else 1
     return tuple(v for v in range(1, per_rank + 1) if per_rank % v == 0)
+
+
+def first_error(err: ValueError) -> str:
+    """The first message of a (pydantic) validation error, without its documentation link."""
+    errors = getattr(err, "errors", None)
+    if callable(errors) and errors():
+        return str(errors()[0]["msg"]).removeprefix("Value error, ")
+    return str(err).splitlines()[0]
 
 
 def extra_gpu_kind(text: str) -> str:

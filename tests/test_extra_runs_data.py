@@ -191,3 +191,15 @@ def test_held_out_rows_are_predicted_without_fitting(bench, rows, monkeypatch):
         assert row["predicted_s"] > 0 and math.isfinite(row["error_pct"])
     for source, s in rep["sources"].items():
         assert s["runs"] == sum(1 for r in rep["rows"] if r["source"] == source)
+
+
+def test_a_layout_plan3d_cannot_express_is_excluded_with_its_reason(bench, rows):
+    _, runs_mod = bench
+    base = next(r for r in rows if r["id"] == "liu25-t3-mixtral8x22b-mcore")
+    too_wide = dict(base, parallelism=dict(base["parallelism"], ep=16))  # dp*cp = 8
+    with pytest.raises(runs_mod.Excluded, match="ep=16 must divide dp\\*cp=8"):
+        runs_mod.extra_to_run(too_wide)
+    unknown_gpu = dict(base, hardware=dict(base["hardware"], gpu="TPU v5p"))
+    with pytest.raises(runs_mod.Excluded, match="no bundled cluster spec"):
+        runs_mod.extra_to_run(unknown_gpu)
+    assert runs_mod.extra_to_run(base).knobs["ep"] == 4

@@ -4,7 +4,8 @@ Names and checks are 0.19.2's own (megatron/training/arguments.py `_add_moe_args
 `validate_args`; megatron/core/transformer/transformer_config.py `TransformerConfig`,
 `MLATransformerConfig`; megatron/core/transformer/moe/moe_layer.py; megatron/core/parallel_state.py
 `initialize_model_parallel`), and the engines tier feeds them to that code
-(tests/engines/test_moe_engines.py).
+(tests/engines/test_moe_engines.py; it passes unchanged against 0.17.0 and 0.18.0 unpacked wheels
+with PLAN3D_MEGATRON_DIR).
 
 What a plan's MoE spec becomes:
 - `--num-experts`, `--moe-router-topk`, `--moe-ffn-hidden-size` (the routed expert's width);

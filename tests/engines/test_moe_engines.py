@@ -4,8 +4,15 @@ deepspeed 0.19.8).
 Megatron-Core: the emitted block goes through `parse_args` + `validate_args`, its
 `TransformerConfig` / `MLATransformerConfig`, its layer specs (`get_gpt_decoder_layer_specs`: which
 layers get a MoE MLP) and `initialize_model_parallel` on a fake process group, once per rank, whose
-expert-parallel, expert-data-parallel and expert-tensor-parallel groups must be plan3d's rank map
-"ep", "edp" and "tp" groups. Refused plans are confirmed by the Megatron code that refuses them.
+tp, pp, dp, cp, expert-parallel, expert-data-parallel and expert-tensor-parallel groups must be
+plan3d's rank map groups; its GPTModel, built on the meta device, has plan3d's parameter count, and
+built as one rank of the plan, the dense and expert parameters of plan3d's accounting contract.
+Refused plans are confirmed by the Megatron code that refuses them.
+
+DeepSpeed: the AutoEP section parsed by `DeepSpeedConfig` and `validate_autoep_config`, the groups
+built by DeepSpeed's `_create_expert_and_data_parallel`. torchtitan: the DeepSeek-shaped job loaded
+by `ConfigManager`, its model built on the meta device (plan3d's parameter count), its
+`ParallelDims.build_mesh` on a fake process group (plan3d's ep and edp groups).
 
 The models are built here (small layer counts, real shapes of the families): Mixtral-like (8 experts
 top-2, GQA, SwiGLU, every layer MoE), DeepSeek-like (first dense layer, shared experts, sigmoid
@@ -23,6 +30,7 @@ import pytest
 
 from conftest import require
 from test_megatron_engine import RUN, shell_parts, transformer_config, validated
+from test_torchtitan_engine import check_batch, check_pipeline, check_recompute, load_job, titan  # noqa: F401 (fixtures)
 from plan3d.emit.megatron import emit_megatron, gpu_arch
 from plan3d.errors import InfeasibleError
 from plan3d.layout import Layout
@@ -509,8 +517,6 @@ def test_emit_deepspeed_follows_the_profile_on_expert_parallelism(deepspeed):
 
 
 # ---- torchtitan 0.3.0: deepseek_v3 builder with expert_parallel_degree ------------------------------
-from test_torchtitan_engine import check_batch, check_pipeline, check_recompute, load_job, titan  # noqa: E402,F401
-
 TITAN_CASES = {
     "deepseek-ep8-dp16-zero3-full": ("deepseek", 2, dict(dp=16, ep=8, zero=3, recompute="full"), None),
     "deepseek-pp2-ep4-dp8-zero2": ("deepseek", 2, dict(pp=2, dp=8, ep=4, zero=2), None),
@@ -591,7 +597,7 @@ def test_torchtitan_builds_the_moe_plan_with_its_expert_groups(name, titan, load
         assert groups["efsdp"] == {tuple(g) for g in plan.rankmap.groups["edp"]}
 
 
-def test_torchtitan_refusals_are_torchtitans(titan, load_job):
+def test_torchtitan_refusals_are_torchtitans(titan):
     """Mixtral-like (no MLA): torchtitan's llama3 builder has no experts. ep with tp: the expert
     weights' placement with EP on has no TP axis (experts whole). ep at ZeRO-0: the expert mesh
     efsdp = dp_shard * cp * tp / ep has no ranks when dp_shard is 1."""

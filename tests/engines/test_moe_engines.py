@@ -91,6 +91,7 @@ MOE_CASES = [
     # refused by plan3d (REFUSALS says how Megatron's own code refuses them)
     MoECase("mixtral-ep16-over-8-experts", "mixtral", 2, dict(dp=16, ep=16, zero=1)),
     MoECase("mixtral-tp2-no-sp", "mixtral", 1, dict(tp=2, dp=4, ep=2, zero=1)),
+    MoECase("mixtral-tp2-ep1-no-sp", "mixtral", 1, dict(tp=2, dp=4, zero=1)),  # MoELayer raises at ep = 1 too
     MoECase("gpt-moe-bias-tp2", "gpt-moe", 1, dict(tp=2, dp=4, ep=2, zero=1, sequence_parallel=True)),
     MoECase("mixtral-ppdp-order-ep2-cp1", "mixtral", 2, dict(tp=2, pp=2, dp=4, ep=2, zero=1, sequence_parallel=True,
                                                             order="tp-cp-ep-pp-dp")),
@@ -226,10 +227,10 @@ def confirm_moe_needs_sequence_parallel(megatron, plan: Plan) -> None:
     """MoELayer.forward itself raises when training with tp > 1 and no sequence parallelism."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    args = megatron_args(megatron, plan, argv_with(plan, dict(dp=8, ep=2, zero=1), {
+    args = megatron_args(megatron, plan, argv_with(plan, dict(dp=8, ep=plan.layout.ep, zero=1), {
         "--tensor-model-parallel-size": "2", "--expert-tensor-parallel-size": "2"}),
         env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
-    assert not args.sequence_parallel
+    assert not args.sequence_parallel and args.expert_model_parallel_size == plan.layout.ep
     layer = mock.Mock(training=True, config=transformer_config(args))
     layer.attn_tp_group.size.return_value = args.tensor_model_parallel_size
     with pytest.raises(ValueError, match="without also enabling sequence parallelism"):
@@ -264,6 +265,7 @@ def confirm_ppdp_order_needs_equal_dp(megatron, plan: Plan) -> None:
 REFUSALS = {
     "mixtral-ep16-over-8-experts": ("does not divide the 8 experts", confirm_experts_not_divisible),
     "mixtral-tp2-no-sp": ("set sequence_parallel", confirm_moe_needs_sequence_parallel),
+    "mixtral-tp2-ep1-no-sp": ("set sequence_parallel", confirm_moe_needs_sequence_parallel),
     "gpt-moe-bias-tp2": ("ETP==1", confirm_expert_bias_needs_etp_one),
     "mixtral-ppdp-order-ep2-cp1": ("tp-cp-ep-pp-dp with pp > 1", confirm_ppdp_order_needs_equal_dp),
 }

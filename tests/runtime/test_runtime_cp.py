@@ -6,18 +6,19 @@ DeviceMesh's cp and dp x cp groups, the refusal of a sequence not divisible by 2
 
 Launched (slow; three multi-process runs, losses within 1e-5 of one process):
 - cp4 alone (4 ranks, selective recompute, checkpoint written at the end);
-- cp2 tp2 pp2 (8 ranks) on the Llama-style tiny model (RoPE, GQA, SwiGLU, tied embeddings over
-  two stages) against one process of the same model;
-- cp2 dp2 tp2 with sequence parallelism and ZeRO-1 (8 ranks): gradients and the optimizer shards
-  over dp x cp, model-state bytes checked.
+- cp2 tp2 pp2 with sequence parallelism (8 ranks) on the Llama-style tiny model (RoPE, GQA,
+  SwiGLU, tied embeddings over two stages), trained on the bundled text, against one process of
+  the same model (the session's `llama_reference`);
+- cp2 dp2 with ZeRO-1 (4 ranks): gradients and the optimizer shards over dp x cp, model-state
+  bytes checked.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from runtime_helpers import STEPS, assert_same_losses, make_plan, metrics, run, summary
-from test_runtime_equivalence import _check_model_state  # cp changes no parameter or gradient; ZeRO shards over dp x cp in both
+from runtime_helpers import (STEPS, TOKEN_DATA, assert_same_losses, check_completed_run, check_mesh_groups,
+                             check_model_state, launched, llama_style, make_plan, metrics)
 
 
 # ---- the sequence split -----------------------------------------------------------------------
@@ -181,48 +182,34 @@ def test_cp_mesh_holds_the_plans_cp_dp_and_dp_cp_groups(order):
 
 
 # ---- launched: losses equal to one process ------------------------------------------------------
-def _check_groups(plan, ranks: list[dict]) -> None:
-    """Every rank's tp, cp, dp, pp and dp x cp groups are the plan's."""
-    for dim in ("tp", "cp", "dp", "pp", "dp_cp"):
-        got = sorted({tuple(r["mesh_groups"][dim]) for r in ranks})
-        assert got == sorted(tuple(g) for g in plan.rankmap.groups[dim]), dim
-
-
-def _launch(plan, run_dir, extra=("--no-save",)) -> list[dict]:
-    result = run(plan, run_dir, extra=list(extra))
-    assert result.ok, f"{result.failed_rank}: {result.error}"
-    return summary(run_dir)["ranks"]
+CP_GROUPS = ("tp", "cp", "dp", "pp", "dp_cp")  # every rank's groups, dp x cp included
 
 
 @pytest.mark.slow
 def test_cp4_alone_matches_single_process(reference, tmp_path):
     plan = make_plan(cp=4, recompute="selective")
-    ranks = _launch(plan, tmp_path, extra=())
+    ranks = launched(plan, tmp_path, extra=())
     assert_same_losses(metrics(tmp_path), reference, range(1, STEPS + 1))
     assert sorted(r["cp"] for r in ranks) == [0, 1, 2, 3]
-    _check_groups(plan, ranks)
-    _check_model_state(plan, ranks)
+    check_mesh_groups(plan, ranks, CP_GROUPS)
+    check_model_state(plan, ranks)  # cp changes no parameter or gradient
     assert (tmp_path / "checkpoints" / f"step_{STEPS:08d}").is_dir()
 
 
 @pytest.mark.slow
-def test_llama_style_cp2_tp2_pp2_matches_single_process(tmp_path):
-    """RoPE at global positions, GQA and tied embeddings over two stages, with tp and pp."""
-    from test_runtime_equivalence import llama_style
-
-    single = llama_style(make_plan())
-    _launch(single, tmp_path / "one")
-    plan = llama_style(make_plan(cp=2, tp=2, pp=2))
-    ranks = _launch(plan, tmp_path / "eight")
-    assert_same_losses(metrics(tmp_path / "eight"), metrics(tmp_path / "one"), range(1, STEPS + 1))
-    _check_groups(plan, ranks)
-    _check_model_state(plan, ranks)
+def test_llama_style_cp2_tp2_pp2_sequence_parallel_matches_single_process(llama_reference, tmp_path):
+    """RoPE at global positions, GQA and tied embeddings over two stages, with tp (sequence
+    parallel: each tp rank holds its share of the cp rank's chunks) and pp, on token data."""
+    plan = llama_style(make_plan(cp=2, tp=2, pp=2, sequence_parallel=True))
+    ranks = launched(plan, tmp_path, extra=["--no-save", *TOKEN_DATA])
+    check_completed_run(plan, tmp_path, llama_reference)
+    check_mesh_groups(plan, ranks, CP_GROUPS)
 
 
 @pytest.mark.slow
-def test_cp2_dp2_tp2_sequence_parallel_zero1_matches_single_process(reference, tmp_path):
-    plan = make_plan(cp=2, dp=2, tp=2, sequence_parallel=True, zero=1)
-    ranks = _launch(plan, tmp_path)
-    assert_same_losses(metrics(tmp_path), reference, range(1, STEPS + 1))
-    _check_groups(plan, ranks)
-    _check_model_state(plan, ranks)
+def test_cp2_dp2_zero1_matches_single_process(reference, tmp_path):
+    """ZeRO-1 over dp x cp: gradients all-reduced and the optimizer sharded over the 4 ranks."""
+    plan = make_plan(cp=2, dp=2, zero=1)
+    ranks = launched(plan, tmp_path)
+    check_completed_run(plan, tmp_path, reference)
+    check_mesh_groups(plan, ranks, CP_GROUPS)

@@ -150,7 +150,7 @@ def test_launch_flags_with_an_impossible_layout_are_a_one_line_error(capsys):
 
 @pytest.mark.slow
 def test_cli_launch_ends_with_the_table_of_report(capsys, tmp_path, monkeypatch):
-    """A real run of 4 ranks: `plan3d launch` ends with exactly what `plan3d report RUN_DIR` prints,
+    """A real run of 2 ranks: `plan3d launch` ends with exactly what `plan3d report RUN_DIR` prints,
     and summary.json holds measurements only."""
     import json
 
@@ -158,8 +158,8 @@ def test_cli_launch_ends_with_the_table_of_report(capsys, tmp_path, monkeypatch)
 
     monkeypatch.setenv("COLUMNS", "200")
     plan, run_dir = tmp_path / "plan.json", tmp_path / "run"
-    for argv in (["recommend", "--cluster", "local-cpu", "--model", "tiny-gpt", "--tp", "2", "--pp", "1", "--dp", "2",
-                  "--gpus-per-node", "4", "--precision", "fp32", "--top", "1", "--out", str(plan)],
+    for argv in (["recommend", "--cluster", "local-cpu", "--model", "tiny-gpt", "--tp", "1", "--pp", "1", "--dp", "2",
+                  "--gpus-per-node", "2", "--precision", "fp32", "--top", "1", "--out", str(plan)],
                  ["launch", str(plan), "--steps", "3", "--run-dir", str(run_dir)],
                  ["report", str(run_dir)]):
         capsys.readouterr()
@@ -170,10 +170,10 @@ def test_cli_launch_ends_with_the_table_of_report(capsys, tmp_path, monkeypatch)
             launched = capsys.readouterr().out
     reported = capsys.readouterr().out
     assert launched.startswith("losses (steps 1..3)") and launched.endswith(reported)
-    assert "measured vs predicted: tp2 pp1 dp2" in reported and "prediction error" in reported
-    assert (run_dir / "metrics.jsonl").read_text().count("\n") == 3 and (run_dir / "logs" / "rank3.log").exists()
+    assert "measured vs predicted: tp1 pp1 dp2" in reported and "prediction error" in reported
+    assert (run_dir / "metrics.jsonl").read_text().count("\n") == 3 and (run_dir / "logs" / "rank1.log").exists()
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert "predicted" not in summary and summary["world_size"] == 4
+    assert "predicted" not in summary and summary["world_size"] == 2
 
 
 @pytest.mark.gpu

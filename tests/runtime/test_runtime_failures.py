@@ -228,21 +228,7 @@ def test_a_missing_node_and_a_duplicate_node_rank_are_bounded_and_named(tmp_path
     assert not results[0].ok and "only 1 of 2 nodes joined" in results[0].error
 
 
-def test_a_port_taken_before_torchrun_binds_it_is_retried_on_a_fresh_port(tmp_path, monkeypatch):
-    import socket
-
-    import plan3d.launch as launcher
-
-    busy = socket.socket()
-    busy.bind(("127.0.0.1", 0))
-    busy.listen()
-    picks = [busy.getsockname()[1], launcher.free_port()]
-    handed = []
-    monkeypatch.setattr(launcher, "free_port", lambda: handed.append(picks[len(handed)]) or handed[-1])
-    with busy:
-        result = run(make_plan(), tmp_path, steps=1, extra=["--no-save"])
-    assert result.ok, result.error
-    assert handed == picks, "the busy port was tried first, then a fresh one"
+# A port taken before torchrun binds it: test_runtime_data.py (the same launch learns the bundled text).
 
 
 def test_a_multi_node_plan_on_one_machine_runs_every_node_locally(reference, tmp_path):

@@ -228,7 +228,7 @@ def layout_suggestions(cluster, model, training, base, orders: tuple[str, ...] =
             continue  # e.g. doubling pp of an explicit pp_layers split
         if engine is not None:
             layout = engine.resolve_split(layout, model)
-            if engine.layout_problems(layout):
+            if engine.layout_problems(layout, model):
                 continue
         if layout_problems(layout, model, training, cluster.world_size):
             continue
@@ -297,7 +297,7 @@ def check_job(cluster, model, training, layout, min_mfu: float | None = None,
     else:
         if engine is not None:
             layout = engine.resolve_split(layout, model)
-            report.findings += [engine_finding(p) for p in engine.layout_problems(layout)]
+            report.findings += [engine_finding(p) for p in engine.layout_problems(layout, model)]
         report.findings += [problem_finding(p) for p in layout_problems(layout, model, training, cluster.world_size)]
         if report.ok:
             _check_fit(report, cluster, model, training, layout, min_mfu, max_memory_fraction, engine, strict)

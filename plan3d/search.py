@@ -73,11 +73,11 @@ REASONS = {
     14: "ZeRO with dp = 1 has nothing to shard (same as ZeRO-0)",
     15: "the engine cannot run this ZeRO stage with pipeline parallelism",
     16: "the engine runs tensor parallelism only without a pipeline",
-    19: "the engine needs sequence parallelism with tp > 1 and ep > 1",
+    19: "the engine needs sequence parallelism for MoE with tp > 1",
 }
 MEMORY_CODE, MFU_CODE, MEMORY_FRACTION_CODE = (rule.code for rule in FIT_RULES)
 SAME_ORDER_CODE, ZERO_DP1_CODE = 13, 14
-ENGINE_ZERO_PP_CODE, ENGINE_TP_PP_CODE, ENGINE_EP_SP_CODE = 15, 16, 19
+ENGINE_ZERO_PP_CODE, ENGINE_TP_PP_CODE, ENGINE_MOE_SP_CODE = 15, 16, 19
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ class Space:
     sequence_parallel_required: bool = False  # tp > 1 only with sequence parallelism (the engine's rule)
     zero_with_pp: tuple[int, ...] = (0, 1, 2, 3)  # ZeRO stages allowed with pp > 1 (the engine's rule)
     tensor_parallel_with_pp: bool = True  # tp > 1 together with pp > 1 (the engine's rule)
-    sequence_parallel_with_ep: bool = False  # tp > 1 with ep > 1 only with sequence parallelism (the engine's rule)
+    sequence_parallel_with_moe: bool = False  # tp > 1 only with sequence parallelism (the engine's rule for MoE models)
     min_cp: int = 1
     max_cp: int | None = None  # None: the default bound (CP_AUTO_MIN_TOKENS per rank); 0: no bound
     min_ep: int = 1
@@ -366,10 +366,10 @@ def drop_duplicates(layouts: dict[str, np.ndarray], space: Space, rejected: dict
     rejected[ENGINE_ZERO_PP_CODE] = int(zero_pp.sum())
     rejected[ENGINE_TP_PP_CODE] = int(tp_pp.sum())
     dropped = same_order | zero_dp1 | zero_pp | tp_pp
-    if space.sequence_parallel_with_ep and "ep" in layouts:
-        ep_sp = ~dropped & (layouts["ep"] > 1) & (layouts["tp"] > 1) & ~layouts["sequence_parallel"].astype(bool)
-        rejected[ENGINE_EP_SP_CODE] = int(ep_sp.sum())
-        dropped = dropped | ep_sp
+    if space.sequence_parallel_with_moe:
+        moe_sp = ~dropped & (layouts["tp"] > 1) & ~layouts["sequence_parallel"].astype(bool)
+        rejected[ENGINE_MOE_SP_CODE] = int(moe_sp.sum())
+        dropped = dropped | moe_sp
     keep = ~dropped
     return {k: a[keep] for k, a in layouts.items()}
 
@@ -419,7 +419,8 @@ def engine_space(space: Space, engine: EngineSpec) -> Space:
                    sequence_parallel_required=space.sequence_parallel_required or can.sequence_parallel_required,
                    zero_with_pp=tuple(z for z in space.zero_with_pp if z in can.zero_with_pp),
                    tensor_parallel_with_pp=space.tensor_parallel_with_pp and can.tensor_parallel_with_pp,
-                   sequence_parallel_with_ep=space.sequence_parallel_with_ep or can.sequence_parallel_with_ep, **bounds)
+                   sequence_parallel_with_moe=space.sequence_parallel_with_moe or can.sequence_parallel_with_moe,
+                   **bounds)
 
 
 def _require(ok, message: str) -> None:
@@ -582,6 +583,8 @@ def search(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space
     start = time.perf_counter()
     if engine is not None:
         space = engine_space(space, engine)
+    if model.moe is None:  # the engine's MoE-only rule does not apply
+        space = replace(space, sequence_parallel_with_moe=False)
     shapes = shape_grid(cluster.world_size, space, model.layers, training.seq_len or model.seq_len,
                         model.moe.experts if model.moe is not None else 0)
     codes = shape_reasons(shapes, model, training)

@@ -245,17 +245,22 @@ def test_engines_without_expert_parallelism_refuse_it(h100_512, mixtral):
         engine_space(Space(min_ep=2), deepspeed)
 
 
-def test_megatron_core_needs_sequence_parallelism_with_tp_and_ep(h100_512, mixtral):
-    """Megatron-Core's TransformerConfig raises for tp > 1 and ep > 1 without sequence parallelism:
-    estimate refuses it by name, the search drops it under its own reason (code 19)."""
+def test_megatron_core_needs_sequence_parallelism_for_moe_with_tp(h100_512, mixtral):
+    """Megatron-Core raises for an MoE model with tp > 1 and no sequence parallelism, at any ep
+    (TransformerConfig for ep > 1, MoELayer.forward for ep = 1): estimate refuses it by name, the
+    search drops it under its own reason (code 19); dense models are not affected."""
     training = TrainingSpec(global_batch=1024)
     megatron = load_engine(MEGATRON)
-    with pytest.raises(LayoutError, match="megatron-core runs tp > 1 with ep > 1 only with sequence parallelism"):
-        estimate(h100_512, mixtral, training, Layout(tp=2, dp=256, ep=8), megatron)
+    for ep in (1, 8):
+        with pytest.raises(LayoutError, match="megatron-core runs a mixture-of-experts model with tp > 1 only with "
+                                              "sequence parallelism"):
+            estimate(h100_512, mixtral, training, Layout(tp=2, dp=256, ep=ep), megatron)
     result = search(load_cluster("dgx-h100", 2), mixtral, training, engine=megatron)
     lay = result.layouts
     assert result.rejected[19] > 0
-    assert not ((lay["tp"] > 1) & (lay["ep"] > 1) & ~lay["sequence_parallel"].astype(bool)).any()
+    assert not ((lay["tp"] > 1) & ~lay["sequence_parallel"].astype(bool)).any()
+    dense = search(load_cluster("dgx-h100", 2), load_model("llama3-8b"), TrainingSpec(global_batch=64), engine=megatron)
+    assert not dense.rejected.get(19) and ((dense.layouts["tp"] > 1) & ~dense.layouts["sequence_parallel"]).any()
     assert estimate(h100_512, mixtral, training, Layout(tp=2, dp=256, ep=8), load_engine("torchtitan")).step_time_s > 0
 
 

@@ -248,6 +248,7 @@ def explain_cmd(
     tp: Annotated[int, _opt("--tp", "Tensor-parallel degree.")] = 1,
     pp: Annotated[int, _opt("--pp", "Pipeline-parallel degree.")] = 1,
     dp: Annotated[IntOpt, _opt("--dp", "Data-parallel degree (default: fill the cluster).")] = None,
+    ep: Annotated[int, _opt("--ep", "Expert-parallel degree (mixture-of-experts models).")] = 1,
     micro_batch: Annotated[int, _opt("--micro-batch", "Sequences per micro-batch.")] = 1,
     vpp: Annotated[int, _opt("--vpp", "Virtual pipeline stages per rank.")] = 1,
     zero: Annotated[int, _opt("--zero", "ZeRO stage 0-3.")] = 0,
@@ -273,9 +274,9 @@ def explain_cmd(
     world = specs[0].world_size
     if dp is None:  # a tp or pp below 1 is left for make_layout to reject
         dp = max(1, world // max(tp * pp, 1))
-    layout = make_layout(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, vpp=vpp, zero=zero, recompute=recompute,
+    layout = make_layout(tp=tp, pp=pp, dp=dp, ep=ep, micro_batch=micro_batch, vpp=vpp, zero=zero, recompute=recompute,
                          sequence_parallel=sequence_parallel, order=order)
-    problems = engine_spec.layout_problems(layout)
+    problems = engine_spec.layout_problems(layout, specs[1])
     if problems:
         raise LayoutError("; ".join(problems))
     check_layout(layout, specs[1], specs[2], world)

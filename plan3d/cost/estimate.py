@@ -58,7 +58,7 @@ def estimate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, lay
     splits layers unevenly on its own (Megatron-DeepSpeed) gets its split."""
     if engine is not None:
         layout = engine.resolve_split(layout, model)
-        problems = engine.layout_problems(layout)
+        problems = engine.layout_problems(layout, model)
         if problems:
             raise LayoutError("; ".join(problems))
     check_layout(layout, model, training, cluster.world_size)

@@ -55,8 +55,9 @@ class CanRun(SpecModel):
     context_parallel: bool = False
     expert_parallel: bool = Field(False, description="Expert parallelism for mixture-of-experts models "
                                   "(ep > 1: each MoE layer's experts split over ep of the dp*cp ranks).")
-    sequence_parallel_with_ep: bool = Field(False, description="tp > 1 together with ep > 1 needs sequence "
-                                            "parallelism (Megatron-Core TransformerConfig raises otherwise).")
+    sequence_parallel_with_moe: bool = Field(False, description="A mixture-of-experts model with tp > 1 needs "
+                                             "sequence parallelism, at any ep (Megatron-Core: TransformerConfig "
+                                             "raises for ep > 1, MoELayer.forward for ep = 1).")
 
     @field_validator("orders")
     @classmethod
@@ -150,8 +151,9 @@ class EngineSpec(SpecModel):
         split[-1] -= 1
         return tuple(split) if min(split) >= 1 else None
 
-    def layout_problems(self, layout: LayoutShape) -> list[str]:
-        """Every reason the engine cannot run `layout`, each a sentence that says what to change."""
+    def layout_problems(self, layout: LayoutShape, model: ModelSpec | None = None) -> list[str]:
+        """Every reason the engine cannot run `layout` (of `model`, where given), each a sentence that
+        says what to change."""
         can, name, out = self.can_run, self.name, []
         if layout.tp > 1 and not can.tensor_parallel:
             out.append(f"{name} has no tensor parallelism: use tp=1")
@@ -177,9 +179,10 @@ class EngineSpec(SpecModel):
             out.append(f"{name} has no context parallelism in plan3d's model: use cp=1")
         if getattr(layout, "ep", 1) > 1 and not can.expert_parallel:
             out.append(f"{name} has no expert parallelism: use ep=1")
-        if (can.sequence_parallel_with_ep and getattr(layout, "ep", 1) > 1 and layout.tp > 1
-                and not layout.sequence_parallel):
-            out.append(f"{name} runs tp > 1 with ep > 1 only with sequence parallelism: set sequence_parallel")
+        moe = model is not None and model.moe is not None
+        if can.sequence_parallel_with_moe and moe and layout.tp > 1 and not layout.sequence_parallel:
+            out.append(f"{name} runs a mixture-of-experts model with tp > 1 only with sequence parallelism: "
+                       "set sequence_parallel")
         if layout.pp_layers is not None and len(set(layout.pp_layers)) > 1 and can.uneven_pipeline == "none":
             out.append(f"{name} splits layers evenly over pipeline stages only: drop pp_layers")
         return out

@@ -280,7 +280,7 @@ def plan_problems(plan: Plan, sections: dict[str, dict] | None = None) -> list[s
     problems = [f"layout: {p}" for p in layout_problems(plan.layout, plan.model, plan.training,
                                                          plan.cluster.world_size)]
     if plan.engine is not None:
-        problems += [f"layout: {p}" for p in plan.engine.layout_problems(plan.layout)]
+        problems += [f"layout: {p}" for p in plan.engine.layout_problems(plan.layout, plan.model)]
     if problems:  # a rank map of an impossible layout says nothing more
         return problems
     return _rankmap_problems(plan, sections.get("rankmap", {})) + _estimate_problems(sections.get("estimate", {}))

@@ -65,7 +65,7 @@ CP_AUTO_MIN_TOKENS = 8192  # default bound on cp: each rank keeps at least this 
 LAYOUT_KNOBS = SHAPE_KNOBS + ("uneven", "zero", "recompute", "order")
 
 # (code, short reason); code 0 is "valid". Codes 1-9 and 17-18 are the layout rules (LAYOUT_RULES, in
-# order), 10-12 the fit rules (FIT_RULES), 13-16 and 19 the search's own.
+# order), 10-12 the fit rules (FIT_RULES), 13-16 and 19-20 the search's own.
 REASONS = {
     **{rule.code: rule.reason for rule in SEARCHED_RULES},
     **{rule.code: rule.reason for rule in FIT_RULES},
@@ -74,10 +74,11 @@ REASONS = {
     15: "the engine cannot run this ZeRO stage with pipeline parallelism",
     16: "the engine runs tensor parallelism only without a pipeline",
     19: "the engine needs sequence parallelism for MoE with tp > 1",
+    20: "the engine cannot run this ep > 1 layout (its tp, ZeRO stage or rank order)",
 }
 MEMORY_CODE, MFU_CODE, MEMORY_FRACTION_CODE = (rule.code for rule in FIT_RULES)
 SAME_ORDER_CODE, ZERO_DP1_CODE = 13, 14
-ENGINE_ZERO_PP_CODE, ENGINE_TP_PP_CODE, ENGINE_MOE_SP_CODE = 15, 16, 19
+ENGINE_ZERO_PP_CODE, ENGINE_TP_PP_CODE, ENGINE_MOE_SP_CODE, ENGINE_EP_CODE = 15, 16, 19, 20
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,9 @@ class Space:
     zero_with_pp: tuple[int, ...] = (0, 1, 2, 3)  # ZeRO stages allowed with pp > 1 (the engine's rule)
     tensor_parallel_with_pp: bool = True  # tp > 1 together with pp > 1 (the engine's rule)
     sequence_parallel_with_moe: bool = False  # tp > 1 only with sequence parallelism (the engine's rule for MoE models)
+    expert_parallel_with_tp: bool = True  # ep > 1 together with tp > 1 (the engine's rule)
+    expert_parallel_zero: tuple[int, ...] = (0, 1, 2, 3)  # ZeRO stages allowed with ep > 1 (the engine's rule)
+    expert_parallel_dp_last_order: bool = True  # ep > 1, pp > 1 in a '-dp'-last order for any ep (else ep = cp)
     min_cp: int = 1
     max_cp: int | None = None  # None: the default bound (CP_AUTO_MIN_TOKENS per rank); 0: no bound
     min_ep: int = 1
@@ -370,8 +374,24 @@ def drop_duplicates(layouts: dict[str, np.ndarray], space: Space, rejected: dict
         moe_sp = ~dropped & (layouts["tp"] > 1) & ~layouts["sequence_parallel"].astype(bool)
         rejected[ENGINE_MOE_SP_CODE] = int(moe_sp.sum())
         dropped = dropped | moe_sp
+    ep_rule = ~dropped & engine_ep_refuses(layouts, space)
+    rejected[ENGINE_EP_CODE] = int(ep_rule.sum())
+    dropped = dropped | ep_rule
     keep = ~dropped
     return {k: a[keep] for k, a in layouts.items()}
+
+
+def engine_ep_refuses(layouts: dict[str, np.ndarray], space: Space) -> np.ndarray:
+    """The ep > 1 layouts the engine refuses (`EngineSpec._expert_parallel_problems`, vectorised):
+    tp > 1 where it keeps experts whole, a ZeRO stage it does not run with ep, and Megatron-Core's
+    '-dp'-last order with pp > 1 unless ep = cp."""
+    ones = np.ones(len(layouts["tp"]), dtype=int)
+    ep, cp = layouts.get("ep", ones), layouts.get("cp", ones)
+    dp_last = np.array([o.endswith("-dp") for o in space.orders])[layouts["order"]]
+    tp_rule = (layouts["tp"] > 1) & (not space.expert_parallel_with_tp)
+    zero_rule = ~np.isin(layouts["zero"], space.expert_parallel_zero)
+    order_rule = dp_last & (layouts["pp"] > 1) & (ep != cp) & (not space.expert_parallel_dp_last_order)
+    return (ep > 1) & (tp_rule | zero_rule | order_rule)
 
 
 # ---- the engine: only what it can run ----------------------------------------------------------
@@ -420,6 +440,9 @@ def engine_space(space: Space, engine: EngineSpec) -> Space:
                    zero_with_pp=tuple(z for z in space.zero_with_pp if z in can.zero_with_pp),
                    tensor_parallel_with_pp=space.tensor_parallel_with_pp and can.tensor_parallel_with_pp,
                    sequence_parallel_with_moe=space.sequence_parallel_with_moe or can.sequence_parallel_with_moe,
+                   expert_parallel_with_tp=space.expert_parallel_with_tp and can.expert_parallel_with_tp,
+                   expert_parallel_zero=tuple(z for z in space.expert_parallel_zero if z in can.expert_parallel_zero),
+                   expert_parallel_dp_last_order=space.expert_parallel_dp_last_order and can.expert_parallel_dp_last_order,
                    **bounds)
 
 

@@ -152,8 +152,8 @@ def test_torchtitan_builds_a_deepseek_shaped_moe_with_expert_parallelism():
 
 @pytest.mark.parametrize("model,layout,names", [
     (moe_model(), dict(dp=8, zero=3), ["have MLA", "emit megatron"]),
-    (deepseek_like(), dict(tp=2, dp=4, ep=2, zero=3, sequence_parallel=True), ["keeps experts whole", "tp=2"]),
-    (deepseek_like(), dict(dp=8, ep=2, zero=0), ["ZeRO-2/3 with ep > 1"]),
+    (deepseek_like(), dict(tp=2, dp=4, ep=2, zero=3, sequence_parallel=True), ["keeps each expert whole", "tp=1"]),
+    (deepseek_like(), dict(dp=8, ep=2, zero=0), ["ep > 1 with ZeRO {2, 3} only"]),
     (deepseek_like(every=2), dict(dp=8, zero=3), ["one every 2"]),
     (deepseek_like(shared_ffn_hidden=700), dict(dp=8, zero=3), ["whole routed-expert widths"]),
     (deepseek_like(capacity_factor=1.0), dict(dp=8, zero=3), ["dropless"]),

@@ -64,6 +64,7 @@ class CostContext:
     fp8_max_fraction: float = 0.0
     fp8_cast_bytes: float = 0.0
     ep_overlap_fraction: float = 0.0  # share of the expert-parallel all-to-alls hidden behind compute
+    shared_expert_overlap: bool = False  # the shared experts hide the all-to-alls up to their own time
     # attention as the weights see it (`_attention_fields`: plain or multi-head latent attention)
     attn_weight_params: int = 0  # weight-matrix parameters of one attention block (its linear GEMMs)
     attn_split: int = 0  # attention parameters tensor parallelism divides (column/row-parallel weights, column biases)
@@ -134,6 +135,7 @@ def make_context(cluster: ClusterSpec | None, model: ModelSpec, training: Traini
         tp_overlap_fraction=runs_as.tp_overlap_fraction if runs_as else 0.0,
         param_gather_overlap=bool(runs_as and runs_as.param_gather_overlap),
         ep_overlap_fraction=runs_as.ep_overlap_fraction if runs_as else 0.0,
+        shared_expert_overlap=bool(runs_as and runs_as.shared_expert_overlap),
         cpu_cores_per_node=cluster.cpu_cores_per_node or 0,
         gpus_per_node=cluster.gpus_per_node,
     )

@@ -66,11 +66,28 @@ def all_to_all_s(size_bytes, n, bytes_per_s, latency_s):
     return comm.all_gather_s(size_bytes, n, bytes_per_s, latency_s)
 
 
+def shared_experts_forward_s(ctx: CostContext, la: LayoutArrays):
+    """Forward time of one MoE layer's shared experts for one micro-batch (their GEMM pair and
+    elementwise work, split by tp); 0 without shared experts."""
+    if not ctx.shared_ffn:
+        return 0.0
+    tokens = la.mb_share * ctx.seq
+    gemms = linear_s(ctx, 2 * tokens * ctx.mlp_mats * ctx.hidden * ctx.shared_ffn / la.tp, 2)
+    return gemms + memory_bound_s(ctx, tokens * ctx.mlp_mats * ctx.shared_ffn / la.tp, ctx.elementwise_bytes)
+
+
 def ep_comm_s(ctx: CostContext, la: LayoutArrays, ep_link, full_recompute):
     """Exposed seconds of one MoE layer's all-to-alls per micro-batch: dispatch and combine in the
-    forward, the same two in the backward, and again in a full recompute's forward; each hidden
-    by `ep_overlap_fraction` (0 by default: Megatron-Core 0.19 overlaps them only with
-    --overlap-moe-expert-parallel-comm, torchtitan 0.3 not at all)."""
-    one = all_to_all_s(ep_a2a_bytes(ctx, la), la.ep, *ep_link)
-    count = 2 * A2A_PER_LAYER_PASS + np.where(full_recompute, A2A_PER_LAYER_PASS, 0)
-    return np.where(la.ep > 1, count * one * (1 - ctx.ep_overlap_fraction), 0.0)
+    forward, the same two in the backward, and again in a full recompute's forward.
+
+    What hides them: `ep_overlap_fraction` of each (0 by default: Megatron-Core 0.19 overlaps
+    them with other micro-batches only with --overlap-moe-expert-parallel-comm, torchtitan 0.3
+    not at all), and, where the engine runs the shared experts on a side stream while the
+    all-to-alls are in flight (`shared_expert_overlap`, Megatron-Core --moe-shared-expert-overlap),
+    the shared experts' time: their forward in a forward pass, twice it in the backward."""
+    one = all_to_all_s(ep_a2a_bytes(ctx, la), la.ep, *ep_link) * (1 - ctx.ep_overlap_fraction)
+    shared = shared_experts_forward_s(ctx, la) if ctx.shared_expert_overlap else 0.0
+    forward = np.maximum(A2A_PER_LAYER_PASS * one - shared, 0.0)
+    backward = np.maximum(A2A_PER_LAYER_PASS * one - 2 * shared, 0.0)
+    exposed = np.where(full_recompute, 2 * forward, forward) + backward
+    return np.where(la.ep > 1, exposed, 0.0)

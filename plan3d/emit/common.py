@@ -35,7 +35,7 @@ def target_engine(plan: Plan, profile: str, versions: str) -> tuple[EngineSpec, 
     Raises InfeasibleError naming the engine release range and every reason (each says what to
     change). Returns the profile and a note when the plan was predicted for another engine."""
     engine = load_engine(profile)
-    problems = engine.layout_problems(plan.layout)
+    problems = engine.layout_problems(plan.layout, plan.model)
     if problems:
         raise InfeasibleError(f"{profile} {versions} cannot run {plan.layout.short()}: " + "; ".join(problems))
     notes = []

@@ -56,8 +56,16 @@ class CanRun(SpecModel):
     expert_parallel: bool = Field(False, description="Expert parallelism for mixture-of-experts models "
                                   "(ep > 1: each MoE layer's experts split over ep of the dp*cp ranks).")
     sequence_parallel_with_moe: bool = Field(False, description="A mixture-of-experts model with tp > 1 needs "
-                                             "sequence parallelism, at any ep (Megatron-Core: TransformerConfig "
-                                             "raises for ep > 1, MoELayer.forward for ep = 1).")
+                                             "sequence parallelism, at any ep (Megatron-Core 0.19: MoELayer.forward "
+                                             "raises; ModelParallelConfig only warns).")
+    expert_parallel_with_tp: bool = Field(True, description="ep > 1 together with tp > 1 (DeepSpeed AutoEP and "
+                                          "torchtitan keep each expert whole, plan3d splits experts over tp: false).")
+    expert_parallel_zero: list[Literal[0, 1, 2, 3]] = Field([0, 1, 2, 3], min_length=1, description="ZeRO "
+                                                             "stages it runs with ep > 1 (torchtitan takes its "
+                                                             "expert-parallel ranks from FSDP's: 2, 3).")
+    expert_parallel_dp_last_order: bool = Field(True, description="ep > 1 with pp > 1 in the order "
+                                                "tp-cp-ep-pp-dp for any ep; false: only ep = cp there "
+                                                "(Megatron-Core initialize_model_parallel asserts it).")
 
     @field_validator("orders")
     @classmethod
@@ -94,6 +102,9 @@ class RunsAs(SpecModel):
     ep_overlap_fraction: float = bounded(0.0, FRACTION, description="Share of the expert-parallel all-to-alls "
                                          "(MoE dispatch and combine) hidden behind compute (Megatron-Core "
                                          "--overlap-moe-expert-parallel-comm with the 1F1B A2A overlap); 0: exposed.")
+    shared_expert_overlap: bool = Field(False, description="The shared experts run on a side stream while "
+                                        "the dispatch and combine all-to-alls are in flight, hiding them up to the "
+                                        "shared experts' time (Megatron-Core --moe-shared-expert-overlap).")
     fused: list[Text] = Field(default_factory=list, description="Fused kernels (documentation).")
 
 
@@ -179,12 +190,30 @@ class EngineSpec(SpecModel):
             out.append(f"{name} has no context parallelism in plan3d's model: use cp=1")
         if getattr(layout, "ep", 1) > 1 and not can.expert_parallel:
             out.append(f"{name} has no expert parallelism: use ep=1")
+        out += self._expert_parallel_problems(layout)
         moe = model is not None and model.moe is not None
         if can.sequence_parallel_with_moe and moe and layout.tp > 1 and not layout.sequence_parallel:
             out.append(f"{name} runs a mixture-of-experts model with tp > 1 only with sequence parallelism: "
                        "set sequence_parallel")
         if layout.pp_layers is not None and len(set(layout.pp_layers)) > 1 and can.uneven_pipeline == "none":
             out.append(f"{name} splits layers evenly over pipeline stages only: drop pp_layers")
+        return out
+
+    def _expert_parallel_problems(self, layout: LayoutShape) -> list[str]:
+        """The engine's rules for ep > 1 together with tp, ZeRO and the rank order."""
+        can, name, ep = self.can_run, self.name, getattr(layout, "ep", 1)
+        if ep == 1 or not can.expert_parallel:
+            return []
+        out = []
+        if layout.tp > 1 and not can.expert_parallel_with_tp:
+            out.append(f"{name} keeps each expert whole and cannot split it over tp with ep > 1: use tp=1 or ep=1")
+        if layout.zero not in can.expert_parallel_zero:
+            out.append(f"{name} runs ep > 1 with ZeRO {_fmt(can.expert_parallel_zero)} only; "
+                       f"set zero to one of them or ep=1")
+        dp_last = layout.order.endswith("-dp") and layout.pp > 1
+        if dp_last and not can.expert_parallel_dp_last_order and ep != layout.cp:
+            out.append(f"{name} runs the order {layout.order} with pp > 1 only with ep = cp ({layout.cp}); "
+                       f"use the order {DEFAULT_ORDER}")
         return out
 
     def resolve_split(self, layout: LayoutShape, model: ModelSpec) -> LayoutShape:

@@ -65,6 +65,7 @@ class CostContext:
     fp8_cast_bytes: float = 0.0
     ep_overlap_fraction: float = 0.0  # share of the expert-parallel all-to-alls hidden behind compute
     shared_expert_overlap: bool = False  # the shared experts hide the all-to-alls up to their own time
+    fp8: bool = False  # fp8 training: FP8 weight caches and FP8-saved GEMM inputs (plan3d.cost.memory)
     # attention as the weights see it (`_attention_fields`: plain or multi-head latent attention)
     attn_weight_params: int = 0  # weight-matrix parameters of one attention block (its linear GEMMs)
     attn_split: int = 0  # attention parameters tensor parallelism divides (column/row-parallel weights, column biases)
@@ -151,6 +152,7 @@ def _model_fields(model: ModelSpec, training: TrainingSpec) -> dict:
         position_params=model.seq_len * model.hidden if model.position == "learned" else 0,
         norm_params=norm_params(model), bias=model.bias, qkv_bias=model.qkv_bias_, tied=model.tied_embeddings,
         global_batch=training.global_batch, act_bytes=4 if training.precision == "fp32" else 2,
+        fp8=training.precision == "fp8",
         weight_bytes=weights, grad_bytes=grads, optim_bytes=optim,
     )
 

@@ -121,7 +121,39 @@ def layer_activation_bytes(ctx: CostContext, la: LayoutArrays):
     replicated = 10 * sb * ctx.hidden / la.sp_div
     attention = 2 * sb * (2 * ctx.q_dim + 2 * ctx.kv_dim) / la.tp
     mlp = 2 * sb * ctx.ffn * ctx.mlp_mats / la.tp  # GELU: in, out; SwiGLU: gate, up, product
-    return (replicated + attention + mlp) * ctx.act_bytes / 2
+    return (replicated + attention + mlp) * ctx.act_bytes / 2 - fp8_saved_input_bytes(ctx, la)
+
+
+def fp8_saved_input_bytes(ctx: CostContext, la: LayoutArrays):
+    """Bytes FP8 training saves per layer and micro-batch: Transformer Engine keeps the FP8 cast of
+    each linear GEMM's input for the weight-gradient GEMM instead of the bf16 tensor (TE
+    Linear/LayerNormLinear/LayerNormMLP save `inputmat` after the cast; torchao float8 likewise),
+    one byte less per element of the QKV and FC1 inputs (the norm outputs, h wide, sequence-split
+    under SP), the projection input (q_dim / tp) and the FC2 input (ffn / tp). The norm inputs,
+    Q/K/V and the attention core stay bf16. Zero unless fp8."""
+    if not ctx.fp8:
+        return 0.0
+    sb = ctx.seq * la.mb_share
+    return sb * (2 * ctx.hidden / la.sp_div + ctx.q_dim / la.tp + ctx.ffn / la.tp)
+
+
+FP8_WEIGHT_CACHE_BYTES = 2  # FP8 weight + its FP8 transpose, per linear weight element
+
+
+def fp8_weight_cache_bytes(ctx: CostContext, la: LayoutArrays, layers_on_rank, moe_on_rank):
+    """Transformer Engine's FP8 weight caches on one rank: with Megatron-Core's
+    `is_first_microbatch` (TE modules cast each weight once per step and reuse the FP8 copy and
+    its transpose for the later micro-batches), two bytes per linear weight element the rank
+    holds (its dense layers' and MoE layers' tp-split weights, its local experts'); under ZeRO-3
+    only the two gathered layers of `buffer_bytes` have one. Zero unless fp8 (Megatron-Core's
+    --fp8-param-gather, which stores the weights in FP8 instead, is not modelled)."""
+    if not ctx.fp8:
+        return 0.0 * la.tp
+    dense = layer_params_split(ctx) / la.tp
+    moe = moe_layer_params_split(ctx) / la.tp + expert_rank_params(ctx, la.tp, la.ep) if ctx.moe_layers else dense
+    held = (layers_on_rank - moe_on_rank) * dense + moe_on_rank * moe
+    gathered = 2 * np.maximum(dense, moe)
+    return FP8_WEIGHT_CACHE_BYTES * np.where(la.zero >= 3, np.minimum(held, gathered), held)
 
 
 def routed_tokens(ctx: CostContext, la: LayoutArrays):
@@ -224,7 +256,7 @@ def stage_memory(ctx: CostContext, la: LayoutArrays, pp_rank, layers_on_rank, mo
     experts = moe_on_rank * expert_rank_params(ctx, la.tp, la.ep) if ctx.moe_layers else 0.0 * params
     out = model_states(ctx, params, la.grad_ranks, la.zero, experts, la.expert_grad_ranks)
     out["activations"] = stage_activation_bytes(ctx, la, pp_rank, layers_on_rank, moe_on_rank)
-    out["buffers"] = buffer_bytes(ctx, la) + 0.0 * pp_rank
+    out["buffers"] = buffer_bytes(ctx, la) + fp8_weight_cache_bytes(ctx, la, layers_on_rank, moe_on_rank) + 0.0 * pp_rank
     out["reserve"] = np.full_like(out["buffers"], ctx.reserve_bytes)
     out["total"] = sum(out[k] for k in ("weights", "gradients", "optimizer", "activations", "buffers", "reserve"))
     out["params"] = params

@@ -302,13 +302,14 @@ def held_out(params: dict, path: Path = EXTRA) -> dict:
     overall, the FP8/BF16 pairs, and every row left out with its reason."""
     runs, excluded, sources = load_extra(path)
     key = tuple(sorted(params.items()))
-    rows = []
+    rows, layouts = [], {}
     for run in runs:
         predicted, layout = predict_run(run, key)
         why = _not_predicted(run, layout, key)
         if why:
             excluded.append((run.id, why))
             continue
+        layouts[run.id] = layout
         rows.append({"id": run.id, "source": run.source, "precision": run.training.precision,
                      "measured_s": run.measured_s, "predicted_s": float(predicted),
                      "error_pct": (predicted - run.measured_s) / run.measured_s * 100, "layout": layout.short(),
@@ -322,7 +323,8 @@ def held_out(params: dict, path: Path = EXTRA) -> dict:
             causal[row["source"]].append(row["error_if_causal_pct"])
     return {"rows": rows, "sources": {s: summary(np.array(e)) for s, e in groups.items()},
             "sources_if_causal": {s: summary(np.array(e)) for s, e in causal.items()},
-            "all": summary(np.array([r["error_pct"] for r in rows])), "pairs": fp8_pairs(rows),
+            "all": summary(np.array([r["error_pct"] for r in rows])),
+            "pairs": fp8_pairs(rows, {r.id: r for r in runs}, layouts, key),
             "excluded": excluded, "titles": {k: v.get("title", k) for k, v in sources.items()}}
 
 
@@ -341,15 +343,20 @@ def _not_predicted(run: Run, layout: Layout | None, key: tuple) -> str | None:
     return f"not modelled yet: {missing[0]} (estimate() warning)" if missing else None
 
 
-def fp8_pairs(rows: list[dict]) -> list[dict]:
-    """FP8 rows next to the BF16 run they name in `pair_of`: measured and predicted speedups."""
+def fp8_pairs(rows: list[dict], runs: dict[str, Run], layouts: dict[str, Layout], key: tuple) -> list[dict]:
+    """FP8 rows next to the BF16 run they name in `pair_of`: measured and predicted speedups, the
+    FP8 run predicted on the layout resolved for its BF16 twin (the source ran both on one layout)."""
     by_id = {r["id"]: r for r in rows}
     out = []
     for r in rows:
         base = by_id.get(r["pair_of"]) if r["pair_of"] else None
         if base:
-            out.append({"fp8": r["id"], "bf16": base["id"], "measured_speedup": base["measured_s"] / r["measured_s"],
-                        "predicted_speedup": base["predicted_s"] / r["predicted_s"]})
+            run = runs[r["id"]]
+            est = estimate(_cluster(run.cluster, run.gpus, key), run.model, run.training, layouts[base["id"]],
+                           _engine(run.engine, key))
+            out.append({"fp8": r["id"], "bf16": base["id"], "layout": layouts[base["id"]].short(),
+                        "measured_speedup": base["measured_s"] / r["measured_s"],
+                        "predicted_speedup": base["predicted_s"] / est.step_time_s})
     return out
 
 
@@ -377,8 +384,8 @@ def print_held_out(rep: dict, title: str) -> None:
     else:
         print(f"\nall held-out runs: none predicted; {len(rep['excluded'])} excluded")
     for p in rep["pairs"]:
-        print(f"fp8/bf16 speedup, {p['fp8']} vs {p['bf16']}: measured {p['measured_speedup']:.3f}x, "
-              f"predicted {p['predicted_speedup']:.3f}x")
+        print(f"fp8/bf16 speedup, {p['fp8']} vs {p['bf16']} (both on {p['layout']}): "
+              f"measured {p['measured_speedup']:.3f}x, predicted {p['predicted_speedup']:.3f}x")
     reasons = defaultdict(list)
     for run_id, why in rep["excluded"]:
         reasons[why].append(run_id)

@@ -74,7 +74,7 @@ REASONS = {
     15: "the engine cannot run this ZeRO stage with pipeline parallelism",
     16: "the engine runs tensor parallelism only without a pipeline",
     19: "the engine needs sequence parallelism for MoE with tp > 1",
-    20: "the engine cannot run this ep > 1 layout (its tp, ZeRO stage or rank order)",
+    20: "an engine rule on experts or rank order (ep with tp or ZeRO; pp-dp order needs ep = cp; expert biases with tp)",
 }
 MEMORY_CODE, MFU_CODE, MEMORY_FRACTION_CODE = (rule.code for rule in FIT_RULES)
 SAME_ORDER_CODE, ZERO_DP1_CODE = 13, 14
@@ -106,7 +106,8 @@ class Space:
     sequence_parallel_with_moe: bool = False  # tp > 1 only with sequence parallelism (the engine's rule for MoE models)
     expert_parallel_with_tp: bool = True  # ep > 1 together with tp > 1 (the engine's rule)
     expert_parallel_zero: tuple[int, ...] = (0, 1, 2, 3)  # ZeRO stages allowed with ep > 1 (the engine's rule)
-    expert_parallel_dp_last_order: bool = True  # ep > 1, pp > 1 in a '-dp'-last order for any ep (else ep = cp)
+    expert_parallel_dp_last_order: bool = True  # pp > 1 in a '-dp'-last order for any ep (else ep = cp)
+    moe_bias_with_tp: bool = True  # tp > 1 for an MoE model with biases (the engine's rule)
     min_cp: int = 1
     max_cp: int | None = None  # None: the default bound (CP_AUTO_MIN_TOKENS per rank); 0: no bound
     min_ep: int = 1
@@ -382,16 +383,18 @@ def drop_duplicates(layouts: dict[str, np.ndarray], space: Space, rejected: dict
 
 
 def engine_ep_refuses(layouts: dict[str, np.ndarray], space: Space) -> np.ndarray:
-    """The ep > 1 layouts the engine refuses (`EngineSpec._expert_parallel_problems`, vectorised):
-    tp > 1 where it keeps experts whole, a ZeRO stage it does not run with ep, and Megatron-Core's
-    '-dp'-last order with pp > 1 unless ep = cp."""
+    """The layouts the engine's expert rules refuse (`EngineSpec._expert_parallel_problems` and the
+    expert-bias rule, vectorised): with ep > 1, tp > 1 where it keeps experts whole and a ZeRO stage
+    it does not run with ep; at any ep, Megatron-Core's '-dp'-last order with pp > 1 unless ep = cp;
+    tp > 1 for an MoE model with biases where the engine has no expert tp for them."""
     ones = np.ones(len(layouts["tp"]), dtype=int)
     ep, cp = layouts.get("ep", ones), layouts.get("cp", ones)
     dp_last = np.array([o.endswith("-dp") for o in space.orders])[layouts["order"]]
     tp_rule = (layouts["tp"] > 1) & (not space.expert_parallel_with_tp)
     zero_rule = ~np.isin(layouts["zero"], space.expert_parallel_zero)
     order_rule = dp_last & (layouts["pp"] > 1) & (ep != cp) & (not space.expert_parallel_dp_last_order)
-    return (ep > 1) & (tp_rule | zero_rule | order_rule)
+    bias_rule = (layouts["tp"] > 1) & (not space.moe_bias_with_tp)
+    return ((ep > 1) & (tp_rule | zero_rule)) | order_rule | bias_rule
 
 
 # ---- the engine: only what it can run ----------------------------------------------------------
@@ -443,6 +446,7 @@ def engine_space(space: Space, engine: EngineSpec) -> Space:
                    expert_parallel_with_tp=space.expert_parallel_with_tp and can.expert_parallel_with_tp,
                    expert_parallel_zero=tuple(z for z in space.expert_parallel_zero if z in can.expert_parallel_zero),
                    expert_parallel_dp_last_order=space.expert_parallel_dp_last_order and can.expert_parallel_dp_last_order,
+                   moe_bias_with_tp=space.moe_bias_with_tp and can.moe_bias_with_tp,
                    **bounds)
 
 
@@ -606,8 +610,10 @@ def search(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space
     start = time.perf_counter()
     if engine is not None:
         space = engine_space(space, engine)
-    if model.moe is None:  # the engine's MoE-only rule does not apply
-        space = replace(space, sequence_parallel_with_moe=False)
+    if model.moe is None:  # the engine's MoE-only rules do not apply
+        space = replace(space, sequence_parallel_with_moe=False, moe_bias_with_tp=True)
+    elif not model.bias:
+        space = replace(space, moe_bias_with_tp=True)
     shapes = shape_grid(cluster.world_size, space, model.layers, training.seq_len or model.seq_len,
                         model.moe.experts if model.moe is not None else 0)
     codes = shape_reasons(shapes, model, training)

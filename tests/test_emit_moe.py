@@ -94,7 +94,7 @@ def test_megatron_leaves_grouped_gemm_off_before_ampere():
 @pytest.mark.parametrize("model,layout,reason", [
     (moe_model(), dict(dp=16, ep=16, zero=1), "does not divide the 8 experts"),
     (moe_model(), dict(tp=2, dp=4, ep=2, zero=1), "set sequence_parallel"),
-    (moe_model(bias=True), dict(tp=2, dp=4, ep=2, zero=1, sequence_parallel=True), "ETP==1"),
+    (moe_model(bias=True), dict(tp=2, dp=4, ep=2, zero=1, sequence_parallel=True), "experts with biases"),
     (moe_model(), dict(tp=2, pp=2, dp=4, ep=2, zero=1, sequence_parallel=True, order="tp-cp-ep-pp-dp"),
      "tp-cp-ep-pp-dp with pp > 1"),
     (moe_model(mla=DEEPSEEK_MLA).model_copy(update={"position": "learned"}), dict(dp=8, zero=1), "set position rope"),

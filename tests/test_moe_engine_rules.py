@@ -76,3 +76,31 @@ def test_shared_experts_hide_the_all_to_alls_up_to_their_own_time():
     plain = Layout(dp=256, ep=8, zero=1)
     assert (estimate(cluster, mixtral, train, plain, megatron).time_s["ep_comm"]
             == estimate(cluster, mixtral, train, plain, _shared_overlap(megatron, False)).time_s["ep_comm"] > 0)
+
+
+def test_megatrons_pp_dp_order_needs_ep_equal_cp_for_dense_models_too():
+    """initialize_model_parallel builds the expert groups for every model: with the order
+    tp-cp-ep-pp-dp and pp > 1 it asserts dp*cp/ep == dp, so cp > 1 at ep = 1 fails as well."""
+    megatron = load_engine("megatron-core")
+    llama = load_model("llama3-8b")
+    cp2 = Layout(tp=2, pp=2, dp=4, cp=2, sequence_parallel=True, order="tp-cp-ep-pp-dp")
+    assert any("only with ep = cp (2)" in p for p in megatron.layout_problems(cp2, llama))
+    assert megatron.layout_problems(cp2.model_copy(update={"order": "tp-cp-ep-dp-pp"}), llama) == []
+    assert megatron.layout_problems(cp2.model_copy(update={"cp": 1, "dp": 8}), llama) == []
+    result = search(load_cluster("dgx-h100", 4), llama, TrainingSpec(global_batch=64, seq_len=32768),
+                    engine=megatron)
+    lay = result.layouts
+    pp_dp = np.array([o.endswith("-dp") for o in result.orders])[lay["order"]]
+    assert (lay["cp"] > 1).any() and not (pp_dp & (lay["pp"] > 1) & (lay["cp"] != lay["ep"])).any()
+
+
+def test_megatron_refuses_expert_biases_with_tp_everywhere(mixtral):
+    """TransformerConfig: experts with biases need expert tensor parallel 1 (= tp here)."""
+    biased = mixtral.model_copy(update={"bias": True, "name": "mixtral-biased"})
+    megatron = load_engine("megatron-core")
+    layout = Layout(tp=2, dp=8, ep=8, zero=1, sequence_parallel=True)
+    assert any("experts with biases" in p for p in megatron.layout_problems(layout, biased))
+    assert megatron.layout_problems(layout, mixtral) == []
+    result = search(load_cluster("dgx-h100", 2), biased, TRAINING, engine=megatron)
+    assert len(result.layouts["tp"]) and (result.layouts["tp"] == 1).all()
+    assert (search(load_cluster("dgx-h100", 2), mixtral, TRAINING, engine=megatron).layouts["tp"] > 1).any()

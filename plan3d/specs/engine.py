@@ -63,9 +63,12 @@ class CanRun(SpecModel):
     expert_parallel_zero: list[Literal[0, 1, 2, 3]] = Field([0, 1, 2, 3], min_length=1, description="ZeRO "
                                                              "stages it runs with ep > 1 (torchtitan takes its "
                                                              "expert-parallel ranks from FSDP's: 2, 3).")
-    expert_parallel_dp_last_order: bool = Field(True, description="ep > 1 with pp > 1 in the order "
-                                                "tp-cp-ep-pp-dp for any ep; false: only ep = cp there "
-                                                "(Megatron-Core initialize_model_parallel asserts it).")
+    expert_parallel_dp_last_order: bool = Field(True, description="pp > 1 in the order tp-cp-ep-pp-dp for "
+                                                "any ep and cp; false: only ep = cp there, dense models "
+                                                "included (Megatron-Core initialize_model_parallel asserts "
+                                                "that the expert data-parallel size dp*cp/ep equals dp).")
+    moe_bias_with_tp: bool = Field(True, description="An MoE model whose experts carry biases with tp > 1 "
+                                   "(Megatron-Core 0.19: expert biases need expert tensor parallel 1; false).")
 
     @field_validator("orders")
     @classmethod
@@ -192,6 +195,9 @@ class EngineSpec(SpecModel):
             out.append(f"{name} has no expert parallelism: use ep=1")
         out += self._expert_parallel_problems(layout)
         moe = model is not None and model.moe is not None
+        if moe and model.bias and layout.tp > 1 and not can.moe_bias_with_tp:
+            out.append(f"{name} runs experts with biases only without tensor parallelism (expert tensor "
+                       "parallel 1): use tp=1 or a model without biases")
         if can.sequence_parallel_with_moe and moe and layout.tp > 1 and not layout.sequence_parallel:
             out.append(f"{name} runs a mixture-of-experts model with tp > 1 only with sequence parallelism: "
                        "set sequence_parallel")
@@ -202,18 +208,18 @@ class EngineSpec(SpecModel):
     def _expert_parallel_problems(self, layout: LayoutShape) -> list[str]:
         """The engine's rules for ep > 1 together with tp, ZeRO and the rank order."""
         can, name, ep = self.can_run, self.name, getattr(layout, "ep", 1)
-        if ep == 1 or not can.expert_parallel:
-            return []
+        dp_last = layout.order.endswith("-dp") and layout.pp > 1
         out = []
+        if dp_last and not can.expert_parallel_dp_last_order and ep != layout.cp:
+            out.append(f"{name} runs the order {layout.order} with pp > 1 only with ep = cp ({layout.cp}); "
+                       f"use the order {DEFAULT_ORDER}")
+        if ep == 1 or not can.expert_parallel:
+            return out
         if layout.tp > 1 and not can.expert_parallel_with_tp:
             out.append(f"{name} keeps each expert whole and cannot split it over tp with ep > 1: use tp=1 or ep=1")
         if layout.zero not in can.expert_parallel_zero:
             out.append(f"{name} runs ep > 1 with ZeRO {_fmt(can.expert_parallel_zero)} only; "
                        f"set zero to one of them or ep=1")
-        dp_last = layout.order.endswith("-dp") and layout.pp > 1
-        if dp_last and not can.expert_parallel_dp_last_order and ep != layout.cp:
-            out.append(f"{name} runs the order {layout.order} with pp > 1 only with ep = cp ({layout.cp}); "
-                       f"use the order {DEFAULT_ORDER}")
         return out
 
     def resolve_split(self, layout: LayoutShape, model: ModelSpec) -> LayoutShape:

@@ -266,7 +266,7 @@ REFUSALS = {
     "mixtral-ep16-over-8-experts": ("does not divide the 8 experts", confirm_experts_not_divisible),
     "mixtral-tp2-no-sp": ("set sequence_parallel", confirm_moe_needs_sequence_parallel),
     "mixtral-tp2-ep1-no-sp": ("set sequence_parallel", confirm_moe_needs_sequence_parallel),
-    "gpt-moe-bias-tp2": ("ETP==1", confirm_expert_bias_needs_etp_one),
+    "gpt-moe-bias-tp2": ("experts with biases", confirm_expert_bias_needs_etp_one),
     "mixtral-ppdp-order-ep2-cp1": ("tp-cp-ep-pp-dp with pp > 1", confirm_ppdp_order_needs_equal_dp),
 }
 

@@ -187,6 +187,18 @@ def _with_ep(tuples: np.ndarray, space: Space, experts: int) -> np.ndarray:
     return np.column_stack([tuples[row[keep]], ep[keep]])
 
 
+def require_some_ep(space: Space, model: ModelSpec, world_size: int) -> None:
+    """A fixed or bounded ep > 1 of an MoE model that no degree can meet (ep must divide the routed
+    experts and the GPU count) is a LayoutError naming the values that can, not an empty search."""
+    if model.moe is None or space.min_ep == 1:
+        return
+    hi = space.ep_bound(model.moe.experts)
+    fits = [e for e in divisors(model.moe.experts) if world_size % e == 0]
+    if not any(space.min_ep <= e and (not hi or e <= hi) for e in fits):
+        raise LayoutError(f"ep {space.min_ep}..{hi or 'any'}: ep must divide the model's {model.moe.experts} "
+                          f"experts and the {world_size} GPUs; possible ep: {', '.join(map(str, fits))}")
+
+
 def _with_cp(triples: np.ndarray, cp: int) -> np.ndarray:
     return np.column_stack([triples, np.full(len(triples), cp, dtype=np.int64)])
 
@@ -614,6 +626,7 @@ def search(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space
         space = replace(space, sequence_parallel_with_moe=False, moe_bias_with_tp=True)
     elif not model.bias:
         space = replace(space, moe_bias_with_tp=True)
+    require_some_ep(space, model, cluster.world_size)
     shapes = shape_grid(cluster.world_size, space, model.layers, training.seq_len or model.seq_len,
                         model.moe.experts if model.moe is not None else 0)
     codes = shape_reasons(shapes, model, training)

@@ -58,3 +58,11 @@ def test_rows_map_back_to_layouts_with_their_ep():
     layout = result.layout(int(rows[0]))
     assert layout.ep > 1 and result.find(layout) == int(rows[0])
     assert result.find(Layout(**{**layout.model_dump(), "ep": 1})) != int(rows[0])
+
+
+def test_an_ep_no_degree_can_meet_is_named_with_the_possible_values(capsys):
+    from cli_helpers import run_cli
+
+    code, out, err = run_cli(capsys, "recommend", "-c", "dgx-h100", "-m", "mixtral-8x7b", "--nodes", 2, "--ep", 3)
+    assert code == 2 and "ep must divide the model's 8 experts and the 16 GPUs; possible ep: 1, 2, 4, 8" in err
+    assert "Traceback" not in err

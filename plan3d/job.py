@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import PositiveInt
+from pydantic import Field, PositiveInt
 
 from plan3d.layout import Layout
 from plan3d.specs.base import SpecModel
 from plan3d.specs.catalog import engine_for, load_cluster, load_model, lookups, resize
 from plan3d.specs.cluster import ClusterSpec
-from plan3d.specs.engine import EngineSpec
+from plan3d.specs.engine import CpComm, EngineSpec
 from plan3d.specs.loader import read_mapping, validate
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
@@ -34,6 +34,8 @@ class JobSpec(SpecModel):
     training: TrainingSpec
     layout: Layout | None = None
     engine: str | EngineSpec | None = None
+    cp_comm: CpComm | None = Field(None, description="Context parallelism's K/V exchange (as --cp-comm); "
+                                   "default: what the engine runs.")
 
 
 class Job(SpecModel):
@@ -60,6 +62,7 @@ def load_job(path_str: str, engine: EngineSpec | None = None) -> Job:
     if engine is None:
         engine = spec.engine if isinstance(spec.engine, EngineSpec) else \
             engine_for(spec.engine and _relative(base, spec.engine), cluster)
+    engine = engine.with_cp_comm(spec.cp_comm)
     return Job(cluster=cluster, model=model, training=spec.training, layout=spec.layout, engine=engine)
 
 

@@ -65,7 +65,7 @@ CP_AUTO_MIN_TOKENS = 8192  # default bound on cp: each rank keeps at least this 
 LAYOUT_KNOBS = SHAPE_KNOBS + ("uneven", "zero", "recompute", "order")
 
 # (code, short reason); code 0 is "valid". Codes 1-9 and 17-18 are the layout rules (LAYOUT_RULES, in
-# order), 10-12 the fit rules (FIT_RULES), 13-16 and 19-20 the search's own.
+# order), 10-12 the fit rules (FIT_RULES), 13-16 and 19-21 the search's own.
 REASONS = {
     **{rule.code: rule.reason for rule in SEARCHED_RULES},
     **{rule.code: rule.reason for rule in FIT_RULES},
@@ -75,10 +75,12 @@ REASONS = {
     16: "the engine runs tensor parallelism only without a pipeline",
     19: "the engine needs sequence parallelism for MoE with tp > 1",
     20: "an engine rule on experts or rank order (ep with tp or ZeRO; pp-dp order needs ep = cp; expert biases with tp)",
+    21: "a2a context parallelism splits heads over cp: heads / tp and kv_heads / tp must divide by cp",
 }
 MEMORY_CODE, MFU_CODE, MEMORY_FRACTION_CODE = (rule.code for rule in FIT_RULES)
 SAME_ORDER_CODE, ZERO_DP1_CODE = 13, 14
 ENGINE_ZERO_PP_CODE, ENGINE_TP_PP_CODE, ENGINE_MOE_SP_CODE, ENGINE_EP_CODE = 15, 16, 19, 20
+CP_HEADS_CODE = 21
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,7 @@ class Space:
     expert_parallel_zero: tuple[int, ...] = (0, 1, 2, 3)  # ZeRO stages allowed with ep > 1 (the engine's rule)
     expert_parallel_dp_last_order: bool = True  # pp > 1 in a '-dp'-last order for any ep (else ep = cp)
     moe_bias_with_tp: bool = True  # tp > 1 for an MoE model with biases (the engine's rule)
+    cp_head_split: tuple[int, int] | None = None  # (heads, kv_heads) that cp must split per tp rank (a2a CP)
     min_cp: int = 1
     max_cp: int | None = None  # None: the default bound (CP_AUTO_MIN_TOKENS per rank); 0: no bound
     min_ep: int = 1
@@ -390,6 +393,10 @@ def drop_duplicates(layouts: dict[str, np.ndarray], space: Space, rejected: dict
     ep_rule = ~dropped & engine_ep_refuses(layouts, space)
     rejected[ENGINE_EP_CODE] = int(ep_rule.sum())
     dropped = dropped | ep_rule
+    if space.cp_head_split is not None and "cp" in layouts:
+        heads_rule = ~dropped & cp_heads_refuse(layouts, *space.cp_head_split)
+        rejected[CP_HEADS_CODE] = int(heads_rule.sum())
+        dropped = dropped | heads_rule
     keep = ~dropped
     return {k: a[keep] for k, a in layouts.items()}
 
@@ -407,6 +414,13 @@ def engine_ep_refuses(layouts: dict[str, np.ndarray], space: Space) -> np.ndarra
     order_rule = dp_last & (layouts["pp"] > 1) & (ep != cp) & (not space.expert_parallel_dp_last_order)
     bias_rule = (layouts["tp"] > 1) & (not space.moe_bias_with_tp)
     return ((ep > 1) & (tp_rule | zero_rule)) | order_rule | bias_rule
+
+
+def cp_heads_refuse(layouts: dict[str, np.ndarray], heads: int, kv_heads: int) -> np.ndarray:
+    """The layouts a2a context parallelism cannot split: cp > 1 where the heads or KV heads of a
+    tp rank do not divide by cp (`EngineSpec.cp_comm_problems`, vectorised)."""
+    tp, cp = layouts["tp"], layouts["cp"]
+    return (cp > 1) & (((heads // tp) % cp != 0) | ((kv_heads // tp) % cp != 0))
 
 
 # ---- the engine: only what it can run ----------------------------------------------------------
@@ -626,6 +640,8 @@ def search(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space
         space = replace(space, sequence_parallel_with_moe=False, moe_bias_with_tp=True)
     elif not model.bias:
         space = replace(space, moe_bias_with_tp=True)
+    if engine is not None and engine.runs_as.cp_comm == "a2a":
+        space = replace(space, cp_head_split=(model.heads, model.kv_heads_))
     require_some_ep(space, model, cluster.world_size)
     shapes = shape_grid(cluster.world_size, space, model.layers, training.seq_len or model.seq_len,
                         model.moe.experts if model.moe is not None else 0)

@@ -13,7 +13,8 @@ from plan3d.cost.arrays import layout_arrays
 from plan3d.cost.batch import Candidates, estimate_batch
 from plan3d.cost.comm import layout_links
 from plan3d.cost.context import make_context
-from plan3d.cost.core import Links, cp_kv_chunk_bytes, cp_ring_exposed_s
+from plan3d.cost.core import Links, cp_ring_exposed_s
+from plan3d.cost.memory import cp_kv_chunk_bytes
 from plan3d.cost.estimate import estimate
 from plan3d.errors import LayoutError
 from plan3d.layout import Layout, layout_problems

@@ -45,9 +45,10 @@ def load_specs(cluster: str, model: str, nodes: int | None, gpus_per_node: int |
     return cluster_spec, model_spec, training
 
 
-def load_engine_opt(engine: str | None, cluster: ClusterSpec):
-    """The --engine spec, or the default engine for `cluster` (catalog.engine_for)."""
-    return engine_for(engine, cluster)
+def load_engine_opt(engine: str | None, cluster: ClusterSpec, cp_comm: str | None = None):
+    """The --engine spec, or the default engine for `cluster` (catalog.engine_for), running
+    context parallelism's K/V exchange as --cp-comm where given (EngineSpec.with_cp_comm)."""
+    return engine_for(engine, cluster).with_cp_comm(cp_comm)
 
 
 def make_training(**fields) -> TrainingSpec:
@@ -80,5 +81,9 @@ VppOpt = Annotated[int, typer.Option("--vpp", help="Virtual pipeline stages per 
 ZeroOpt = Annotated[int, typer.Option("--zero", help="ZeRO stage 0-3.")]
 RecomputeOpt = Annotated[str, typer.Option("--recompute", help="none, selective or full.")]
 SeqParallelOpt = Annotated[bool, typer.Option("--sequence-parallel", help="Megatron sequence parallelism.")]
+CpCommOpt = Annotated[Optional[str], typer.Option(
+    "--cp-comm", help="Context parallelism's K/V exchange: p2p (ring overlapped with attention), all_gather or a2a "
+    "(Ulysses head split); default: what the engine runs (Megatron-Core p2p, torchtitan and plan3d-runtime "
+    "all_gather).")]
 PlotOpt = Annotated[Optional[Path], typer.Option(
     "--plot", help="Also save a picture (.png, .svg or .pdf; needs matplotlib: pip install 'plan3d\\[plot]').")]

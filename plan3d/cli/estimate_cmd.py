@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 import typer
 
 from plan3d.cli.app import app
-from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, CpOpt, EngineOpt, EpOpt, GlobalBatchOpt, GpnOpt, JsonOpt, MicroBatchOpt,
+from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, CpCommOpt, CpOpt, EngineOpt, EpOpt, GlobalBatchOpt, GpnOpt, JsonOpt, MicroBatchOpt,
                                ModelOpt, NodesOpt, OrderOpt, PlotOpt, PpOpt, PrecisionOpt, RecomputeOpt,
                                SeqLenOpt, SeqParallelOpt, TpOpt, VppOpt, ZeroOpt, load_engine_opt, load_specs,
                                make_layout)
@@ -42,13 +42,14 @@ def estimate_command(
     gpus_per_node: GpnOpt = None,
     precision: PrecisionOpt = "bf16",
     engine: EngineOpt = None,
+    cp_comm: CpCommOpt = None,
     json_out: JsonOpt = False,
     plot: PlotOpt = None,
 ) -> None:
     """Predict the memory of every rank and the time of one training step for one layout, as an engine runs it."""
     cluster_spec, model_spec, training = load_specs(cluster, model, nodes, gpus_per_node, global_batch,
                                                     seq_len, precision)
-    engine_spec = load_engine_opt(engine, cluster_spec)
+    engine_spec = load_engine_opt(engine, cluster_spec, cp_comm)
     flags = dict(tp=tp, pp=pp, cp=cp, micro_batch=micro_batch, vpp=vpp, zero=zero, recompute=recompute,
                  sequence_parallel=sequence_parallel, order=order)
     if dp is None:

@@ -9,7 +9,7 @@ import typer
 
 from plan3d.cli.app import app
 from plan3d.render.units import json_text
-from plan3d.cli.common import (ClusterOpt, EngineOpt, GlobalBatchOpt, GpnOpt, JsonOpt, ModelOpt, NodesOpt, PlotOpt,
+from plan3d.cli.common import (ClusterOpt, CpCommOpt, CpOpt, EngineOpt, GlobalBatchOpt, GpnOpt, JsonOpt, ModelOpt, NodesOpt, PlotOpt,
                                PrecisionOpt, SeqLenOpt, load_engine_opt, load_specs, make_layout)
 from plan3d.errors import InfeasibleError, LayoutError
 
@@ -37,6 +37,7 @@ def recommend(
     seq_len: SeqLenOpt = None,
     precision: PrecisionOpt = "bf16",
     engine: EngineOpt = None,
+    cp_comm: CpCommOpt = None,
     top: Annotated[int, _opt("--top", "How many layouts to show.")] = 10,
     objective: ObjectiveOpt = "throughput",
     json_out: JsonOpt = False,
@@ -86,7 +87,7 @@ def recommend(
 
     space = space_from_flags(locals())
     specs = load_specs(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision)
-    engine_spec = load_engine_opt(engine, specs[0])
+    engine_spec = load_engine_opt(engine, specs[0], cp_comm)
     space = search.engine_space(space, engine_spec)  # a knob the engine cannot run fails here, before the search
     thresholds = dict(_thresholds(min_mfu, max_memory_fraction), engine=engine_spec)
     if tokens is not None and not 0 < tokens <= MAX_TOKENS:  # nan and inf fail this too
@@ -248,6 +249,7 @@ def explain_cmd(
     tp: Annotated[int, _opt("--tp", "Tensor-parallel degree.")] = 1,
     pp: Annotated[int, _opt("--pp", "Pipeline-parallel degree.")] = 1,
     dp: Annotated[IntOpt, _opt("--dp", "Data-parallel degree (default: fill the cluster).")] = None,
+    cp: CpOpt = 1,
     ep: Annotated[int, _opt("--ep", "Expert-parallel degree (mixture-of-experts models).")] = 1,
     micro_batch: Annotated[int, _opt("--micro-batch", "Sequences per micro-batch.")] = 1,
     vpp: Annotated[int, _opt("--vpp", "Virtual pipeline stages per rank.")] = 1,
@@ -261,6 +263,7 @@ def explain_cmd(
     seq_len: SeqLenOpt = None,
     precision: PrecisionOpt = "bf16",
     engine: EngineOpt = None,
+    cp_comm: CpCommOpt = None,
     objective: ObjectiveOpt = "throughput",
     json_out: JsonOpt = False,
 ) -> None:
@@ -270,22 +273,24 @@ def explain_cmd(
     from plan3d.render import recommend as render
 
     specs = load_specs(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision)
-    engine_spec = load_engine_opt(engine, specs[0])
+    engine_spec = load_engine_opt(engine, specs[0], cp_comm)
     world = specs[0].world_size
     if dp is None:  # a tp or pp below 1 is left for make_layout to reject
-        dp = max(1, world // max(tp * pp, 1))
-    layout = make_layout(tp=tp, pp=pp, dp=dp, ep=ep, micro_batch=micro_batch, vpp=vpp, zero=zero, recompute=recompute,
+        dp = max(1, world // max(tp * pp * cp, 1))
+    layout = make_layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, micro_batch=micro_batch, vpp=vpp, zero=zero, recompute=recompute,
                          sequence_parallel=sequence_parallel, order=order)
     problems = engine_spec.layout_problems(layout, specs[1])
     if problems:
         raise LayoutError("; ".join(problems))
     check_layout(layout, specs[1], specs[2], world)
     if layout.world_size != world:
-        raise LayoutError(f"tp*pp*dp = {layout.world_size} but the cluster has {world} GPUs: the search ranks "
+        raise LayoutError(f"tp*pp*cp*dp = {layout.world_size} but the cluster has {world} GPUs: the search ranks "
                           f"layouts that use every GPU; pass --nodes {-(-layout.world_size // specs[0].gpus_per_node)} "
                           f"or degrees whose product is {world}")
     orders = tuple(dict.fromkeys(search.DEFAULT_ORDERS + (order,)))
-    space = search.Space(max_micro_batch=max(8, micro_batch), max_vpp=max(8, vpp), orders=orders)
+    cp_bound = search.Space().cp_bound(specs[2].seq_len or specs[1].seq_len)
+    space = search.Space(max_micro_batch=max(8, micro_batch), max_vpp=max(8, vpp), orders=orders,
+                         max_cp=max(cp_bound, cp))
     result = search.search(*specs, space, engine=engine_spec)
     order_ = ranking.rank(result, objective)
     row = result.find(layout)

@@ -65,6 +65,8 @@ class CostContext:
     fp8_cast_bytes: float = 0.0
     ep_overlap_fraction: float = 0.0  # share of the expert-parallel all-to-alls hidden behind compute
     shared_expert_overlap: bool = False  # the shared experts hide the all-to-alls up to their own time
+    cp_comm: str = "p2p"  # context parallelism's K/V exchange: p2p ring, all_gather or a2a (EngineSpec RunsAs.cp_comm)
+    cp_kv_saved: bool = False  # all_gather: the gathered K/V are saved for the backward (no second gather)
     fp8: bool = False  # fp8 training: FP8 weight caches and FP8-saved GEMM inputs (plan3d.cost.memory)
     # attention as the weights see it (`_attention_fields`: plain or multi-head latent attention)
     attn_weight_params: int = 0  # weight-matrix parameters of one attention block (its linear GEMMs)
@@ -137,6 +139,8 @@ def make_context(cluster: ClusterSpec | None, model: ModelSpec, training: Traini
         param_gather_overlap=bool(runs_as and runs_as.param_gather_overlap),
         ep_overlap_fraction=runs_as.ep_overlap_fraction if runs_as else 0.0,
         shared_expert_overlap=bool(runs_as and runs_as.shared_expert_overlap),
+        cp_comm=runs_as.cp_comm if runs_as else "p2p",
+        cp_kv_saved=bool(runs_as and runs_as.cp_gathered_kv_saved),
         cpu_cores_per_node=cluster.cpu_cores_per_node or 0,
         gpus_per_node=cluster.gpus_per_node,
     )

@@ -57,8 +57,9 @@ def stage_micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_ran
 
     With context parallelism every formula reads the rank's share of each sequence
     (`LayoutArrays.mb_share` = mb / cp: Megatron-Core's 2 x cp load-balanced chunks give every
-    rank the same GEMM and causal-attention work), and the exposed ring exchange of K/V
-    (`cp_ring_exposed_s`) is added to `tp_comm`: the model-parallel traffic inside a layer."""
+    rank the same GEMM and causal-attention work), and the exposed exchange of K/V
+    (`cp_exposed_s`: p2p ring, all-gather or all-to-all, as the engine runs it) is added to
+    `tp_comm`: the model-parallel traffic inside a layer."""
     first, last = pp_rank == 0, pp_rank == la.pp - 1
     share = la.mb_share
     layer_fwd = compute.layer_forward_s(ctx, share, la.tp, la.sp_div)
@@ -77,7 +78,7 @@ def stage_micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_ran
         ep_comm = np.zeros_like(layer_fwd)
     logits_fwd = np.where(last, compute.logits_forward_s(ctx, share, la.tp), 0.0)
     embed = np.where(first, compute.memory_bound_s(ctx, share * ctx.seq * ctx.hidden, ctx.elementwise_bytes), 0.0)
-    ring_fwd, ring_bwd = cp_ring_exposed_s(ctx, la, links, attention_fwd)
+    ring_fwd, ring_bwd = cp_exposed_s(ctx, la, links, attention_fwd)
     ring = np.where(full, 2 * ring_fwd, ring_fwd) + ring_bwd
     return {"compute": 3 * (per_rank("fwd") + logits_fwd + embed), "recompute": per_rank("redo"),
             "tp_comm": (layers * np.where(full, 3, 2) * tp_pair + _vocab_parallel_s(ctx, la, links, first, last)
@@ -101,28 +102,49 @@ def _layer_passes(ctx: CostContext, la: LayoutArrays, layer_fwd, tp_pair, attent
     return {"fwd": layer_fwd, "redo": redo, "host": passes - gpu_layer}
 
 
-def cp_kv_chunk_bytes(ctx: CostContext, la: LayoutArrays):
-    """Bytes of the K and V one rank holds for its share of a micro-batch's sequences (one step
-    of the ring): 2 * (seq / cp) * mb * kv_heads * head_dim / tp * bytes per element."""
-    return 2 * la.mb_share * ctx.seq * ctx.kv_dim / la.tp * ctx.act_bytes
+def cp_exposed_s(ctx: CostContext, la: LayoutArrays, links: Links, attention_fwd):
+    """Exposed seconds of one layer's context-parallel K/V exchange, (forward, backward), per
+    micro-batch, as the engine runs it (`CostContext.cp_comm`, EngineSpec RunsAs.cp_comm)."""
+    exchange = {"p2p": cp_ring_exposed_s, "all_gather": cp_all_gather_exposed_s, "a2a": cp_a2a_exposed_s}
+    return exchange[ctx.cp_comm](ctx, la, links, attention_fwd)
 
 
 def cp_ring_exposed_s(ctx: CostContext, la: LayoutArrays, links: Links, attention_fwd):
-    """Exposed seconds of one layer's context-parallel ring, (forward, backward), per micro-batch.
-
-    Megatron-Core's default cp_comm_type "p2p" (TransformerConfig.cp_comm_type; Transformer
-    Engine's AttnFuncWithCPAndKVP2P) runs cp steps: in each, a rank computes attention of its
+    """p2p, Megatron-Core's default cp_comm_type (TransformerConfig.cp_comm_type; Transformer
+    Engine's AttnFuncWithCPAndKVP2P): cp steps; in each, a rank computes attention of its
     queries against one K/V chunk while it sends that chunk to the next rank and receives the
     next one (cp - 1 transfers, asynchronous). A transfer hides behind its step's attention
     (the rank's attention time / cp); what is left shows: (cp - 1) * max(0, send - step). The
     backward circulates K/V and their gradients dK/dV (twice the bytes) against the backward
     attention (twice the forward's FLOPs)."""
-    chunk = cp_kv_chunk_bytes(ctx, la)
+    chunk = memory.cp_kv_chunk_bytes(ctx, la)
     steps = np.maximum(la.cp - 1, 0.0)
     step_fwd = attention_fwd / la.cp
     send = comm.p2p_s(chunk, *links.of("cp", "p2p"))
     send_bwd = comm.p2p_s(2 * chunk, *links.of("cp", "p2p"))
     return steps * np.maximum(send - step_fwd, 0.0), steps * np.maximum(send_bwd - 2 * step_fwd, 0.0)
+
+
+def cp_all_gather_exposed_s(ctx: CostContext, la: LayoutArrays, links: Links, attention_fwd):
+    """all_gather (Megatron-Core cp_comm_type "all_gather", Transformer Engine
+    AttnFuncWithCPAndKVAllGather; torch's flex_cp_allgather under torchtitan 0.3): the forward
+    all-gathers the whole sequence's K/V over cp before attention, blocking ("cannot be
+    overlapped", TransformerConfig); the backward reduce-scatters dK/dV, after gathering K/V
+    again unless the gathered K/V were saved (`cp_kv_saved`: autograd of the gather)."""
+    gathered = la.cp * memory.cp_kv_chunk_bytes(ctx, la)
+    gather = _collective_s(links, "cp", "all_gather", gathered, la.cp)
+    scatter = _collective_s(links, "cp", "reduce_scatter", gathered, la.cp)
+    return gather, scatter + (0.0 if ctx.cp_kv_saved else gather)
+
+
+def cp_a2a_exposed_s(ctx: CostContext, la: LayoutArrays, links: Links, attention_fwd):
+    """a2a (Megatron-Core cp_comm_type "a2a", DeepSpeed-Ulysses, Jacobs et al. 2023, arXiv
+    2309.14509): all-to-alls turn the rank's Q, K, V (its seq / cp tokens, all its heads) into the
+    whole sequence for heads / cp, and the attention output back; the backward does the same to
+    dO and dQ, dK, dV. Each moves (cp - 1) / cp of the rank's Q + K + V + O bytes, blocking."""
+    qkvo = la.mb_share * ctx.seq * (2 * ctx.q_dim + 2 * ctx.kv_dim) / la.tp * ctx.act_bytes
+    a2a = _collective_s(links, "cp", "all_gather", qkvo, la.cp)
+    return a2a, a2a
 
 
 def _collective_s(links: Links, group: str, op: str, size_bytes, n):

@@ -116,12 +116,13 @@ def layer_activation_bytes(ctx: CostContext, la: LayoutArrays):
     """Bytes one layer stores for one micro-batch without recompute (Korthikanti Table 2 with
     flash attention): 10*s*B*h replicated (norm inputs, dropout masks; divided by tp under
     sequence parallelism), plus Q, K, V, the attention output and the MLP activations per tp.
-    Context parallelism stores the rank's seq / cp tokens only (`LayoutArrays.mb_share`)."""
+    Context parallelism stores the rank's seq / cp tokens only (`LayoutArrays.mb_share`), plus
+    the other ranks' K/V where the engine saves the gathered K/V (`cp_saved_kv_bytes`)."""
     sb = ctx.seq * la.mb_share
     replicated = 10 * sb * ctx.hidden / la.sp_div
     attention = 2 * sb * (2 * ctx.q_dim + 2 * ctx.kv_dim) / la.tp
     mlp = 2 * sb * ctx.ffn * ctx.mlp_mats / la.tp  # GELU: in, out; SwiGLU: gate, up, product
-    return (replicated + attention + mlp) * ctx.act_bytes / 2 - fp8_saved_input_bytes(ctx, la)
+    return (replicated + attention + mlp) * ctx.act_bytes / 2 - fp8_saved_input_bytes(ctx, la) + cp_saved_kv_bytes(ctx, la)
 
 
 def fp8_saved_input_bytes(ctx: CostContext, la: LayoutArrays):
@@ -238,14 +239,34 @@ def ep_a2a_buffer_bytes(ctx: CostContext, la: LayoutArrays):
 CP_RING_BUFFERS = 4  # K/V-chunk-sized buffers at the ring's peak (the backward), see cp_ring_buffer_bytes
 
 
+def cp_kv_chunk_bytes(ctx: CostContext, la: LayoutArrays):
+    """One rank's K and V for its share of a micro-batch: 2 * (seq / cp) * mb * kv_dim / tp elements."""
+    return 2 * ctx.seq * la.mb_share * ctx.kv_dim / la.tp * ctx.act_bytes
+
+
 def cp_ring_buffer_bytes(ctx: CostContext, la: LayoutArrays):
-    """The ring's communication buffers of the layer being computed: its peak is the backward,
-    which double-buffers (K/V, dK/dV) pairs -- two buffers of twice a K/V chunk, i.e. 4 chunks
-    (Transformer Engine AttnFuncWithCPAndKVP2P.backward, `p2p_comm_buffers` of shape (2, *kv.shape));
-    the forward holds two K/V chunks in flight (received, being sent). One K/V chunk is
-    2 * (seq / cp) * mb * kv_heads * head_dim / tp elements."""
-    chunk = 2 * ctx.seq * la.mb_share * ctx.kv_dim / la.tp * ctx.act_bytes
+    """Context parallelism's communication buffers of the layer being computed, by K/V exchange
+    (`CostContext.cp_comm`):
+    - p2p: the ring's peak is the backward, which double-buffers (K/V, dK/dV) pairs -- two
+      buffers of twice a K/V chunk, i.e. 4 chunks (Transformer Engine AttnFuncWithCPAndKVP2P.backward,
+      `p2p_comm_buffers` of shape (2, *kv.shape)); the forward holds two K/V chunks in flight;
+    - all_gather: the whole sequence's K/V (cp chunks) and, in the backward, its dK/dV (cp chunks);
+    - a2a: the send and receive buffers of the rank's Q, K, V in the other split (twice their bytes)."""
+    chunk = cp_kv_chunk_bytes(ctx, la)
+    if ctx.cp_comm == "all_gather":
+        return 2 * la.cp * chunk
+    if ctx.cp_comm == "a2a":
+        return 2 * ctx.seq * la.mb_share * (ctx.q_dim + 2 * ctx.kv_dim) / la.tp * ctx.act_bytes
     return CP_RING_BUFFERS * chunk
+
+
+def cp_saved_kv_bytes(ctx: CostContext, la: LayoutArrays):
+    """Bytes one layer saves beyond its own K/V when the gathered K/V are saved for the backward
+    (all_gather with `cp_kv_saved`: torch's flex_cp_allgather under torchtitan 0.3, plan3d's
+    runtime): the other cp - 1 ranks' chunks. Zero otherwise."""
+    if ctx.cp_comm != "all_gather" or not ctx.cp_kv_saved:
+        return 0.0
+    return np.maximum(la.cp - 1, 0) * cp_kv_chunk_bytes(ctx, la)
 
 
 def stage_memory(ctx: CostContext, la: LayoutArrays, pp_rank, layers_on_rank, moe_on_rank=0.0) -> dict:

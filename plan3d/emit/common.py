@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from plan3d.errors import InfeasibleError
+from plan3d.errors import InfeasibleError, LayoutError
 from plan3d.layout import Layout
 from plan3d.plan import Plan
 from plan3d.specs.catalog import load_engine
@@ -29,12 +29,23 @@ def same_groups(layout: Layout, supported_order: str) -> bool:
     return layout.same_groups_as(supported_order)
 
 
+def _as_planned(engine: EngineSpec, plan: Plan, versions: str) -> EngineSpec:
+    """The bundled profile with the plan's run settings where the plan was made for this engine
+    (its context-parallel K/V exchange, `--cp-comm`); one the engine cannot run is refused."""
+    if plan.engine is None or plan.engine.name != engine.name or plan.layout.cp == 1:
+        return engine
+    try:
+        return engine.with_cp_comm(plan.engine.runs_as.cp_comm)
+    except LayoutError as err:
+        raise InfeasibleError(f"{engine.name} {versions}: {err}") from None
+
+
 def target_engine(plan: Plan, profile: str, versions: str) -> tuple[EngineSpec, list[str]]:
     """The engine profile an emitter writes for, after refusing what it cannot run.
 
     Raises InfeasibleError naming the engine release range and every reason (each says what to
     change). Returns the profile and a note when the plan was predicted for another engine."""
-    engine = load_engine(profile)
+    engine = _as_planned(load_engine(profile), plan, versions)
     problems = engine.layout_problems(plan.layout, plan.model)
     if problems:
         raise InfeasibleError(f"{profile} {versions} cannot run {plan.layout.short()}: " + "; ".join(problems))

@@ -114,7 +114,7 @@ def megatron_args(plan: Plan, engine: EngineSpec | None = None) -> list[str]:
     if engine is None:
         engine, _ = target_engine(plan, PROFILE, VERSIONS)
     layout = plan.layout
-    return (_parallel_args(layout) + _order_args(layout) + _pipeline_split_args(plan) + _zero_args(layout)
+    return (_parallel_args(layout) + _cp_comm_args(layout, engine) + _order_args(layout) + _pipeline_split_args(plan) + _zero_args(layout)
             + _overlap_args(plan, engine) + _batch_args(plan) + _recompute_args(layout) + _precision_args(plan)
             + _model_args(plan))
 
@@ -137,6 +137,12 @@ def _parallel_args(layout: Layout) -> list[str]:
     if layout.sequence_parallel:
         args.append("--sequence-parallel")
     return args
+
+
+def _cp_comm_args(layout: Layout, engine: EngineSpec) -> list[str]:
+    """--cp-comm-type, the K/V exchange the plan was predicted with (TransformerConfig.cp_comm_type:
+    p2p, all_gather, a2a); written with cp > 1 only."""
+    return ["--cp-comm-type", engine.runs_as.cp_comm] if layout.cp > 1 else []
 
 
 def _order_args(layout: Layout) -> list[str]:

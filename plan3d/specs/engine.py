@@ -17,9 +17,10 @@ ZeRO-3 (parameter gathers per micro-batch). An engine profile says
 """
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Literal, get_args
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from plan3d.errors import LayoutError
 from plan3d.specs.base import BYTES_PER_ELEMENT, EFFICIENCY, FRACTION, OVERHEAD_S, Name, SpecModel, Text, bounded
@@ -27,6 +28,11 @@ from plan3d.specs.model import ModelSpec
 from plan3d.specs.order import DEFAULT_ORDER, LayoutShape, parse_order
 
 Recompute = Literal["none", "selective", "full"]
+CpComm = Literal["p2p", "all_gather", "a2a"]
+CP_COMM_HELP = ("p2p: K/V chunks passed round a ring, each transfer overlapped with one block of attention; "
+                "all_gather: the whole sequence's K/V gathered before attention (blocking), dK/dV reduce-scattered "
+                "after it; a2a: Ulysses-style all-to-alls of Q, K, V and the output that trade the sequence split "
+                "for a head split (heads / tp and kv_heads / tp must divide by cp)")
 UnevenSplit = Literal["none", "explicit", "embedding-as-layer"]
 SOFTWARE_KEYS = ("elementwise_bytes", "attention_score_bytes", "layer_overhead_s", "micro_batch_overhead_s",
                  "dp_overlap_fraction")
@@ -53,6 +59,8 @@ class CanRun(SpecModel):
                                          "embedding and the output layer count as pipeline layers "
                                          "(Megatron-DeepSpeed `partition-method type:transformer|embedding`).")
     context_parallel: bool = False
+    cp_comm: list[CpComm] = Field(["p2p"], min_length=1, description="How it can exchange K/V with context "
+                                  "parallelism (Megatron-Core --cp-comm-type): " + CP_COMM_HELP + ".")
     expert_parallel: bool = Field(False, description="Expert parallelism for mixture-of-experts models "
                                   "(ep > 1: each MoE layer's experts split over ep of the dp*cp ranks).")
     sequence_parallel_with_moe: bool = Field(False, description="A mixture-of-experts model with tp > 1 needs "
@@ -108,6 +116,12 @@ class RunsAs(SpecModel):
     shared_expert_overlap: bool = Field(False, description="The shared experts run on a side stream while "
                                         "the dispatch and combine all-to-alls are in flight, hiding them up to the "
                                         "shared experts' time (Megatron-Core --moe-shared-expert-overlap).")
+    cp_comm: CpComm = Field("p2p", description="The K/V exchange it runs with context parallelism, one of "
+                            "can_run.cp_comm (`--cp-comm` chooses another).")
+    cp_gathered_kv_saved: bool = Field(False, description="all_gather: the gathered K/V are saved for the "
+                                       "backward (autograd of an all-gather: torch's flex_cp_allgather, plan3d's "
+                                       "runtime), so the backward only reduce-scatters dK/dV; false: the backward "
+                                       "gathers K/V again (Transformer Engine AttnFuncWithCPAndKVAllGather).")
     fused: list[Text] = Field(default_factory=list, description="Fused kernels (documentation).")
 
 
@@ -139,6 +153,35 @@ class EngineSpec(SpecModel):
     runs_as: RunsAs = RunsAs()
     efficiency: SoftwareEfficiency = SoftwareEfficiency()
     source: Text = ""
+
+    @model_validator(mode="after")
+    def _cp_comm_is_runnable(self) -> "EngineSpec":
+        if self.runs_as.cp_comm not in self.can_run.cp_comm:
+            raise ValueError(f"runs_as.cp_comm {self.runs_as.cp_comm!r} is not in can_run.cp_comm "
+                             f"{self.can_run.cp_comm}")
+        return self
+
+    def with_cp_comm(self, cp_comm: str | None) -> "EngineSpec":
+        """The profile running context parallelism's K/V exchange as `cp_comm` (None: unchanged);
+        one it cannot run is a LayoutError naming what it runs."""
+        if cp_comm is None or cp_comm == self.runs_as.cp_comm:
+            return self
+        if cp_comm not in self.can_run.cp_comm:
+            known = cp_comm in get_args(CpComm)
+            what = f"cannot run --cp-comm {cp_comm}" if known else f"has no --cp-comm {cp_comm!r}"
+            raise LayoutError(f"{self.name} {what}; use one of {', '.join(self.can_run.cp_comm)}")
+        return self.model_copy(update={"runs_as": self.runs_as.model_copy(update={"cp_comm": cp_comm})})
+
+    def cp_comm_problems(self, layout: LayoutShape, model: ModelSpec | None) -> list[str]:
+        """a2a splits each rank's heads over cp (Transformer Engine AttnFuncWithCPAndQKVOA2A):
+        heads / tp and kv_heads / tp must both divide by cp."""
+        if layout.cp == 1 or self.runs_as.cp_comm != "a2a" or model is None:
+            return []
+        heads, kv = model.heads // layout.tp, model.kv_heads_ // layout.tp
+        if heads % layout.cp == 0 and kv % layout.cp == 0:
+            return []
+        return [f"--cp-comm a2a splits heads over cp: {heads} heads and {kv} KV heads per tp rank do not divide "
+                f"by cp={layout.cp}; use --cp-comm p2p or a cp dividing {math.gcd(heads, kv)}"]
 
     def software_values(self) -> dict[str, float]:
         """The fitted values the engine sets (the rest come from the GPU spec)."""
@@ -201,6 +244,7 @@ class EngineSpec(SpecModel):
         if can.sequence_parallel_with_moe and moe and layout.tp > 1 and not layout.sequence_parallel:
             out.append(f"{name} runs a mixture-of-experts model with tp > 1 only with sequence parallelism: "
                        "set sequence_parallel")
+        out += self.cp_comm_problems(layout, model)
         if layout.pp_layers is not None and len(set(layout.pp_layers)) > 1 and can.uneven_pipeline == "none":
             out.append(f"{name} splits layers evenly over pipeline stages only: drop pp_layers")
         return out

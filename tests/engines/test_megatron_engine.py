@@ -27,7 +27,7 @@ from plan3d.emit.megatron import FSDP_STRATEGY, MegatronRun, emit_megatron, gpu_
 from plan3d.errors import InfeasibleError
 from plan3d.layout import Layout
 from plan3d.plan import Plan, build_plan
-from plan3d.specs.catalog import load_cluster, load_model
+from plan3d.specs.catalog import load_cluster, load_engine, load_model
 from plan3d.specs.model import MoESpec
 from plan3d.specs.training import TrainingSpec
 
@@ -204,6 +204,20 @@ def test_megatron_runs_the_plan_or_confirms_the_refusal(megatron, case: Case):
     env, unset, argv = shell_parts(emitted.text)
     args = validated(megatron, argv, plan.layout.world_size, gpu_arch(plan), env)
     assert_values_match(args, transformer_config(args), plan)
+
+
+@pytest.mark.parametrize("cp_comm", ["p2p", "all_gather", "a2a"])
+def test_context_parallel_exchange_reaches_the_transformer_config(megatron, cp_comm):
+    """A plan made with --cp-comm: Megatron parses --cp-comm-type, validate_args accepts it with
+    the plan's cp, and TransformerConfig.cp_comm_type is what the time model priced."""
+    case = next(c for c in CASES if c.name == "tp4-cp2-pp2-dp2-seq16k")
+    engine = load_engine("megatron-core").with_cp_comm(cp_comm)
+    plan = build(case).model_copy(update={"engine": engine})
+    env, _, argv = shell_parts(emit_megatron(plan, RUN).text)
+    args = validated(megatron, argv, plan.layout.world_size, gpu_arch(plan), env)
+    config = transformer_config(args)
+    assert config.context_parallel_size == plan.layout.cp == 2
+    assert config.cp_comm_type == cp_comm == plan.engine.runs_as.cp_comm
 
 
 def test_max_connections_is_what_validate_args_needs_before_blackwell(megatron):

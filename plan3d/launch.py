@@ -62,6 +62,9 @@ class LaunchResult:
         return self.exit_code == 0
 
 
+RUNTIME_CP_COMM = ("all_gather", "p2p")  # plan3d.runtime.cp: gather_sequence, ring_attention
+
+
 def runtime_problems(plan: Plan) -> list[str]:
     """What the bundled runtime cannot run (each says what to change)."""
     layout, model = plan.layout, plan.model
@@ -69,6 +72,9 @@ def runtime_problems(plan: Plan) -> list[str]:
     if layout.cp > 1 and (plan.training.seq_len or model.seq_len) % (2 * layout.cp):
         problems.append(f"cp={layout.cp} splits each sequence into 2*cp chunks: seq="
                         f"{plan.training.seq_len or model.seq_len} must be divisible by {2 * layout.cp}")
+    if layout.cp > 1 and plan.cp_comm not in RUNTIME_CP_COMM:
+        problems.append(f"the bundled runtime exchanges K/V by {' or '.join(RUNTIME_CP_COMM)}, not {plan.cp_comm}; "
+                        f"re-plan with --cp-comm {RUNTIME_CP_COMM[0]}")
     if model.position == "alibi":
         problems.append("the bundled runtime has no ALiBi; use position: learned or rope")
     if model.vocab % layout.tp:

@@ -135,6 +135,12 @@ class Plan(StrictModel):
         return {} if value is None else handler(value)
 
     @property
+    def cp_comm(self) -> str:
+        """Context parallelism's K/V exchange the plan was predicted with: its engine's (RunsAs.cp_comm),
+        or all_gather, plan3d's runtime's default, for a plan without an engine."""
+        return self.engine.runs_as.cp_comm if self.engine is not None else "all_gather"
+
+    @property
     def gpus_per_node(self) -> int:
         """Ranks per node as the plan places them (its rank map; the cluster's when it has none)."""
         return (self.rankmap or self.cluster).gpus_per_node

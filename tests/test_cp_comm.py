@@ -216,3 +216,30 @@ def test_torchtitan_refuses_a_plan_made_for_an_exchange_it_does_not_run():
     with pytest.raises(InfeasibleError, match="torchtitan cannot run --cp-comm p2p"):
         emit_torchtitan(_plan(widened, zero=3))
     assert "context_parallel_degree" in emit_torchtitan(_plan(titan, zero=3)).text
+
+
+def test_the_runtimes_synchronous_ring_hides_nothing(h100, llama70):
+    """plan3d's runtime shifts K/V synchronously (cp_ring_overlap false): all cp - 1 transfers
+    show however long the attention, where Megatron-Core's ring hides them."""
+    runtime = load_engine("plan3d-runtime").with_cp_comm("p2p")
+    ctx = _context(h100, llama70, runtime)
+    la = _arrays(cp=8)
+    send = comm.p2p_s(cp_kv_chunk_bytes(ctx, la)[0], BW, LATENCY)
+    fwd, bwd = cp_exposed_s(ctx, la, _links(), np.array([10.0]))
+    assert fwd[0] == pytest.approx(7 * send)
+    assert bwd[0] == pytest.approx(7 * comm.p2p_s(2 * cp_kv_chunk_bytes(ctx, la)[0], BW, LATENCY))
+
+
+def test_launch_refuses_an_exchange_the_runtime_does_not_run():
+    from plan3d.launch import runtime_problems
+
+    cluster = load_cluster("local-cpu")
+    model = load_model("tiny-gpt")
+    layout = Layout(cp=2, dp=cluster.world_size // 2)
+    training = TrainingSpec(global_batch=8, precision="fp32")
+    a2a = build_plan(cluster, model, training, layout, engine=load_engine("megatron-core").with_cp_comm("a2a"))
+    assert runtime_problems(a2a) == ["the bundled runtime exchanges K/V by all_gather or p2p, not a2a; "
+                                     "re-plan with --cp-comm all_gather"]
+    ring = build_plan(cluster, model, training, layout, engine=load_engine("megatron-core"))
+    assert ring.cp_comm == "p2p" and runtime_problems(ring) == []
+    assert build_plan(cluster, model, training, layout).cp_comm == "all_gather"

@@ -22,7 +22,8 @@ PREVIOUS_RUN = ("metrics.jsonl", "segments.jsonl", "summary.json", "plans", "che
 PlanArg = Annotated[Optional[str], typer.Argument(help="Plan JSON (`plan3d recommend --out FILE`); omit to use the flags.")]
 
 
-def _plan_from_flags(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision, layout_flags):
+def _plan_from_flags(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision, layout_flags,
+                     cp_comm=None):
     """A plan of the flags' layout, predicted for plan3d's own runtime (what launch trains with)."""
     from plan3d.cost.estimate import estimate
     from plan3d.layout import check_layout
@@ -33,7 +34,7 @@ def _plan_from_flags(cluster, model, nodes, gpus_per_node, global_batch, seq_len
                                                     seq_len, precision or _default_precision(cluster))
     layout = make_layout(**layout_flags)
     check_layout(layout, model_spec, training, cluster_spec.world_size)
-    engine = load_engine(RUNTIME_ENGINE)
+    engine = load_engine(RUNTIME_ENGINE).with_cp_comm(cp_comm)
     return build_plan(cluster_spec, model_spec, training, layout,
                       estimate(cluster_spec, model_spec, training, layout, engine).to_dict(), engine)
 
@@ -128,6 +129,8 @@ def launch_command(
     cluster: ClusterOpt = "local-cpu", model: ModelOpt = "tiny-gpt",
     tp: TpOpt = 1, pp: PpOpt = 1, dp: Annotated[int, typer.Option("--dp", help="Data-parallel degree.")] = 1,
     cp: CpOpt = 1,
+    cp_comm: Annotated[Optional[str], typer.Option("--cp-comm", help="K/V exchange with cp > 1: all_gather "
+                                                   "(default) or p2p (ring attention).")] = None,
     ep: Annotated[int, typer.Option("--ep", help="Expert-parallel degree of an MoE model: each ep rank holds "
                                     "experts/ep experts; carved out of dp*cp (must divide it).")] = 1,
     micro_batch: MicroBatchOpt = 1, global_batch: GlobalBatchOpt = None, seq_len: SeqLenOpt = None,
@@ -150,7 +153,8 @@ def launch_command(
     else:
         flags = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, micro_batch=micro_batch, vpp=vpp, zero=zero, recompute=recompute,
                      sequence_parallel=sequence_parallel, order=order)
-        plan = _plan_from_flags(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision, flags)
+        plan = _plan_from_flags(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision, flags,
+                                cp_comm)
     unsupported = runtime_problems(plan)  # before the memory check and a dry run: what cannot run at all
     if unsupported:
         raise LaunchError("; ".join(unsupported))

@@ -67,6 +67,7 @@ class CostContext:
     shared_expert_overlap: bool = False  # the shared experts hide the all-to-alls up to their own time
     cp_comm: str = "p2p"  # context parallelism's K/V exchange: p2p ring, all_gather or a2a (EngineSpec RunsAs.cp_comm)
     cp_kv_saved: bool = False  # all_gather: the gathered K/V are saved for the backward (no second gather)
+    cp_ring_overlap: bool = True  # p2p: each ring transfer overlaps a block of attention
     fp8: bool = False  # fp8 training: FP8 weight caches and FP8-saved GEMM inputs (plan3d.cost.memory)
     # attention as the weights see it (`_attention_fields`: plain or multi-head latent attention)
     attn_weight_params: int = 0  # weight-matrix parameters of one attention block (its linear GEMMs)
@@ -141,6 +142,7 @@ def make_context(cluster: ClusterSpec | None, model: ModelSpec, training: Traini
         shared_expert_overlap=bool(runs_as and runs_as.shared_expert_overlap),
         cp_comm=runs_as.cp_comm if runs_as else "p2p",
         cp_kv_saved=bool(runs_as and runs_as.cp_gathered_kv_saved),
+        cp_ring_overlap=runs_as.cp_ring_overlap if runs_as else True,
         cpu_cores_per_node=cluster.cpu_cores_per_node or 0,
         gpus_per_node=cluster.gpus_per_node,
     )

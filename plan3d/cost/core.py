@@ -116,10 +116,11 @@ def cp_ring_exposed_s(ctx: CostContext, la: LayoutArrays, links: Links, attentio
     next one (cp - 1 transfers, asynchronous). A transfer hides behind its step's attention
     (the rank's attention time / cp); what is left shows: (cp - 1) * max(0, send - step). The
     backward circulates K/V and their gradients dK/dV (twice the bytes) against the backward
-    attention (twice the forward's FLOPs)."""
+    attention (twice the forward's FLOPs). An engine whose shifts are synchronous
+    (`cp_ring_overlap` false: plan3d's runtime) hides nothing."""
     chunk = memory.cp_kv_chunk_bytes(ctx, la)
     steps = np.maximum(la.cp - 1, 0.0)
-    step_fwd = attention_fwd / la.cp
+    step_fwd = attention_fwd / la.cp if ctx.cp_ring_overlap else 0.0 * attention_fwd
     send = comm.p2p_s(chunk, *links.of("cp", "p2p"))
     send_bwd = comm.p2p_s(2 * chunk, *links.of("cp", "p2p"))
     return steps * np.maximum(send - step_fwd, 0.0), steps * np.maximum(send_bwd - 2 * step_fwd, 0.0)

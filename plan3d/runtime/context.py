@@ -186,7 +186,7 @@ def build_context(plan, device: torch.device, timeout: timedelta) -> ParallelCon
     sizes = {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp, "cp": layout.cp}
     tp = TPInfo(layout.tp, coords["tp"], mesh.get_group("tp") if layout.tp > 1 else None,
                 layout.sequence_parallel)
-    cp = CPInfo(layout.cp, coords.get("cp", 0), mesh.get_group("cp") if layout.cp > 1 else None)
+    cp = CPInfo(layout.cp, coords.get("cp", 0), mesh.get_group("cp") if layout.cp > 1 else None, plan.cp_comm)
     backend = dist.get_backend()
     flat = flatten_dp_cp(mesh, (backend, group_options(backend, timeout))) if layout.cp > 1 else None
     experts = build_expert_mesh(plan, device, timeout) if plan.model.moe is not None else None

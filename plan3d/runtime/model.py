@@ -80,6 +80,16 @@ class Attention(nn.Module):
             k, v = (t.repeat_interleave(self.heads // self.kv, dim=1) for t in (k, v))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
+    def _ring_block(self, q, k, v, mask):
+        """One block of ring attention (`cpx.ring_attention`), recomputed in the backward under
+        selective recompute; K/V travel the ring with kv heads and are repeated here."""
+        def attend(q, k, v, mask):
+            if self.kv < self.heads:
+                k, v = (t.repeat_interleave(self.heads // self.kv, dim=1) for t in (k, v))
+            return cpx.block_attention(q, k, v, mask)
+
+        return checkpoint(attend, q, k, v, mask, use_reentrant=False) if self.recompute else attend(q, k, v, mask)
+
     def _context_parallel(self, q, k, v):
         """Local queries [b, heads, s/cp, d] against the keys and values of the whole sequence,
         all-gathered over the cp group (outside any selective recompute: no collective is replayed)."""
@@ -87,6 +97,8 @@ class Attention(nn.Module):
         mine = cpx.positions(seq, self.cp.size, self.cp.rank, q.device)
         if self.rope:
             q, k = rope(q, positions=mine), rope(k, positions=mine)
+        if self.cp.comm == "p2p":
+            return cpx.ring_attention(q, k, v, self.cp, mine, self._ring_block)
         k, v = (cpx.gather_sequence(t, self.cp, dim=2) for t in (k, v))
         mask = cpx.causal_mask(mine, cpx.gathered_positions(seq, self.cp.size, q.device))
         if self.recompute:

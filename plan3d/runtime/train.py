@@ -264,7 +264,7 @@ def train(args, run_dir: Path, rank: int, inject) -> None:
             _poison(runner)
     mine = {"rank": rank, "model_state_bytes": runner.state_bytes, "peak_memory_bytes": memory.peak_bytes(runner.device),
             "pp": runner.ctx.local("pp"), "dp": runner.ctx.local("dp"), "tp": runner.ctx.local("tp"),
-            "cp": runner.ctx.cp.rank, "mesh_groups": _mesh_groups(runner.ctx)}
+            "cp": runner.ctx.cp.rank, "cp_comm": runner.ctx.cp.comm, "mesh_groups": _mesh_groups(runner.ctx)}
     peaks: list = [None] * runner.ctx.world
     dist.all_gather_object(peaks, mine)
     if rank == 0:

@@ -122,6 +122,9 @@ class RunsAs(SpecModel):
                                        "backward (autograd of an all-gather: torch's flex_cp_allgather, plan3d's "
                                        "runtime), so the backward only reduce-scatters dK/dV; false: the backward "
                                        "gathers K/V again (Transformer Engine AttnFuncWithCPAndKVAllGather).")
+    cp_ring_overlap: bool = Field(True, description="p2p: each K/V transfer of the ring overlaps the attention "
+                                  "of the block before it (Transformer Engine's side streams); false: synchronous "
+                                  "shifts, every transfer exposed.")
     fused: list[Text] = Field(default_factory=list, description="Fused kernels (documentation).")
 
 

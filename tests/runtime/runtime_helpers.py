@@ -15,9 +15,9 @@ TOL = 1e-5
 TOKEN_DATA = ["--data", "python-docs"]  # the bundled text (byte tokens), for runs on real data
 
 
-def make_plan(nodes: int | None = None, gpus_per_node: int | None = None, **layout_flags):
-    """A tiny-gpt plan on the local CPU cluster. Without `micro_batch`, each step has two
-    micro-batches per pipeline stage (see `few_micro_batches`)."""
+def make_plan(nodes: int | None = None, gpus_per_node: int | None = None, engine=None, **layout_flags):
+    """A tiny-gpt plan on the local CPU cluster (for `engine`, default none). Without `micro_batch`,
+    each step has two micro-batches per pipeline stage (see `few_micro_batches`)."""
     from plan3d.cli.common import load_specs, make_layout
     from plan3d.layout import check_layout
     from plan3d.plan import build_plan
@@ -28,7 +28,7 @@ def make_plan(nodes: int | None = None, gpus_per_node: int | None = None, **layo
                                                         layout_flags.get("pp") or 1)
     layout = make_layout(**layout_flags)
     check_layout(layout, model, training, cluster.world_size)
-    return build_plan(cluster, model, training, layout, {})
+    return build_plan(cluster, model, training, layout, {}, engine)
 
 
 def few_micro_batches(global_batch: int, dp: int, pp: int) -> int:
@@ -48,7 +48,7 @@ def llama_style(plan):
 
     model = plan.model.model_copy(update=dict(name="tiny-llama", kv_heads=2, activation="swiglu", ffn_hidden=128,
                                               norm="rmsnorm", bias=False, position="rope", tied_embeddings=True))
-    return build_plan(plan.cluster, model, plan.training, plan.layout, {})
+    return build_plan(plan.cluster, model, plan.training, plan.layout, {}, plan.engine)
 
 
 def run(plan, run_dir: Path, steps: int = STEPS, extra=(), **kwargs):

@@ -137,6 +137,31 @@ def test_attention_of_every_cp_rank_equals_its_rows_of_full_attention(cp, llama,
     assert not torch.allclose(shifted, want, atol=1e-3)
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_blocks_merged_equal_attention_to_all_keys(cp):
+    """The ring's arithmetic in one process: each rank's queries against every rank's K/V block
+    in ring order (its own first), merged by log-sum-exp, equal masked attention to the whole
+    gathered sequence -- including the blocks a query row sees nothing of (fully masked)."""
+    from plan3d.runtime.cp import block_attention, causal_mask, merge_blocks, positions
+
+    torch.manual_seed(1)
+    seq, heads, d = 8 * cp, 3, 4
+    q, k, v = (torch.randn(2, heads, seq, d, dtype=torch.float64) for _ in range(3))
+    full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    fully_masked_seen = False
+    for r in range(cp):
+        mine = positions(seq, cp, r)
+        out = lse = None
+        for step in range(cp):
+            theirs = positions(seq, cp, (r - step) % cp)
+            mask = causal_mask(mine, theirs)
+            fully_masked_seen |= bool((~mask).all(dim=1).any())
+            block = block_attention(q[:, :, mine], k[:, :, theirs], v[:, :, theirs], mask)
+            out, lse = block if out is None else merge_blocks(out, lse, *block)
+        assert torch.allclose(out.double(), full[:, :, mine], atol=1e-6), (out.double() - full[:, :, mine]).abs().max()
+    assert fully_masked_seen
+
+
 def test_learned_position_embedding_uses_the_global_positions_of_the_chunks():
     from plan3d.runtime.cp import CPInfo, merge_sequence, split_sequence
     from plan3d.runtime.model import Embedding, Stage, init_stage
@@ -202,6 +227,20 @@ def test_llama_style_cp2_tp2_pp2_sequence_parallel_matches_single_process(llama_
     parallel: each tp rank holds its share of the cp rank's chunks) and pp, on token data."""
     plan = llama_style(make_plan(cp=2, tp=2, pp=2, sequence_parallel=True))
     ranks = launched(plan, tmp_path, extra=["--no-save", *TOKEN_DATA])
+    check_completed_run(plan, tmp_path, llama_reference)
+    check_mesh_groups(plan, ranks, CP_GROUPS)
+
+
+@pytest.mark.slow
+def test_llama_style_cp4_ring_with_selective_recompute_matches_single_process(llama_reference, tmp_path):
+    """--cp-comm p2p: K/V passed round the ring (runtime/cp.py ring_attention) with GQA, RoPE at
+    global positions and the attention blocks recomputed in the backward."""
+    from plan3d.specs.catalog import load_engine
+
+    engine = load_engine("plan3d-runtime").with_cp_comm("p2p")
+    plan = llama_style(make_plan(cp=4, recompute="selective", engine=engine))
+    ranks = launched(plan, tmp_path, extra=["--no-save", *TOKEN_DATA])
+    assert [r["cp_comm"] for r in ranks] == ["p2p"] * 4
     check_completed_run(plan, tmp_path, llama_reference)
     check_mesh_groups(plan, ranks, CP_GROUPS)
 

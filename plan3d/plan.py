@@ -99,6 +99,7 @@ class Estimate(_Record):
     layout: dict[str, Any] = {}
     engine: Text = ""
     provenance: list[Text] = []
+    cp_comm: Text = ""
 
 
 class RankMapRecord(_Record):
@@ -136,9 +137,10 @@ class Plan(StrictModel):
 
     @property
     def cp_comm(self) -> str:
-        """Context parallelism's K/V exchange the plan was predicted with: its engine's (RunsAs.cp_comm),
-        or all_gather, plan3d's runtime's default, for a plan without an engine."""
-        return self.engine.runs_as.cp_comm if self.engine is not None else "all_gather"
+        """Context parallelism's K/V exchange the plan was predicted with: its engine's (RunsAs.cp_comm);
+        for a plan saved before engines stated one, the bundled profile's of that name (what the
+        engine ran then); all_gather, plan3d's runtime's, for a plan without an engine."""
+        return with_stated_cp_comm(self).engine.runs_as.cp_comm if self.engine is not None else "all_gather"
 
     @property
     def gpus_per_node(self) -> int:
@@ -232,10 +234,32 @@ def load_plan(path_str: str) -> Plan:
     _require_plan_size(plan, path_str)
     if digest not in _accepted_digests(data, plan, sections):
         raise SpecError(path_str, [f"digest does not match what the plan holds (edited by hand?); {RECREATE}"])
+    plan = with_stated_cp_comm(plan)
     problems = plan_problems(plan, sections)
     if problems:
         raise SpecError(path_str, [f"{p}; {RECREATE}" for p in problems])
     return _with_sections(plan, sections)
+
+
+CP_RUN_FIELDS = ("cp_comm", "cp_gathered_kv_saved", "cp_ring_overlap")  # RunsAs fields of the K/V exchange
+
+
+def with_stated_cp_comm(plan: Plan) -> Plan:
+    """A plan saved before engine profiles stated context parallelism's K/V exchange, with the
+    bundled profile's (what that engine ran then): its engine's defaults would say p2p where
+    torchtitan and plan3d's runtime gather K/V. Plans that state it, or whose engine is not a
+    bundled one, are returned unchanged."""
+    engine = plan.engine
+    if engine is None or "cp_comm" in engine.runs_as.model_fields_set:
+        return plan
+    from plan3d.specs.catalog import bundled_engine_or_none
+
+    bundled = bundled_engine_or_none(engine.name)
+    if bundled is None:
+        return plan
+    runs_as = engine.runs_as.model_copy(update={k: getattr(bundled.runs_as, k) for k in CP_RUN_FIELDS})
+    can_run = engine.can_run.model_copy(update={"cp_comm": bundled.can_run.cp_comm})
+    return plan.model_copy(update={"engine": engine.model_copy(update={"runs_as": runs_as, "can_run": can_run})})
 
 
 def _require_plan_size(plan: Plan, path_str: str) -> None:

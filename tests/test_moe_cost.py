@@ -315,3 +315,24 @@ def test_recommend_ep_flags(capsys):
     assert code != 0 and "--max-ep must be >= 1" in err
     code, out, err = run_cli(capsys, *args, "--engine", "deepspeed", "--ep", 2)
     assert code != 0 and "no expert parallelism" in err and "Traceback" not in err
+
+
+def test_expert_tp_token_gather_by_hand(h100_512, mixtral):
+    """With tp > 1 Megatron's dispatcher all-gathers the received token copies over tp before the
+    experts and reduce-scatters after: top_k x 1.1 x the tokens, of which the dense exchange
+    already moves 1x. Per layer and micro-batch: forward and backward, plus a full recompute."""
+    from plan3d.cost import comm
+    from plan3d.cost.arrays import layout_arrays
+    from plan3d.cost.core import Links, _expert_tp_gather_s
+
+    ctx = make_context(h100_512, mixtral, TrainingSpec(global_batch=1024), load_engine(MEGATRON))
+    bw, latency = 4e11, 2e-6
+    links = Links({("tp", op): (np.array([bw]), np.array([latency])) for op in ("all_gather", "reduce_scatter", "all_reduce")})
+    extra = (2 * MOE_IMBALANCE - 1) * mixtral.seq_len * mixtral.hidden * 2
+    pair = comm.all_gather_s(extra, 4, bw, latency) + comm.reduce_scatter_s(extra, 4, bw, latency)
+    for recompute, passes in (("none", 2), ("full", 3)):
+        la = layout_arrays(1024, [4], [1], [128], [1], [1], [1], [RECOMPUTE_CODES[recompute]], [1.0], [1], [8])
+        assert _expert_tp_gather_s(ctx, la, links, la.recompute >= RECOMPUTE_CODES["full"])[0] == \
+            pytest.approx(passes * pair, rel=1e-12)
+    alone = layout_arrays(1024, [1], [1], [512], [1], [1], [1], [RECOMPUTE_CODES["none"]], [0.0], [1], [8])
+    assert _expert_tp_gather_s(ctx, alone, links, np.array([False]))[0] == 0.0

@@ -14,7 +14,7 @@ from plan3d.cli.app import app
 from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, CpOpt, GlobalBatchOpt, GpnOpt, MicroBatchOpt, ModelOpt,
                                NodesOpt, OrderOpt, PpOpt, RecomputeOpt, SeqLenOpt, SeqParallelOpt, TpOpt,
                                VppOpt, ZeroOpt, load_specs, make_layout)
-from plan3d.errors import InfeasibleError, LaunchError, Plan3dError
+from plan3d.errors import InfeasibleError, LaunchError, LayoutError, Plan3dError
 from plan3d.run_flags import check_run_flags
 
 PREVIOUS_RUN = ("metrics.jsonl", "segments.jsonl", "summary.json", "plans", "checkpoints", "errors",
@@ -129,8 +129,9 @@ def launch_command(
     cluster: ClusterOpt = "local-cpu", model: ModelOpt = "tiny-gpt",
     tp: TpOpt = 1, pp: PpOpt = 1, dp: Annotated[int, typer.Option("--dp", help="Data-parallel degree.")] = 1,
     cp: CpOpt = 1,
-    cp_comm: Annotated[Optional[str], typer.Option("--cp-comm", help="K/V exchange with cp > 1: all_gather "
-                                                   "(default) or p2p (ring attention).")] = None,
+    cp_comm: Annotated[Optional[str], typer.Option("--cp-comm", help="K/V exchange with cp > 1 for a layout given "
+                                                   "by flags: all_gather (default) or p2p (ring attention); a plan "
+                                                   "file runs its own.")] = None,
     ep: Annotated[int, typer.Option("--ep", help="Expert-parallel degree of an MoE model: each ep rank holds "
                                     "experts/ep experts; carved out of dp*cp (must divide it).")] = 1,
     micro_batch: MicroBatchOpt = 1, global_batch: GlobalBatchOpt = None, seq_len: SeqLenOpt = None,
@@ -149,6 +150,9 @@ def launch_command(
     check_run_flags(steps=steps, nnodes=nnodes, node_rank=node_rank, save_every=save_every, timeout_s=timeout_s,
                     master_port=master_port, backend=backend, keep_last=keep_last, master_addr=master_addr)
     if plan_file:
+        if cp_comm is not None:
+            raise LayoutError(f"--cp-comm applies to a layout given by flags; {plan_file} runs the exchange it was "
+                              f"planned with: re-plan with --cp-comm {cp_comm}")
         plan = load_plan(plan_file)
     else:
         flags = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, micro_batch=micro_batch, vpp=vpp, zero=zero, recompute=recompute,

@@ -73,20 +73,34 @@ def stage_micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_ran
         routed = _layer_passes(ctx, la, moe_fwd, tp_pair, attention_fwd)
         per_rank = lambda key: (layers - moe_layers) * dense[key] + moe_layers * routed[key]  # noqa: E731
         ep_comm = moe_layers * moe.ep_comm_s(ctx, la, links.of("ep", "all_gather"), full)
+        expert_tp = moe_layers * _expert_tp_gather_s(ctx, la, links, full)
     else:
         per_rank = lambda key: layers * dense[key]  # noqa: E731
-        ep_comm = np.zeros_like(layer_fwd)
+        ep_comm = expert_tp = np.zeros_like(layer_fwd)
     logits_fwd = np.where(last, compute.logits_forward_s(ctx, share, la.tp), 0.0)
     embed = np.where(first, compute.memory_bound_s(ctx, share * ctx.seq * ctx.hidden, ctx.elementwise_bytes), 0.0)
     ring_fwd, ring_bwd = cp_exposed_s(ctx, la, links, attention_fwd)
     ring = np.where(full, 2 * ring_fwd, ring_fwd) + ring_bwd
     return {"compute": 3 * (per_rank("fwd") + logits_fwd + embed), "recompute": per_rank("redo"),
             "tp_comm": (layers * np.where(full, 3, 2) * tp_pair + _vocab_parallel_s(ctx, la, links, first, last)
-                        + np.where(la.cp > 1, layers * ring, 0.0)),
+                        + np.where(la.cp > 1, layers * ring, 0.0) + expert_tp),
             "pp_comm": _p2p_s(ctx, la, links, boundary_bytes),
             "ep_comm": ep_comm,
             "overhead": per_rank("host") + ctx.micro_batch_overhead_s,
             "backward": 2 * (per_rank("fwd") + logits_fwd)}
+
+
+def _expert_tp_gather_s(ctx: CostContext, la: LayoutArrays, links: Links, full):
+    """Seconds per micro-batch of one MoE layer's expert-tensor-parallel token exchange beyond the
+    dense MLP's: with tp > 1 (expert tp = tp) Megatron-Core's MoEAlltoAllTokenDispatcher
+    all-gathers the tokens a rank received over the tp group before the experts and
+    reduce-scatters their outputs after (`gather_from_sequence_parallel_region` /
+    `reduce_scatter_to_sequence_parallel_region` on the routed tokens), top_k * load times the
+    tokens the dense layer's sequence-parallel exchange moves, which `tp_pair` already charges
+    once. Forward, backward and a full recompute's forward each pay it."""
+    extra_tokens = np.maximum(memory.routed_tokens(ctx, la) - la.mb_share * ctx.seq, 0.0)
+    one = _tp_exchange_s(la, links, extra_tokens * ctx.hidden * ctx.act_bytes)
+    return np.where(la.tp > 1, np.where(full, 3, 2) * one, 0.0)
 
 
 def _layer_passes(ctx: CostContext, la: LayoutArrays, layer_fwd, tp_pair, attention_fwd) -> dict:
@@ -116,13 +130,14 @@ def cp_ring_exposed_s(ctx: CostContext, la: LayoutArrays, links: Links, attentio
     next one (cp - 1 transfers, asynchronous). A transfer hides behind its step's attention
     (the rank's attention time / cp); what is left shows: (cp - 1) * max(0, send - step). The
     backward circulates K/V and their gradients dK/dV (twice the bytes) against the backward
-    attention (twice the forward's FLOPs). An engine whose shifts are synchronous
+    attention (twice the forward's FLOPs); where the blocks were saved in the forward
+    (`cp_kv_saved`: plan3d's runtime) only dK/dV travel. An engine whose shifts are synchronous
     (`cp_ring_overlap` false: plan3d's runtime) hides nothing."""
     chunk = memory.cp_kv_chunk_bytes(ctx, la)
     steps = np.maximum(la.cp - 1, 0.0)
     step_fwd = attention_fwd / la.cp if ctx.cp_ring_overlap else 0.0 * attention_fwd
     send = comm.p2p_s(chunk, *links.of("cp", "p2p"))
-    send_bwd = comm.p2p_s(2 * chunk, *links.of("cp", "p2p"))
+    send_bwd = comm.p2p_s((1 if ctx.cp_kv_saved else 2) * chunk, *links.of("cp", "p2p"))
     return steps * np.maximum(send - step_fwd, 0.0), steps * np.maximum(send_bwd - 2 * step_fwd, 0.0)
 
 

@@ -44,6 +44,7 @@ class Estimate:
     layout: dict = field(default_factory=dict)
     engine: str = ""  # the engine predicted for ("" : the cluster's values alone)
     provenance: list = field(default_factory=list)  # which fitted values were used, from what data
+    cp_comm: str = ""  # context parallelism's K/V exchange priced (p2p, all_gather, a2a); "" with cp = 1
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -79,7 +80,7 @@ def estimate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, lay
     require_finite(_numbers(result), cluster, model, training, engine)
     trust = provenance(cluster, engine, training, layout.zero)
     return replace(result, engine=engine.name if engine else "", provenance=trust.lines,
-                   warnings=result.warnings + trust.warnings)
+                   warnings=result.warnings + trust.warnings, cp_comm=ctx.cp_comm if layout.cp > 1 else "")
 
 
 def _tiers(links: dict, layout: Layout) -> dict:

@@ -180,7 +180,8 @@ def moe_layer_activation_bytes(ctx: CostContext, la: LayoutArrays):
     routed = routed_tokens(ctx, la)
     experts = 2 * routed * ctx.expert_ffn * ctx.mlp_mats / la.tp
     dispatch = 2 * routed * ctx.hidden + 2 * sb * ctx.experts / la.sp_div  # elements
-    return (replicated + attention + shared + experts) * ctx.act_bytes / 2 + dispatch * ctx.act_bytes
+    return ((replicated + attention + shared + experts) * ctx.act_bytes / 2 + dispatch * ctx.act_bytes
+            + cp_saved_kv_bytes(ctx, la))
 
 
 def in_flight(la: LayoutArrays, pp_rank):
@@ -251,20 +252,23 @@ def cp_ring_buffer_bytes(ctx: CostContext, la: LayoutArrays):
       buffers of twice a K/V chunk, i.e. 4 chunks (Transformer Engine AttnFuncWithCPAndKVP2P.backward,
       `p2p_comm_buffers` of shape (2, *kv.shape)); the forward holds two K/V chunks in flight;
     - all_gather: the whole sequence's K/V (cp chunks) and, in the backward, its dK/dV (cp chunks);
+      where the gathered K/V are saved (`cp_kv_saved`) they are activations, and only dK/dV remain;
     - a2a: the send and receive buffers of the rank's Q, K, V in the other split (twice their bytes)."""
     chunk = cp_kv_chunk_bytes(ctx, la)
     if ctx.cp_comm == "all_gather":
-        return 2 * la.cp * chunk
+        return (1 if ctx.cp_kv_saved else 2) * la.cp * chunk
     if ctx.cp_comm == "a2a":
         return 2 * ctx.seq * la.mb_share * (ctx.q_dim + 2 * ctx.kv_dim) / la.tp * ctx.act_bytes
     return CP_RING_BUFFERS * chunk
 
 
 def cp_saved_kv_bytes(ctx: CostContext, la: LayoutArrays):
-    """Bytes one layer saves beyond its own K/V when the gathered K/V are saved for the backward
-    (all_gather with `cp_kv_saved`: torch's flex_cp_allgather under torchtitan 0.3, plan3d's
-    runtime): the other cp - 1 ranks' chunks. Zero otherwise."""
-    if ctx.cp_comm != "all_gather" or not ctx.cp_kv_saved:
+    """Bytes one layer saves beyond its own K/V when the other ranks' K/V are saved for the
+    backward (`cp_kv_saved`: torch's flex_cp_allgather under torchtitan 0.3; plan3d's runtime,
+    whose ring too keeps every block it received): the other cp - 1 ranks' chunks. Zero otherwise
+    (Transformer Engine fetches them again in the backward; a2a keeps only head-split tensors of
+    the rank's own size)."""
+    if ctx.cp_comm == "a2a" or not ctx.cp_kv_saved:
         return 0.0
     return np.maximum(la.cp - 1, 0) * cp_kv_chunk_bytes(ctx, la)
 

@@ -30,12 +30,17 @@ def same_groups(layout: Layout, supported_order: str) -> bool:
 
 
 def _as_planned(engine: EngineSpec, plan: Plan, versions: str) -> EngineSpec:
-    """The bundled profile with the plan's run settings where the plan was made for this engine
-    (its context-parallel K/V exchange, `--cp-comm`); one the engine cannot run is refused."""
-    if plan.engine is None or plan.engine.name != engine.name or plan.layout.cp == 1:
+    """The bundled profile running context parallelism's K/V exchange as the plan was predicted
+    (`Plan.cp_comm`, `--cp-comm`). A plan made for this engine with an exchange it cannot run is
+    refused; one made for another engine keeps its exchange where this engine runs it, else this
+    engine's own (the emitter's note says the predictions were for the other engine)."""
+    if plan.layout.cp == 1 or not engine.can_run.context_parallel:
+        return engine
+    same = plan.engine is not None and plan.engine.name == engine.name
+    if not same and plan.cp_comm not in engine.can_run.cp_comm:
         return engine
     try:
-        return engine.with_cp_comm(plan.engine.runs_as.cp_comm)
+        return engine.with_cp_comm(plan.cp_comm)
     except LayoutError as err:
         raise InfeasibleError(f"{engine.name} {versions}: {err}") from None
 

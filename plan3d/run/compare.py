@@ -54,7 +54,10 @@ def predicted_for_run(plan: Plan, precision: str | None = None, cluster=None) ->
     if cluster is None and precision == plan.training.precision and of_runtime and stored.time_s:
         return stored
     training = plan.training.model_copy(update={"precision": precision})
-    fresh = estimate(cluster or plan.cluster, plan.model, training, plan.layout, load_engine(RUNTIME_ENGINE))
+    runtime = load_engine(RUNTIME_ENGINE)
+    if plan.layout.cp > 1 and plan.cp_comm in runtime.can_run.cp_comm:  # the exchange the runtime runs (launch)
+        runtime = runtime.with_cp_comm(plan.cp_comm)
+    fresh = estimate(cluster or plan.cluster, plan.model, training, plan.layout, runtime)
     return Estimate.unchecked(fresh.to_dict())
 
 

@@ -101,6 +101,14 @@ def engine_for(name_or_path: str | None, cluster: ClusterSpec) -> EngineSpec:
     return load_engine(RUNTIME_ENGINE if cpu else DEFAULT_ENGINE)
 
 
+def bundled_engine_or_none(name: str) -> EngineSpec | None:
+    """The bundled engine profile of that name, or None (a spec file's engine, a renamed one)."""
+    try:
+        return load_engine(name) if "/" not in name and not name.endswith((".yaml", ".yml", ".json")) else None
+    except (SpecError, SpecNotFound):
+        return None
+
+
 def require_positive(name: str, value: int | None) -> None:
     if value is not None and value <= 0:
         raise SpecError("command line", [f"--{name.replace('_', '-')} must be a positive integer, got {value}"])

@@ -118,10 +118,11 @@ class RunsAs(SpecModel):
                                         "shared experts' time (Megatron-Core --moe-shared-expert-overlap).")
     cp_comm: CpComm = Field("p2p", description="The K/V exchange it runs with context parallelism, one of "
                             "can_run.cp_comm (`--cp-comm` chooses another).")
-    cp_gathered_kv_saved: bool = Field(False, description="all_gather: the gathered K/V are saved for the "
-                                       "backward (autograd of an all-gather: torch's flex_cp_allgather, plan3d's "
-                                       "runtime), so the backward only reduce-scatters dK/dV; false: the backward "
-                                       "gathers K/V again (Transformer Engine AttnFuncWithCPAndKVAllGather).")
+    cp_gathered_kv_saved: bool = Field(False, description="The other ranks' K/V are saved for the backward "
+                                       "(autograd of the exchange: torch's flex_cp_allgather, plan3d's runtime): "
+                                       "all_gather's backward only reduce-scatters dK/dV and p2p's backward sends "
+                                       "only dK/dV, but every layer keeps cp - 1 more K/V chunks; false: the "
+                                       "backward fetches K/V again (Transformer Engine).")
     cp_ring_overlap: bool = Field(True, description="p2p: each K/V transfer of the ring overlaps the attention "
                                   "of the block before it (Transformer Engine's side streams); false: synchronous "
                                   "shifts, every transfer exposed.")
@@ -161,13 +162,17 @@ class EngineSpec(SpecModel):
     def _cp_comm_is_runnable(self) -> "EngineSpec":
         if self.runs_as.cp_comm not in self.can_run.cp_comm:
             raise ValueError(f"runs_as.cp_comm {self.runs_as.cp_comm!r} is not in can_run.cp_comm "
-                             f"{self.can_run.cp_comm}")
+                             f"{self.can_run.cp_comm}: add it there or set runs_as.cp_comm to one of them")
         return self
 
     def with_cp_comm(self, cp_comm: str | None) -> "EngineSpec":
         """The profile running context parallelism's K/V exchange as `cp_comm` (None: unchanged);
         one it cannot run is a LayoutError naming what it runs."""
-        if cp_comm is None or cp_comm == self.runs_as.cp_comm:
+        if cp_comm is None:
+            return self
+        if not self.can_run.context_parallel:
+            raise LayoutError(f"{self.name} has no context parallelism: drop --cp-comm")
+        if cp_comm == self.runs_as.cp_comm:
             return self
         if cp_comm not in self.can_run.cp_comm:
             known = cp_comm in get_args(CpComm)
@@ -183,8 +188,13 @@ class EngineSpec(SpecModel):
         heads, kv = model.heads // layout.tp, model.kv_heads_ // layout.tp
         if heads % layout.cp == 0 and kv % layout.cp == 0:
             return []
+        cps = [c for c in range(2, math.gcd(heads, kv) + 1) if math.gcd(heads, kv) % c == 0]
+        tps = [t for t in range(1, model.kv_heads_ + 1) if model.kv_heads_ % t == 0 and model.heads % t == 0
+               and (model.heads // t) % layout.cp == 0 and (model.kv_heads_ // t) % layout.cp == 0]
+        fixes = ["--cp-comm p2p"] + ([f"cp in {{{', '.join(map(str, cps))}}} at tp={layout.tp}"] if cps else [])
+        fixes += [f"tp in {{{', '.join(map(str, tps))}}} for cp={layout.cp}"] if tps else []
         return [f"--cp-comm a2a splits heads over cp: {heads} heads and {kv} KV heads per tp rank do not divide "
-                f"by cp={layout.cp}; use --cp-comm p2p or a cp dividing {math.gcd(heads, kv)}"]
+                f"by cp={layout.cp}; use {' or '.join(fixes)}"]
 
     def software_values(self) -> dict[str, float]:
         """The fitted values the engine sets (the rest come from the GPU spec)."""

@@ -231,9 +231,6 @@ def extra_to_run(row: dict) -> Run:
         raise Excluded(row["excluded"])
     par, batch, train = row["parallelism"], row["batch"], row["training"]
     gpu = extra_gpu_kind(row["hardware"]["gpu"])
-    if par.get("etp", par["tp"]) != par["tp"]:
-        raise Excluded("expert tensor parallel (etp) differs from tp (MoE Parallel Folding): plan3d's layouts run "
-                       "the experts at etp = tp")
     measured = extra_step_time(row)
     model = extra_model(row)
     precision = str(train["precision"])
@@ -300,6 +297,8 @@ def extra_knobs(par: dict, batch: dict, train: dict) -> tuple[dict, tuple[str, .
              "sequence_parallel": int(par["tp"]) > 1}
     if knobs["dp"] * knobs["cp"] == 1:
         knobs["zero"] = 0
+    if par.get("etp") is not None and int(par["etp"]) != knobs["tp"]:
+        knobs["etp"] = int(par["etp"])  # MoE Parallel Folding: the experts' own tensor-parallel degree
     if par.get("pp_layers"):
         knobs["pp_layers"] = tuple(par["pp_layers"])
     unknown = []

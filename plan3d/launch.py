@@ -88,6 +88,8 @@ def moe_problems(plan: Plan) -> list[str]:
     problems = []
     if model.mla is not None:
         problems.append("the bundled runtime has no multi-head latent attention (MLA); remove mla from the model spec")
+    if layout.etp is not None:
+        problems.append(f"the bundled runtime splits experts over tp: drop etp={layout.etp}")
     if moe is None:
         if layout.ep > 1:
             problems.append(f"ep={layout.ep} needs MoE layers, and the model has none; set ep=1")

@@ -59,7 +59,12 @@ class Layout(FrozenModel):
     pp: PositiveInt = 1
     dp: PositiveInt = 1
     cp: PositiveInt = 1
-    ep: PositiveInt = Field(1, description="Expert parallel degree, carved out of dp*cp.")
+    ep: PositiveInt = Field(1, description="Expert parallel degree, carved out of dp*cp (of tp*cp*dp / etp "
+                            "with etp).")
+    etp: PositiveInt | None = Field(None, description="Expert tensor-parallel degree: each expert's FFN split over "
+                                    "etp ranks, ep*etp of the tp*cp*dp ranks of a stage forming the expert grid "
+                                    "(MoE Parallel Folding, Megatron-Core --expert-tensor-parallel-size); "
+                                    "None: tp.")
     micro_batch: PositiveInt = 1
     vpp: PositiveInt = Field(1, description="Virtual pipeline stages per pipeline rank.")
     zero: Literal[0, 1, 2, 3] = 0
@@ -82,9 +87,28 @@ class Layout(FrozenModel):
             raise ValueError("sequence_parallel needs tp > 1: drop it or raise tp")
         if self.pp_layers is not None and len(self.pp_layers) != self.pp * self.vpp:
             raise ValueError(f"pp_layers needs pp*vpp = {self.pp * self.vpp} entries, got {len(self.pp_layers)}")
-        if (self.dp * self.cp) % self.ep:
+        if self.etp is None and (self.dp * self.cp) % self.ep:
             raise ValueError(f"ep={self.ep} must divide dp*cp={self.dp * self.cp}")
+        if self.etp is not None and (self.tp * self.cp * self.dp) % (self.ep * self.etp):
+            raise ValueError(f"ep*etp={self.ep * self.etp} must divide tp*cp*dp={self.tp * self.cp * self.dp}")
         return self
+
+    @field_validator("etp")
+    @classmethod
+    def _etp_none_is_tp(cls, value, info):
+        """etp equal to tp is the default layout (one name for one job): stored as None."""
+        return None if value is not None and value == info.data.get("tp") else value
+
+    @property
+    def expert_tp(self) -> int:
+        """The tensor-parallel degree of the experts: etp, or tp when it is not set."""
+        return self.etp or self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """Expert-data-parallel ranks (the group an expert's gradients are reduced over):
+        tp*cp*dp / (ep*etp), which is dp*cp/ep when etp = tp."""
+        return self.tp * self.cp * self.dp // (self.ep * self.expert_tp)
 
     @property
     def world_size(self) -> int:
@@ -128,6 +152,8 @@ class Layout(FrozenModel):
             parts.append(f"cp{self.cp}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
+        if self.etp is not None:
+            parts.append(f"etp{self.etp}")
         if self.vpp > 1:
             parts.append(f"vpp{self.vpp}")
         parts += [f"zero{self.zero}", self.recompute] + (["sp"] if self.sequence_parallel else [])
@@ -156,8 +182,10 @@ class RuleFacts:
     """
 
     def __init__(self, model: ModelSpec, training: TrainingSpec, *, tp, pp, dp, micro_batch, vpp, sequence_parallel,
-                 uneven, cp=1, ep=1, world_size=None, split_sum=None):
+                 uneven, cp=1, ep=1, etp=None, world_size=None, split_sum=None):
         self.heads, self.kv_heads, self.ffn_hidden = model.heads, model.kv_heads_, model.ffn_hidden_
+        self.etp = tp if etp is None else etp  # the experts' tensor-parallel degree
+        self.expert_ffn = (model.moe.expert_ffn_hidden or model.ffn_hidden_) if model.moe is not None else 0
         self.layers, self.batch, self.seq = model.layers, training.global_batch, training.seq_len or model.seq_len
         self.tp, self.pp, self.dp, self.cp, self.ep, self.mb, self.vpp = tp, pp, dp, cp, ep, micro_batch, vpp
         self.experts = model.moe.experts if model.moe is not None else 0  # routed experts (0: a dense model)
@@ -176,7 +204,7 @@ class RuleFacts:
     def of(cls, layout: Layout, model: ModelSpec, training: TrainingSpec, world_size: int) -> RuleFacts:
         split = layout.pp_layers
         return cls(model, training, tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp, ep=layout.ep,
-                   micro_batch=layout.micro_batch, vpp=layout.vpp, sequence_parallel=layout.sequence_parallel,
+                   etp=layout.etp, micro_batch=layout.micro_batch, vpp=layout.vpp, sequence_parallel=layout.sequence_parallel,
                    uneven=split is not None, world_size=world_size, split_sum=sum(split) if split else None)
 
 
@@ -252,9 +280,23 @@ def _ep_not_dividing_experts(x: RuleFacts) -> str:
 
 
 def _ep_not_dividing_dp_cp(x: RuleFacts) -> str:
+    if x.etp != x.tp:
+        ranks = x.tp * x.cp * x.dp // x.etp if (x.tp * x.cp * x.dp) % x.etp == 0 else 0
+        valid = [e for e in divisors(ranks) if not x.experts or x.experts % e == 0] if ranks else []
+        return (f"ep*etp = {x.ep * x.etp} must divide tp*cp*dp = {x.tp * x.cp * x.dp} (the expert grid folds "
+                f"into a stage's ranks); valid ep at etp={x.etp}: {_fmt(valid) if valid else 'none'}")
     valid = [e for e in divisors(x.dp * x.cp) if not x.experts or x.experts % e == 0]
     return (f"ep={x.ep} must divide dp*cp = {x.dp * x.cp} (expert parallelism folds into the data- and "
             f"context-parallel ranks of the MoE layers); valid ep: {_fmt(valid)}")
+
+
+def _etp_without_experts(x: RuleFacts) -> str:
+    return f"etp={x.etp} needs a mixture-of-experts model; {x.model_name} is dense: drop etp"
+
+
+def _etp_not_dividing_ffn(x: RuleFacts) -> str:
+    return (f"etp={x.etp} does not divide the expert FFN width {x.expert_ffn} (each expert's FFN is split over "
+            f"etp ranks); valid etp: {_fmt(divisors(x.expert_ffn))}")
 
 
 # Context parallelism (Megatron-Core, megatron/training/arguments.py: seq_length % (2 * cp) == 0)
@@ -295,8 +337,13 @@ LAYOUT_RULES = (
                _ep_without_experts),
     LayoutRule(18, "experts", "ep does not divide the routed experts",
                lambda x: (x.experts > 0) & (x.experts % x.ep != 0), _ep_not_dividing_experts),
-    LayoutRule(None, "experts", "ep does not divide dp*cp", lambda x: (x.dp * x.cp) % x.ep != 0,
+    LayoutRule(None, "experts", "ep does not divide dp*cp", lambda x: (x.tp * x.cp * x.dp) % (x.ep * x.etp) != 0,
                _ep_not_dividing_dp_cp),
+    # Expert tensor parallelism other than tp (MoE Parallel Folding; the search keeps etp = tp)
+    LayoutRule(None, "expert-tp", "etp without a mixture-of-experts model",
+               lambda x: (x.etp != x.tp) & (x.experts == 0), _etp_without_experts),
+    LayoutRule(None, "expert-tp", "etp does not divide the expert FFN",
+               lambda x: (x.experts > 0) & (x.expert_ffn % x.etp != 0), _etp_not_dividing_ffn),
 )
 SEARCHED_RULES = tuple(rule for rule in LAYOUT_RULES if rule.code is not None)  # what the search's grid can break
 

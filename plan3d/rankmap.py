@@ -16,7 +16,8 @@ Placement: rank r runs on node r // gpus_per_node, local GPU r % gpus_per_node. 
 make that true (static rendezvous) and the runtime checks it.
 
 Expert parallelism follows Megatron-LM: the dense axes are tp, cp, dp, pp; the expert groups come
-from a second generator over the same ranks with axes tp, ep, dp' = dp*cp/ep, pp (cp dropped).
+from a second generator over the same ranks with axes etp, ep, dp' = tp*cp*dp/(ep*etp), pp (cp
+dropped; etp = tp unless the layout sets it: MoE Parallel Folding), in the layout's order.
 """
 from __future__ import annotations
 
@@ -68,7 +69,9 @@ def group_shapes(layout: Layout) -> dict[str, tuple[int, int]]:
     """(groups, members per group) of every group kind of `layout`'s rank map, without building it."""
     world, sizes = layout.world_size, {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "pp": layout.pp}
     members = {name: int(np.prod([sizes[a] for a in axes])) for name, axes in DENSE_GROUPS.items()}
-    members |= {"ep": layout.ep, "edp": layout.dp * layout.cp // layout.ep}
+    members |= {"ep": layout.ep, "edp": layout.expert_dp}
+    if layout.etp is not None:
+        members["etp"] = layout.etp
     shapes = {name: (world // size, size) for name, size in members.items()}
     return shapes | {"embedding": (world // layout.pp, 2 if layout.pp > 1 else 1)}  # first and last stage
 
@@ -121,11 +124,14 @@ class RankMap:
         return pp_groups[:, [0, -1]] if self.layout.pp > 1 else pp_groups
 
     def _expert_groups(self) -> dict[str, np.ndarray]:
-        ep = self.layout.ep
-        sizes = {"tp": self.layout.tp, "cp": 1, "ep": ep, "pp": self.layout.pp,
-                 "dp": self.layout.dp * self.layout.cp // ep}
-        return {"ep": _axis_groups(sizes, self._axes, ("ep",)),
-                "edp": _axis_groups(sizes, self._axes, ("dp",))}
+        """Megatron-Core's expert RankGenerator over the same ranks: axes etp, ep, edp, pp in the
+        layout's order (tp's place taken by etp, cp's folded into edp)."""
+        layout = self.layout
+        sizes = {"tp": layout.expert_tp, "cp": 1, "ep": layout.ep, "pp": layout.pp, "dp": layout.expert_dp}
+        groups = {"ep": _axis_groups(sizes, self._axes, ("ep",)), "edp": _axis_groups(sizes, self._axes, ("dp",))}
+        if layout.etp is not None:
+            groups["etp"] = _axis_groups(sizes, self._axes, ("tp",))
+        return groups
 
     # ---- coordinates ----------------------------------------------------------------------
     @cached_property
@@ -189,7 +195,8 @@ class RankMap:
 def rankmap_for(layout: Layout, gpus_per_node: int) -> RankMap:
     """Cached RankMap. The map depends only on the degrees and the order, so layouts that differ
     in micro-batch, ZeRO or recompute share one (the search asks for the same shapes many times)."""
-    shape = Layout(tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp, ep=layout.ep, order=layout.order)
+    shape = Layout(tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp, ep=layout.ep, etp=layout.etp,
+                   order=layout.order)
     return _rankmap_for_shape(shape, gpus_per_node)
 
 

@@ -318,21 +318,32 @@ def test_recommend_ep_flags(capsys):
 
 
 def test_expert_tp_token_gather_by_hand(h100_512, mixtral):
-    """With tp > 1 Megatron's dispatcher all-gathers the received token copies over tp before the
-    experts and reduce-scatters after: top_k x 1.1 x the tokens, of which the dense exchange
-    already moves 1x. Per layer and micro-batch: forward and backward, plus a full recompute."""
+    """With tp > 1 Megatron's dispatcher all-gathers the received token copies over the experts'
+    tp group before the experts and reduce-scatters after: top_k x 1.1 x the tokens at etp = tp,
+    none at etp = 1; an MoE layer has no dense MLP, so the MLP half of the dense exchange (with
+    megatron-core's 0.5 TP overlap) is taken back. Per pass: forward, backward, full recompute."""
     from plan3d.cost import comm
     from plan3d.cost.arrays import layout_arrays
     from plan3d.cost.core import Links, _expert_tp_gather_s
 
     ctx = make_context(h100_512, mixtral, TrainingSpec(global_batch=1024), load_engine(MEGATRON))
     bw, latency = 4e11, 2e-6
-    links = Links({("tp", op): (np.array([bw]), np.array([latency])) for op in ("all_gather", "reduce_scatter", "all_reduce")})
-    extra = (2 * MOE_IMBALANCE - 1) * mixtral.seq_len * mixtral.hidden * 2
-    pair = comm.all_gather_s(extra, 4, bw, latency) + comm.reduce_scatter_s(extra, 4, bw, latency)
+    links = Links({(group, op): (np.array([bw]), np.array([latency])) for group in ("tp", "etp")
+                   for op in ("all_gather", "reduce_scatter", "all_reduce")})
+    tokens = mixtral.seq_len * mixtral.hidden * 2
+    routed = 2 * MOE_IMBALANCE * tokens
+
+    def pair(size, n):
+        return comm.all_gather_s(size, n, bw, latency) + comm.reduce_scatter_s(size, n, bw, latency)
+
     for recompute, passes in (("none", 2), ("full", 3)):
         la = layout_arrays(1024, [4], [1], [128], [1], [1], [1], [RECOMPUTE_CODES[recompute]], [1.0], [1], [8])
-        assert _expert_tp_gather_s(ctx, la, links, la.recompute >= RECOMPUTE_CODES["full"])[0] == \
-            pytest.approx(passes * pair, rel=1e-12)
+        got = _expert_tp_gather_s(ctx, la, links, la.recompute >= RECOMPUTE_CODES["full"])[0]
+        assert got == pytest.approx(passes * (pair(routed, 4) - 0.5 * pair(tokens, 4)), rel=1e-12)
+    folded = layout_arrays(1024, [4], [1], [128], [1], [1], [1], [0], [1.0], [1], [8], etp=[1])
+    assert _expert_tp_gather_s(ctx, folded, links, np.array([False]))[0] == pytest.approx(-2 * 0.5 * pair(tokens, 4))
+    half = layout_arrays(1024, [4], [1], [128], [1], [1], [1], [0], [1.0], [1], [8], etp=[2])
+    assert _expert_tp_gather_s(ctx, half, links, np.array([False]))[0] == \
+        pytest.approx(2 * (pair(routed / 2, 2) - 0.5 * pair(tokens, 4)))
     alone = layout_arrays(1024, [1], [1], [512], [1], [1], [1], [RECOMPUTE_CODES["none"]], [0.0], [1], [8])
     assert _expert_tp_gather_s(ctx, alone, links, np.array([False]))[0] == 0.0

@@ -76,6 +76,9 @@ CpOpt = Annotated[int, typer.Option("--cp", help="Context-parallel degree: each 
 EpOpt = Annotated[int, typer.Option("--ep", help="Expert-parallel degree (mixture-of-experts models): each MoE "
                                     "layer's experts split over ep of the dp*cp ranks; ep divides dp*cp and the "
                                     "routed experts.")]
+EtpOpt = Annotated[Optional[int], typer.Option("--etp", help="Expert tensor-parallel degree (MoE Parallel Folding): "
+                                                "each expert split over etp ranks, ep*etp of the tp*cp*dp ranks of a "
+                                                "stage; default tp. Megatron-Core only.")]
 MicroBatchOpt = Annotated[int, typer.Option("--micro-batch", help="Sequences per micro-batch.")]
 VppOpt = Annotated[int, typer.Option("--vpp", help="Virtual pipeline stages per rank (interleaved 1F1B).")]
 ZeroOpt = Annotated[int, typer.Option("--zero", help="ZeRO stage 0-3.")]

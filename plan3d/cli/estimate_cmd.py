@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 import typer
 
 from plan3d.cli.app import app
-from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, CpCommOpt, CpOpt, EngineOpt, EpOpt, GlobalBatchOpt, GpnOpt, JsonOpt, MicroBatchOpt,
+from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, CpCommOpt, CpOpt, EngineOpt, EpOpt, EtpOpt, GlobalBatchOpt, GpnOpt, JsonOpt, MicroBatchOpt,
                                ModelOpt, NodesOpt, OrderOpt, PlotOpt, PpOpt, PrecisionOpt, RecomputeOpt,
                                SeqLenOpt, SeqParallelOpt, TpOpt, VppOpt, ZeroOpt, load_engine_opt, load_specs,
                                make_layout)
@@ -30,6 +30,7 @@ def estimate_command(
     dp: DpOptional = None,
     cp: CpOpt = 1,
     ep: EpOpt = 1,
+    etp: EtpOpt = None,
     micro_batch: MicroBatchOpt = 1,
     global_batch: GlobalBatchOpt = None,
     seq_len: SeqLenOpt = None,
@@ -54,7 +55,7 @@ def estimate_command(
                  sequence_parallel=sequence_parallel, order=order)
     if dp is None:
         dp = _fill_dp(cluster_spec.world_size, make_layout(dp=1, **flags), model_spec, training)
-    layout = make_layout(dp=dp, ep=ep, **flags)
+    layout = make_layout(dp=dp, ep=ep, etp=etp, **flags)
     result = estimate(cluster_spec, model_spec, training, layout, engine_spec)
     if plot is not None:
         plot_step_breakdown(result.to_dict(), plot, title=f"{model_spec.name} on {cluster_spec.nodes} x "

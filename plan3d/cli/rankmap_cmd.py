@@ -33,6 +33,8 @@ def rankmap(
     dp: Annotated[Optional[int], typer.Option("--dp", help="Data-parallel degree (default: fill the cluster).")] = None,
     cp: Annotated[int, typer.Option("--cp", help="Context-parallel degree.")] = 1,
     ep: Annotated[int, typer.Option("--ep", help="Expert-parallel degree (carved out of dp*cp).")] = 1,
+    etp: Annotated[Optional[int], typer.Option("--etp", help="Expert tensor-parallel degree (default tp): the "
+                                               "expert groups fold ep*etp out of tp*cp*dp.")] = None,
     order: OrderOpt = DEFAULT_ORDER,
     nodes: NodesOpt = None,
     gpus_per_node: GpnOpt = None,
@@ -46,7 +48,7 @@ def rankmap(
     require_positive("nodes", nodes)
     require_positive("gpus_per_node", gpus_per_node)
     spec = load_cluster(cluster, nodes, gpus_per_node)
-    layout = _fit_layout(spec, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, order=order)
+    layout = _fit_layout(spec, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, order=order)
     _require_budget(layout.world_size, fmt, svg is not None)
     rmap = ranks.rankmap_for(layout, spec.gpus_per_node)
     tiers = spec.tiers()

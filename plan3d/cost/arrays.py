@@ -23,6 +23,12 @@ class LayoutArrays:
     m: np.ndarray
     cp: np.ndarray | float = 1.0  # context parallel degree: each rank holds seq / cp tokens of a sequence
     ep: np.ndarray | float = 1.0  # expert parallel degree: MoE layers split their experts over ep of the dp*cp ranks
+    etp: np.ndarray | None = None  # expert tensor-parallel degree (None: tp; MoE Parallel Folding)
+
+    @property
+    def expert_tp(self) -> np.ndarray:
+        """The experts' tensor-parallel degree: etp, or tp where the layout does not set it."""
+        return self.tp if self.etp is None else self.etp
 
     @property
     def sp_div(self) -> np.ndarray:
@@ -46,12 +52,14 @@ class LayoutArrays:
     @property
     def expert_grad_ranks(self) -> np.ndarray:
         """Ranks an expert's gradient is reduced (and ZeRO-sharded) over: the expert-data-parallel
-        group, dp * cp / ep (Megatron-Core folds ep out of the dp x cp ranks of the MoE layers:
-        parallel_state's expert_data_parallel group; `plan3d.rankmap` builds it as `edp`)."""
-        return self.dp * self.cp / self.ep
+        group, tp * cp * dp / (ep * etp), i.e. dp * cp / ep at etp = tp (Megatron-Core folds the
+        expert grid out of a stage's ranks: parallel_state's expert_data_parallel group;
+        `plan3d.rankmap` builds it as `edp`)."""
+        return self.tp * self.cp * self.dp / (self.ep * self.expert_tp)
 
 
-def layout_arrays(global_batch: int, tp, pp, dp, mb, vpp, zero, recompute, sp, cp=1, ep=1) -> LayoutArrays:
+def layout_arrays(global_batch: int, tp, pp, dp, mb, vpp, zero, recompute, sp, cp=1, ep=1, etp=None) -> LayoutArrays:
     f = lambda x: np.asarray(x, dtype=np.float64)  # noqa: E731
     m = global_batch // (np.asarray(mb, dtype=np.int64) * np.asarray(dp, dtype=np.int64))
-    return LayoutArrays(f(tp), f(pp), f(dp), f(mb), f(vpp), f(zero), f(recompute), f(sp), f(m), f(cp), f(ep))
+    return LayoutArrays(f(tp), f(pp), f(dp), f(mb), f(vpp), f(zero), f(recompute), f(sp), f(m), f(cp), f(ep),
+                        None if etp is None else f(etp))

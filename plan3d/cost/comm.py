@@ -31,7 +31,9 @@ GROUPS = ("tp", "pp", "dp")
 # Expert parallelism: the all-to-all group (`ep`, one NIC share per GPU across nodes: each rank
 # exchanges with every other, no multi-rail rings) and the expert-data-parallel group its experts'
 # gradients are reduced over (`edp`, dp*cp/ep ranks). With ep = 1, edp is dp_cp and ep carries nothing.
-LINK_GROUPS = GROUPS + ("dp_nic", "cp", "dp_cp", "ep", "edp")
+# With an expert tensor-parallel degree other than tp (MoE Parallel Folding) the experts' token
+# all-gather / reduce-scatter runs on their own group (`etp`); otherwise etp is the tp group.
+LINK_GROUPS = GROUPS + ("dp_nic", "cp", "dp_cp", "ep", "edp", "etp")
 
 
 @dataclass(frozen=True)
@@ -75,19 +77,20 @@ def group_link(layout: Layout, name: str, tiers: tuple[ResolvedTier, ...], gpus_
 
 @lru_cache(maxsize=65536)
 def layout_links(tp: int, pp: int, dp: int, order: str, tiers: tuple[ResolvedTier, ...],
-                 gpus_per_node: int, cp: int = 1, ep: int = 1) -> dict[str, GroupLink]:
+                 gpus_per_node: int, cp: int = 1, ep: int = 1, etp: int | None = None) -> dict[str, GroupLink]:
     """GroupLink of every LINK_GROUPS group for one shape (cached: the search asks many times).
 
     With cp = 1 the dp_cp group is the dp group (same link) and the cp ring is never priced, so
     neither costs a rank-map look-up; likewise ep = 1 (edp is dp_cp, no all-to-all)."""
-    layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, order=order)
+    layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, order=order)
     links = {name: group_link(layout, name, tiers, gpus_per_node) for name in GROUPS}
     reduce_group = "dp_cp" if cp > 1 else "dp"
     links["dp_nic"] = group_link(layout, reduce_group, tiers, gpus_per_node, single_rail=True)
     links["cp"] = group_link(layout, "cp", tiers, gpus_per_node) if cp > 1 else links["tp"]
     links["dp_cp"] = group_link(layout, "dp_cp", tiers, gpus_per_node) if cp > 1 else links["dp"]
     links["ep"] = group_link(layout, "ep", tiers, gpus_per_node, single_rail=True) if ep > 1 else links["tp"]
-    links["edp"] = group_link(layout, "edp", tiers, gpus_per_node) if ep > 1 else links["dp_cp"]
+    links["edp"] = group_link(layout, "edp", tiers, gpus_per_node) if ep > 1 or layout.etp else links["dp_cp"]
+    links["etp"] = group_link(layout, "etp", tiers, gpus_per_node) if layout.etp else links["tp"]
     return links
 
 

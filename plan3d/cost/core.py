@@ -91,16 +91,21 @@ def stage_micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_ran
 
 
 def _expert_tp_gather_s(ctx: CostContext, la: LayoutArrays, links: Links, full):
-    """Seconds per micro-batch of one MoE layer's expert-tensor-parallel token exchange beyond the
-    dense MLP's: with tp > 1 (expert tp = tp) Megatron-Core's MoEAlltoAllTokenDispatcher
-    all-gathers the tokens a rank received over the tp group before the experts and
-    reduce-scatters their outputs after (`gather_from_sequence_parallel_region` /
-    `reduce_scatter_to_sequence_parallel_region` on the routed tokens), top_k * load times the
-    tokens the dense layer's sequence-parallel exchange moves, which `tp_pair` already charges
-    once. Forward, backward and a full recompute's forward each pay it."""
-    extra_tokens = np.maximum(memory.routed_tokens(ctx, la) - la.mb_share * ctx.seq, 0.0)
-    one = _tp_exchange_s(la, links, extra_tokens * ctx.hidden * ctx.act_bytes)
-    return np.where(la.tp > 1, np.where(full, 3, 2) * one, 0.0)
+    """Seconds per micro-batch of one MoE layer's expert-tensor-parallel token exchange, net of the
+    dense MLP's sequence-parallel exchange that `tp_pair` charges every layer.
+
+    Megatron-Core's MoEAlltoAllTokenDispatcher, after the dispatch all-to-all, all-gathers the
+    token copies over the experts' tensor-parallel group (etp, tp by default) and reduce-scatters
+    the experts' outputs before the combine (`gather_from_sequence_parallel_region` /
+    `reduce_scatter_to_sequence_parallel_region` on the routed tokens): the gathered tensor holds
+    the R * etp / tp token copies of the etp group, R h * bytes at etp = tp, nothing at etp = 1.
+    An MoE layer has no dense MLP, so the MLP half of `tp_pair` (s B h over tp, with its overlap)
+    is taken back. Forward, backward and a full recompute's forward each pay it."""
+    gathered = memory.routed_tokens(ctx, la) * la.expert_tp / la.tp * ctx.hidden * ctx.act_bytes
+    expert = (_collective_s(links, "etp", "all_gather", gathered, la.expert_tp)
+              + _collective_s(links, "etp", "reduce_scatter", gathered, la.expert_tp))
+    dense_mlp = _tp_exchange_s(la, links, la.mb_share * ctx.seq * ctx.hidden * ctx.act_bytes) * (1 - ctx.tp_overlap_fraction)
+    return np.where(la.tp > 1, np.where(full, 3, 2) * (expert - dense_mlp), 0.0)
 
 
 def _layer_passes(ctx: CostContext, la: LayoutArrays, layer_fwd, tp_pair, attention_fwd) -> dict:

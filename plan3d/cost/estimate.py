@@ -66,10 +66,11 @@ def estimate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, lay
     ctx = make_context(cluster, model, training, engine)
     tiers = tuple(cluster.tiers())
     links = layout_links(layout.tp, layout.pp, layout.dp, layout.order, tiers, cluster.gpus_per_node, layout.cp,
-                         layout.ep)
+                         layout.ep, layout.etp)
     la = layout_arrays(training.global_batch, [layout.tp], [layout.pp], [layout.dp], [layout.micro_batch],
                        [layout.vpp], [layout.zero], [RECOMPUTE_CODES[layout.recompute]],
-                       [float(layout.sequence_parallel)], [layout.cp], [layout.ep])
+                       [float(layout.sequence_parallel)], [layout.cp], [layout.ep],
+                       None if layout.etp is None else [layout.etp])
     link_arrays = Links.from_rows(np.array([link_row(links)], dtype=np.float64))
     counts = [rank_layer_counts(model, layout, r) for r in range(layout.pp)]
     layers = np.array([c[0] for c in counts], dtype=np.float64)[:, None]
@@ -87,7 +88,8 @@ def _tiers(links: dict, layout: Layout) -> dict:
     """The tier each group spans: tp, pp, dp; with context parallelism also cp (its ring) and
     dp_cp (the group gradients are reduced over); with expert parallelism ep (the all-to-all) and
     edp (the experts' gradients)."""
-    shown = GROUPS + (("cp", "dp_cp") if layout.cp > 1 else ()) + (("ep", "edp") if layout.ep > 1 else ())
+    shown = (GROUPS + (("cp", "dp_cp") if layout.cp > 1 else ()) + (("ep", "edp") if layout.ep > 1 else ())
+             + (("etp",) if layout.etp is not None else ()))
     return {k: links[k].tier for k in shown}
 
 

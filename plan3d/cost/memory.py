@@ -47,9 +47,9 @@ def moe_layer_params_replicated(ctx: CostContext) -> int:
 
 def expert_rank_params(ctx: CostContext, tp, ep):
     """Parameters of the routed experts ONE rank holds per MoE layer: experts / ep local experts,
-    each FFN split by tp (expert tensor parallelism = tp: up/gate column-parallel with their
-    biases, down row-parallel with its bias replicated; Megatron-Core's default
-    --expert-tensor-parallel-size = tp)."""
+    each FFN split by `tp`, the experts' tensor-parallel degree (etp, by default the layout's tp:
+    up/gate column-parallel with their biases, down row-parallel with its bias replicated;
+    Megatron-Core --expert-tensor-parallel-size, default tp)."""
     return ctx.experts / ep * (ctx.expert_split / tp + ctx.expert_replicated)
 
 
@@ -86,13 +86,14 @@ def model_states(ctx: CostContext, params, dp, zero, expert_params=0.0, edp=1.0)
 
 def model_state_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, pp_rank: int) -> dict:
     """Exact bytes of weights, gradients and optimizer states ONE rank of stage `pp_rank` holds
-    (the shared accounting contract: dense part over dp*cp, routed experts over dp*cp/ep)."""
+    (the shared accounting contract: dense part over dp*cp, routed experts over the expert-data-parallel
+    ranks, dp*cp/ep, or tp*cp*dp/(ep*etp) with an expert tp of its own)."""
     ctx = make_context(None, model, training)
     layers, moe = rank_layer_counts(model, layout, pp_rank)
     params = stage_params(ctx, float(layout.tp), float(layout.pp), float(pp_rank), float(layers), float(moe))
-    experts = moe * expert_rank_params(ctx, float(layout.tp), float(layout.ep))
+    experts = moe * expert_rank_params(ctx, float(layout.expert_tp), float(layout.ep))
     dp_cp = float(layout.dp * layout.cp)
-    states = model_states(ctx, params, dp_cp, float(layout.zero), experts, dp_cp / layout.ep)
+    states = model_states(ctx, params, dp_cp, float(layout.zero), experts, float(layout.expert_dp))
     return {k: float(v) for k, v in states.items()}
 
 
@@ -151,7 +152,7 @@ def fp8_weight_cache_bytes(ctx: CostContext, la: LayoutArrays, layers_on_rank, m
     if not ctx.fp8:
         return 0.0 * la.tp
     dense = layer_params_split(ctx) / la.tp
-    moe = moe_layer_params_split(ctx) / la.tp + expert_rank_params(ctx, la.tp, la.ep) if ctx.moe_layers else dense
+    moe = moe_layer_params_split(ctx) / la.tp + expert_rank_params(ctx, la.expert_tp, la.ep) if ctx.moe_layers else dense
     held = (layers_on_rank - moe_on_rank) * dense + moe_on_rank * moe
     gathered = 2 * np.maximum(dense, moe)
     return FP8_WEIGHT_CACHE_BYTES * np.where(la.zero >= 3, np.minimum(held, gathered), held)
@@ -179,7 +180,7 @@ def moe_layer_activation_bytes(ctx: CostContext, la: LayoutArrays):
     shared = 2 * sb * ctx.shared_ffn * ctx.mlp_mats / la.tp
     routed = routed_tokens(ctx, la)
     experts = 2 * routed * ctx.expert_ffn * ctx.mlp_mats / la.tp
-    dispatch = 2 * routed * ctx.hidden + 2 * sb * ctx.experts / la.sp_div  # elements
+    dispatch = 2 * routed * la.expert_tp / la.tp * ctx.hidden + 2 * sb * ctx.experts / la.sp_div  # elements
     return ((replicated + attention + shared + experts) * ctx.act_bytes / 2 + dispatch * ctx.act_bytes
             + cp_saved_kv_bytes(ctx, la))
 
@@ -223,7 +224,7 @@ def buffer_bytes(ctx: CostContext, la: LayoutArrays):
     layer_full = (layer_params_split(ctx) / la.tp + layer_params_replicated(ctx)) * ctx.weight_bytes
     if ctx.moe_layers:
         moe_full = (moe_layer_params_split(ctx) / la.tp + moe_layer_params_replicated(ctx)
-                    + expert_rank_params(ctx, la.tp, la.ep)) * ctx.weight_bytes
+                    + expert_rank_params(ctx, la.expert_tp, la.ep)) * ctx.weight_bytes
         layer_full = np.maximum(layer_full, moe_full)
         p2p = p2p + np.where(la.ep > 1, ep_a2a_buffer_bytes(ctx, la), 0.0)
     return (p2p + sp_gather + np.where(la.zero >= 3, 2 * layer_full, 0.0)
@@ -278,7 +279,7 @@ def stage_memory(ctx: CostContext, la: LayoutArrays, pp_rank, layers_on_rank, mo
     layers of which `moe_on_rank` are MoE layers, and their total; `params` is the dense part,
     `expert_params` the routed experts' (ZeRO-sharded over dp*cp and dp*cp/ep respectively)."""
     params = stage_params(ctx, la.tp, la.pp, pp_rank, layers_on_rank, moe_on_rank)
-    experts = moe_on_rank * expert_rank_params(ctx, la.tp, la.ep) if ctx.moe_layers else 0.0 * params
+    experts = moe_on_rank * expert_rank_params(ctx, la.expert_tp, la.ep) if ctx.moe_layers else 0.0 * params
     out = model_states(ctx, params, la.grad_ranks, la.zero, experts, la.expert_grad_ranks)
     out["activations"] = stage_activation_bytes(ctx, la, pp_rank, layers_on_rank, moe_on_rank)
     out["buffers"] = buffer_bytes(ctx, la) + fp8_weight_cache_bytes(ctx, la, layers_on_rank, moe_on_rank) + 0.0 * pp_rank

@@ -31,7 +31,7 @@ and the engines tier (tests/engines/test_megatron_engine.py) feeds the output to
   its first stage holds the embedding `E`, its last the loss `L`); `--use-tp-pp-dp-mapping` for
   rank order tp-cp-ep-pp-dp.
 - Model: `--rotary-base` from the model spec's rope_theta (Megatron's default 10000 otherwise).
-- Experts (`--num-experts`, ..., `--expert-model-parallel-size`, `--expert-tensor-parallel-size` = tp)
+- Experts (`--num-experts`, ..., `--expert-model-parallel-size`, `--expert-tensor-parallel-size` = etp, by default tp)
   and multi-latent attention: plan3d/emit/megatron_moe.py, which also names what Megatron refuses
   for MoE layouts (ep not dividing the experts, tp > 1 without sequence parallelism, expert biases
   with tp > 1, the pp-dp order with pp > 1 and ep != cp).

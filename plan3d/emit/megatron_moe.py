@@ -26,7 +26,8 @@ What a plan's MoE spec becomes:
   needs a capacity factor for the padding and an aux-loss balancing type for the factor); none: dropless;
 - `--moe-grouped-gemm` (validate_args asserts compute capability >= 8; left off before Ampere, with a
   note) and `--moe-token-dispatcher-type alltoall`;
-- `--expert-tensor-parallel-size` = tp: plan3d's accounting splits each expert like the dense MLP.
+- `--expert-tensor-parallel-size`: the layout's etp (MoE Parallel Folding), by default tp, each expert
+  split like the dense MLP.
 
 MLA: `--multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim (no-position part)
 --qk-pos-emb-head-dim (RoPE part) --v-head-dim`, and `--rope-type rope` (MLATransformerConfig
@@ -93,7 +94,7 @@ def moe_args(plan: Plan, gpu_arch: int) -> list[str]:
             "--moe-ffn-hidden-size", str(moe.expert_ffn_hidden or plan.model.ffn_hidden_),
             "--moe-layer-freq", moe_layer_freq(plan.model),
             "--moe-token-dispatcher-type", "alltoall",
-            "--expert-tensor-parallel-size", str(plan.layout.tp)]
+            "--expert-tensor-parallel-size", str(plan.layout.expert_tp)]
     if gpu_arch >= GROUPED_GEMM_MIN_ARCH:
         args.append("--moe-grouped-gemm")
     return args + _shared_expert_args(plan.model) + _router_args(plan.model) + _capacity_args(plan.model)

@@ -75,6 +75,8 @@ class CanRun(SpecModel):
                                                 "any ep and cp; false: only ep = cp there, dense models "
                                                 "included (Megatron-Core initialize_model_parallel asserts "
                                                 "that the expert data-parallel size dp*cp/ep equals dp).")
+    expert_tensor_parallel: bool = Field(False, description="An expert tensor-parallel degree other than tp "
+                                         "(etp: MoE Parallel Folding, Megatron-Core --expert-tensor-parallel-size).")
     moe_bias_with_tp: bool = Field(True, description="An MoE model whose experts carry biases with tp > 1 "
                                    "(Megatron-Core 0.19: expert biases need expert tensor parallel 1; false).")
 
@@ -249,6 +251,8 @@ class EngineSpec(SpecModel):
             out.append(f"{name} has no context parallelism in plan3d's model: use cp=1")
         if getattr(layout, "ep", 1) > 1 and not can.expert_parallel:
             out.append(f"{name} has no expert parallelism: use ep=1")
+        if getattr(layout, "etp", None) is not None and not can.expert_tensor_parallel:
+            out.append(f"{name} splits experts over tp only: drop etp (expert tensor parallel = tp)")
         out += self._expert_parallel_problems(layout)
         moe = model is not None and model.moe is not None
         if moe and model.bias and layout.tp > 1 and not can.moe_bias_with_tp:
@@ -267,8 +271,11 @@ class EngineSpec(SpecModel):
         can, name, ep = self.can_run, self.name, getattr(layout, "ep", 1)
         dp_last = layout.order.endswith("-dp") and layout.pp > 1
         out = []
-        if dp_last and not can.expert_parallel_dp_last_order and ep != layout.cp:
-            out.append(f"{name} runs the order {layout.order} with pp > 1 only with ep = cp ({layout.cp}); "
+        etp = getattr(layout, "etp", None)
+        expert_dp = layout.tp * layout.cp * layout.dp // (ep * (etp or layout.tp))
+        if dp_last and not can.expert_parallel_dp_last_order and expert_dp != layout.dp:
+            needs = f"ep = cp ({layout.cp})" if etp is None else f"an expert-data-parallel size equal to dp ({layout.dp})"
+            out.append(f"{name} runs the order {layout.order} with pp > 1 only with {needs}; "
                        f"use the order {DEFAULT_ORDER}")
         if ep == 1 or not can.expert_parallel:
             return out

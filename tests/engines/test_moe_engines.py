@@ -88,6 +88,12 @@ MOE_CASES = [
     MoECase("deepseek-ep8-dp16-full", "deepseek", 2, dict(dp=16, ep=8, zero=1, recompute="full")),
     MoECase("qwen2moe-tp2-ep2-dp4-gate", "qwen2moe", 1, dict(tp=2, dp=4, ep=2, zero=1, sequence_parallel=True)),
     MoECase("gpt-moe-ep4-dp8-bias", "gpt-moe", 1, dict(dp=8, ep=4, zero=1)),
+    # MoE Parallel Folding: the experts' own tensor-parallel degree, ep folded over tp x cp x dp
+    MoECase("mixtral-tp2-ep8-etp1-dp4", "mixtral", 1, dict(tp=2, dp=4, ep=8, etp=1, zero=1, sequence_parallel=True)),
+    MoECase("mixtral-tp4-pp2-ep4-etp2-dp2", "mixtral", 2, dict(tp=4, pp=2, dp=2, ep=4, etp=2, zero=1,
+                                                              sequence_parallel=True)),
+    MoECase("mixtral-tp2-cp2-ep8-etp1-dp2", "mixtral", 1, dict(tp=2, cp=2, dp=2, ep=8, etp=1, zero=1,
+                                                              sequence_parallel=True), seq_len=8192),
     # refused by plan3d (REFUSALS says how Megatron's own code refuses them)
     MoECase("mixtral-ep16-over-8-experts", "mixtral", 2, dict(dp=16, ep=16, zero=1)),
     MoECase("mixtral-tp2-no-sp", "mixtral", 1, dict(tp=2, dp=4, ep=2, zero=1)),
@@ -162,7 +168,8 @@ def initialize_from_args(parallel_state, args) -> None:
 
 def plan_groups(plan: Plan) -> dict[str, set[tuple[int, ...]]]:
     groups = {name: {tuple(g) for g in plan.rankmap.groups[name]} for name in ("tp", "pp", "dp", "cp", "ep", "edp")}
-    return groups | {"etp": groups["tp"]}  # plan3d's contract: expert tensor parallel = tp
+    etp = plan.rankmap.groups.get("etp")  # its own groups with an etp other than tp, else tp's
+    return groups | {"etp": {tuple(g) for g in etp} if etp else groups["tp"]}
 
 
 def megatron_moe_layers(config) -> list[bool]:
@@ -179,7 +186,7 @@ def assert_moe_values(args, config, plan: Plan) -> None:
     model, layout, moe = plan.model, plan.layout, plan.model.moe
     assert (config.num_moe_experts, config.moe_router_topk) == (moe.experts, moe.top_k)
     assert config.moe_ffn_hidden_size == (moe.expert_ffn_hidden or model.ffn_hidden_)
-    assert (config.expert_model_parallel_size, config.expert_tensor_parallel_size) == (layout.ep, layout.tp)
+    assert (config.expert_model_parallel_size, config.expert_tensor_parallel_size) == (layout.ep, layout.expert_tp)
     assert megatron_moe_layers(config) == [model.is_moe_layer(i) for i in range(model.layers)]
     assert config.moe_shared_expert_intermediate_size == (moe.shared_ffn_hidden or None)
     assert config.moe_shared_expert_gate == moe.shared_expert_gate

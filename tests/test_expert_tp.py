@@ -1,0 +1,139 @@
+"""Expert tensor parallelism other than tp (MoE Parallel Folding, Liu et al. 2025, arXiv
+2504.14960; Megatron-Core --expert-tensor-parallel-size): the layout field `etp`, its rules, the
+expert groups, the memory and time it changes, the engines that run it.
+(tests/engines/test_moe_engines.py checks the groups against Megatron's initialize_model_parallel.)"""
+from __future__ import annotations
+
+import pytest
+
+from cli_helpers import run_cli
+from plan3d.cost.context import MOE_IMBALANCE
+from plan3d.cost.estimate import estimate
+from plan3d.cost.memory import model_state_bytes
+from plan3d.emit.megatron import emit_megatron
+from plan3d.errors import InfeasibleError, LayoutError
+from plan3d.launch import runtime_problems
+from plan3d.layout import Layout, layout_problems
+from plan3d.plan import build_plan
+from plan3d.rankmap import rankmap_for
+from plan3d.specs.catalog import load_cluster, load_engine, load_model
+from plan3d.specs.training import TrainingSpec
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    return load_model("mixtral-8x7b")
+
+
+def test_etp_equal_to_tp_is_the_default_layout():
+    assert Layout(tp=2, dp=4, ep=2, etp=2) == Layout(tp=2, dp=4, ep=2)
+    folded = Layout(tp=2, dp=4, ep=8, etp=1)
+    assert (folded.expert_tp, folded.expert_dp) == (1, 1)
+    assert "ep8 etp1" in folded.short()
+
+
+def test_ep_folds_over_tp_cp_dp_with_etp():
+    with pytest.raises(ValueError, match="ep=8 must divide dp\\*cp=4"):
+        Layout(tp=2, dp=4, ep=8)
+    with pytest.raises(ValueError, match="ep\\*etp=16 must divide tp\\*cp\\*dp=8"):
+        Layout(tp=4, dp=2, ep=8, etp=2)
+    with pytest.raises(ValueError, match="ep=8 must divide dp\\*cp=4"):  # etp = tp: the default rule
+        Layout(tp=2, dp=4, ep=8, etp=2)
+
+
+def test_etp_rules_speak(mixtral):
+    training = TrainingSpec(global_batch=64)
+    assert layout_problems(Layout(tp=2, dp=4, ep=8, etp=1), mixtral, training, 8) == []
+    dense = layout_problems(Layout(tp=2, dp=4, ep=8, etp=1), load_model("llama3-8b"), training, 8)
+    assert "etp=1 needs a mixture-of-experts model; llama3-8b is dense: drop etp" in dense
+    odd = mixtral.model_copy(update={"moe": mixtral.moe.model_copy(update={"expert_ffn_hidden": 14337})})
+    problems = layout_problems(Layout(tp=4, dp=2, ep=4, etp=2), odd, training, 8)
+    assert any(p.startswith("etp=2 does not divide the expert FFN width 14337") for p in problems), problems
+
+
+def test_expert_groups_are_megatrons_generator_with_etp():
+    """Megatron's expert RankGenerator, order tp-ep-dp-pp with tp = etp: 8 ranks of tp2 dp4."""
+    folded = rankmap_for(Layout(tp=2, dp=4, ep=8, etp=1), 8)
+    assert folded.groups("ep") == [list(range(8))]
+    assert folded.groups("etp") == [[r] for r in range(8)] and folded.groups("edp") == [[r] for r in range(8)]
+    half = rankmap_for(Layout(tp=4, dp=2, ep=2, etp=2), 8)
+    assert half.groups("etp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert half.groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert half.groups("edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert "etp" not in rankmap_for(Layout(tp=2, dp=4, ep=2), 8).group_names
+
+
+def test_experts_split_by_etp_and_sharded_over_the_expert_data_parallel_ranks(mixtral):
+    """Mixtral 8x7B at tp 2 dp 4 ZeRO-1: ep 8 etp 1 holds one whole expert per layer (3 h f
+    parameters), ep 4 etp 2 two halves; Adam states of the experts over edp = tp*dp/(ep*etp)."""
+    training = TrainingSpec(global_batch=64)
+    h, f, layers = mixtral.hidden, mixtral.moe.expert_ffn_hidden or mixtral.ffn_hidden_, mixtral.layers
+    one_expert = 3 * h * f * layers
+    default = model_state_bytes(mixtral, training, Layout(tp=2, dp=4, ep=4, zero=1), 0)
+    folded = model_state_bytes(mixtral, training, Layout(tp=2, dp=4, ep=8, etp=1, zero=1), 0)
+    assert folded["weights"] - default["weights"] == pytest.approx(2 * (one_expert - 2 * one_expert / 2))  # equal
+    assert folded["optimizer"] - default["optimizer"] == pytest.approx(12 * (one_expert / 1 - one_expert / 1))
+    quarter = model_state_bytes(mixtral, training, Layout(tp=4, dp=2, ep=2, etp=2, zero=1), 0)
+    plain = model_state_bytes(mixtral, training, Layout(tp=4, dp=2, ep=2, zero=1), 0)
+    experts_per_rank = 8 / 2 * 3 * h * f * layers
+    assert quarter["weights"] - plain["weights"] == pytest.approx(2 * (experts_per_rank / 2 - experts_per_rank / 4))
+    # ZeRO-1: expert states over edp = 8 / (2 * 2) = 2 ranks (etp 2) against 8 / (2 * 4) = 1 (etp = tp 4)
+    assert quarter["optimizer"] - plain["optimizer"] == pytest.approx(12 * (experts_per_rank / 2 / 2 - experts_per_rank / 4))
+
+
+def test_folding_keeps_the_all_to_all_inside_the_node_and_drops_the_token_gather(mixtral):
+    """tp 2 x dp 8 on 2 nodes: ep 8 over dp alone (etp = tp) spans both nodes; folded over tp x dp
+    (etp 1) the ep group is 8 consecutive ranks, one node, and no expert-TP token gather runs."""
+    cluster, training = load_cluster("dgx-h100", 2), TrainingSpec(global_batch=64)
+    engine = load_engine("megatron-core")
+    base = dict(tp=2, dp=8, zero=1, sequence_parallel=True)
+    plain = estimate(cluster, mixtral, training, Layout(ep=8, **base), engine)
+    folded = estimate(cluster, mixtral, training, Layout(ep=8, etp=1, **base), engine)
+    assert plain.tiers["ep"] == "ib-ndr" and folded.tiers["ep"] == "nvlink4"
+    assert folded.time_s["ep_comm"] < plain.time_s["ep_comm"]
+    assert folded.time_s["tp_comm"] < plain.time_s["tp_comm"]
+    assert folded.tiers["etp"] == "nvlink4"
+    assert MOE_IMBALANCE > 1  # the routed copies the gather moves exceed the tokens
+
+
+def test_only_megatron_core_runs_etp(mixtral):
+    layout = Layout(tp=2, dp=4, ep=8, etp=1, zero=3, sequence_parallel=True)
+    assert load_engine("megatron-core").layout_problems(layout, mixtral) == []
+    for name in ("torchtitan", "deepspeed-0.19", "plan3d-runtime"):
+        problems = load_engine(name).layout_problems(layout, mixtral)
+        assert f"{name} splits experts over tp only: drop etp (expert tensor parallel = tp)" in problems
+
+
+def test_emit_and_launch(mixtral):
+    cluster, training = load_cluster("dgx-h100", 1), TrainingSpec(global_batch=64)
+    plan = build_plan(cluster, mixtral, training, Layout(tp=2, dp=4, ep=8, etp=1, zero=1, sequence_parallel=True))
+    assert "--expert-tensor-parallel-size 1" in emit_megatron(plan).text
+    assert "the bundled runtime splits experts over tp: drop etp=1" in runtime_problems(plan)
+    from plan3d.emit.torchtitan import emit_torchtitan
+
+    with pytest.raises(InfeasibleError, match="splits experts over tp only"):
+        emit_torchtitan(plan.model_copy(update={"layout": plan.layout.model_copy(update={"zero": 3})}))
+
+
+def test_estimate_and_rankmap_flags(capsys):
+    code, out, err = run_cli(capsys, "estimate", "-c", "dgx-h100", "-m", "mixtral-8x7b", "--nodes", "1", "--tp", "2",
+                             "--dp", "4", "--ep", "8", "--etp", "1", "--zero", "1", "--sequence-parallel", "--json")
+    assert code == 0, err
+    import json
+
+    assert json.loads(out)["tiers"]["etp"] == "nvlink4"
+    code, out, err = run_cli(capsys, "rankmap", "-c", "dgx-h100", "--nodes", "1", "--tp", "2", "--dp", "4", "--ep", "8",
+                             "--etp", "1", "--format", "json")
+    assert code == 0, err
+    assert json.loads(out)["groups"]["ep"] == [list(range(8))]
+    code, out, err = run_cli(capsys, "estimate", "-c", "dgx-h100", "-m", "mixtral-8x7b", "--nodes", "1", "--tp", "4",
+                             "--dp", "2", "--ep", "8", "--etp", "2")
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == ["error: ep*etp=16 must divide tp*cp*dp=8"]
+
+
+def test_a_bad_etp_is_a_layout_error():
+    from plan3d.cli.common import make_layout
+
+    with pytest.raises(LayoutError, match="etp"):
+        make_layout(tp=2, dp=4, ep=8, etp=0)

@@ -295,8 +295,10 @@ def _etp_without_experts(x: RuleFacts) -> str:
 
 
 def _etp_not_dividing_ffn(x: RuleFacts) -> str:
+    ranks = x.tp * x.cp * x.dp
+    valid = [e for e in divisors(x.expert_ffn) if ranks % (x.ep * e) == 0]
     return (f"etp={x.etp} does not divide the expert FFN width {x.expert_ffn} (each expert's FFN is split over "
-            f"etp ranks); valid etp: {_fmt(divisors(x.expert_ffn))}")
+            f"etp ranks); valid etp at ep={x.ep}: {_fmt(valid)}")
 
 
 # Context parallelism (Megatron-Core, megatron/training/arguments.py: seq_length % (2 * cp) == 0)
@@ -343,7 +345,7 @@ LAYOUT_RULES = (
     LayoutRule(None, "expert-tp", "etp without a mixture-of-experts model",
                lambda x: (x.etp != x.tp) & (x.experts == 0), _etp_without_experts),
     LayoutRule(None, "expert-tp", "etp does not divide the expert FFN",
-               lambda x: (x.experts > 0) & (x.expert_ffn % x.etp != 0), _etp_not_dividing_ffn),
+               lambda x: (x.experts > 0) & (x.etp != x.tp) & (x.expert_ffn % x.etp != 0), _etp_not_dividing_ffn),
 )
 SEARCHED_RULES = tuple(rule for rule in LAYOUT_RULES if rule.code is not None)  # what the search's grid can break
 

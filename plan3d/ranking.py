@@ -333,7 +333,7 @@ def _recommend_instead(report: CheckReport, cluster, model, training, min_mfu, m
     if result.feasible_count:
         best = int(order[0])
         lay = result.layout(best)
-        report.recommended = {"layout": lay.model_dump(mode="json", exclude={"pp_layers", "cp"} | _unit_ep(lay)),
+        report.recommended = {"layout": lay.model_dump(mode="json", exclude={"pp_layers", "cp", "etp"} | _unit_ep(lay)),
                               "tokens_per_s": float(result.metrics["tokens_per_s"][best]),
                               "mfu": float(result.metrics["mfu"][best])}
         knobs = ", ".join(f"{k}: {json.dumps(v)}" for k, v in report.recommended["layout"].items())

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from cli_helpers import run_cli
-from plan3d.cost.context import MOE_IMBALANCE
 from plan3d.cost.estimate import estimate
 from plan3d.cost.memory import model_state_bytes
 from plan3d.emit.megatron import emit_megatron
@@ -93,7 +92,61 @@ def test_folding_keeps_the_all_to_all_inside_the_node_and_drops_the_token_gather
     assert folded.time_s["ep_comm"] < plain.time_s["ep_comm"]
     assert folded.time_s["tp_comm"] < plain.time_s["tp_comm"]
     assert folded.tiers["etp"] == "nvlink4"
-    assert MOE_IMBALANCE > 1  # the routed copies the gather moves exceed the tokens
+
+
+def test_an_expert_tp_above_tp_gathers_tokens_even_at_tp_1(mixtral):
+    cluster, training = load_cluster("dgx-h100", 1), TrainingSpec(global_batch=64)
+    engine = load_engine("megatron-core")
+    plain = estimate(cluster, mixtral, training, Layout(dp=8, ep=2, zero=1), engine)
+    wider = estimate(cluster, mixtral, training, Layout(dp=8, ep=2, etp=4, zero=1), engine)
+    assert plain.time_s["tp_comm"] == 0 and wider.time_s["tp_comm"] > 0
+
+
+def test_shared_experts_keep_the_dense_mlp_exchange(mixtral):
+    """Megatron's SharedExpertMLP is a tensor-parallel MLP: an MoE layer with shared experts pays
+    the MLP's sequence-parallel exchange as well as the routed tokens' gather."""
+    from plan3d.cost.context import make_context
+    from plan3d.cost.arrays import layout_arrays
+    from plan3d.cost.comm import layout_links
+    from plan3d.cost.core import Links, _expert_tp_gather_s, link_row
+
+    import numpy as np
+
+    cluster, training = load_cluster("dgx-h100", 1), TrainingSpec(global_batch=64)
+    shared = mixtral.model_copy(update={"moe": mixtral.moe.model_copy(update={"shared_ffn_hidden": 4096})})
+    links = Links.from_rows(np.array([link_row(layout_links(4, 1, 2, "tp-cp-ep-dp-pp", tuple(cluster.tiers()), 8, 1, 2))]))
+    la = layout_arrays(64, [4], [1], [2], [1], [1], [1], [0], [1.0], [1], [2])
+    engine = load_engine("megatron-core")
+    without = _expert_tp_gather_s(make_context(cluster, mixtral, training, engine), la, links, np.array([False]))[0]
+    with_shared = _expert_tp_gather_s(make_context(cluster, shared, training, engine), la, links, np.array([False]))[0]
+    tokens = mixtral.seq_len * mixtral.hidden * 2
+    bw, latency = links.of("tp", "all_gather")
+    mlp_half = (comm_pair(tokens, 4, bw[0], latency[0], links)) * (1 - engine.runs_as.tp_overlap_fraction)
+    assert with_shared - without == pytest.approx(2 * mlp_half, rel=1e-9)
+
+
+def comm_pair(size, n, bw, latency, links):
+    """All-gather + reduce-scatter of `size` over n ranks on the tp link (sequence parallelism)."""
+    from plan3d.cost import comm
+
+    rs_bw, rs_latency = (x[0] for x in links.of("tp", "reduce_scatter"))
+    return comm.all_gather_s(size, n, bw, latency) + comm.reduce_scatter_s(size, n, rs_bw, rs_latency)
+
+
+def test_expert_biases_need_an_expert_tp_of_1(mixtral):
+    biased = mixtral.model_copy(update={"bias": True})
+    engine = load_engine("megatron-core")
+    assert engine.layout_problems(Layout(tp=2, dp=4, ep=8, etp=1, sequence_parallel=True), biased) == []
+    assert ("megatron-core runs experts with biases only without tensor parallelism (expert tensor parallel 1): "
+            "set etp=1 or a model without biases") in engine.layout_problems(Layout(dp=8, ep=2, etp=4), biased)
+
+
+def test_the_pp_dp_order_needs_expert_dp_equal_to_dp_in_engine_and_emitter(mixtral):
+    cluster, training = load_cluster("dgx-h100", 1), TrainingSpec(global_batch=64)
+    layout = Layout(tp=2, pp=2, dp=2, ep=2, etp=1, zero=1, sequence_parallel=True, order="tp-cp-ep-pp-dp")
+    assert layout.expert_dp == layout.dp == 2
+    assert load_engine("megatron-core").layout_problems(layout, mixtral) == []
+    assert "--expert-tensor-parallel-size 1" in emit_megatron(build_plan(cluster, mixtral, training, layout)).text
 
 
 def test_only_megatron_core_runs_etp(mixtral):
@@ -113,6 +166,20 @@ def test_emit_and_launch(mixtral):
 
     with pytest.raises(InfeasibleError, match="splits experts over tp only"):
         emit_torchtitan(plan.model_copy(update={"layout": plan.layout.model_copy(update={"zero": 3})}))
+
+
+def test_torchrun_and_slurm_scripts_refuse_what_the_runtime_cannot_train(tmp_path, mixtral, capsys):
+    from plan3d.plan import save_plan
+
+    cluster, training = load_cluster("dgx-h100", 1), TrainingSpec(global_batch=64)
+    path = tmp_path / "plan.json"
+    save_plan(build_plan(cluster, mixtral, training, Layout(tp=2, dp=4, ep=8, etp=1, zero=1, sequence_parallel=True)),
+              path)
+    for kind in ("torchrun", "slurm"):
+        code, out, err = run_cli(capsys, "emit", kind, str(path))
+        assert code == 1 and out == ""
+        assert err.strip().splitlines() == ["error: plan3d's runtime cannot train this plan: the bundled runtime "
+                                            "splits experts over tp: drop etp=1"]
 
 
 def test_estimate_and_rankmap_flags(capsys):

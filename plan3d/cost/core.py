@@ -99,13 +99,16 @@ def _expert_tp_gather_s(ctx: CostContext, la: LayoutArrays, links: Links, full):
     the experts' outputs before the combine (`gather_from_sequence_parallel_region` /
     `reduce_scatter_to_sequence_parallel_region` on the routed tokens): the gathered tensor holds
     the R * etp / tp token copies of the etp group, R h * bytes at etp = tp, nothing at etp = 1.
-    An MoE layer has no dense MLP, so the MLP half of `tp_pair` (s B h over tp, with its overlap)
-    is taken back. Forward, backward and a full recompute's forward each pay it."""
+    An MoE layer without shared experts has no dense MLP, so the MLP half of `tp_pair` (s B h over
+    tp, with its overlap) is taken back; shared experts are a tensor-parallel MLP (Megatron-Core
+    SharedExpertMLP on the tp group) and keep it. Forward, backward and a full recompute's forward
+    each pay it."""
     gathered = memory.routed_tokens(ctx, la) * la.expert_tp / la.tp * ctx.hidden * ctx.act_bytes
     expert = (_collective_s(links, "etp", "all_gather", gathered, la.expert_tp)
               + _collective_s(links, "etp", "reduce_scatter", gathered, la.expert_tp))
     dense_mlp = _tp_exchange_s(la, links, la.mb_share * ctx.seq * ctx.hidden * ctx.act_bytes) * (1 - ctx.tp_overlap_fraction)
-    return np.where(la.tp > 1, np.where(full, 3, 2) * (expert - dense_mlp), 0.0)
+    net = expert - (0.0 if ctx.shared_ffn else dense_mlp)
+    return np.where((la.tp > 1) | (la.expert_tp > 1), np.where(full, 3, 2) * net, 0.0)
 
 
 def _layer_passes(ctx: CostContext, la: LayoutArrays, layer_fwd, tp_pair, attention_fwd) -> dict:

@@ -163,7 +163,8 @@ def routed_tokens(ctx: CostContext, la: LayoutArrays):
     average (each of the ep ranks of an expert-parallel group routes top_k * tokens copies, and a
     rank's experts / ep local experts get 1/ep of them), times the load of the busiest rank
     (`CostContext.moe_load`: the capacity factor, or the imbalance prior). With expert tensor
-    parallelism every tp rank of an expert computes all its tokens (on its share of the FFN)."""
+    parallelism etp = tp every tp rank of an expert computes all its tokens (on its share of the
+    FFN); with another etp a rank computes etp / tp of them (`LayoutArrays.expert_tp`)."""
     return ctx.top_k * ctx.seq * la.mb_share * ctx.moe_load
 
 

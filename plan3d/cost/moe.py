@@ -6,7 +6,8 @@ Megatron-Core MoELayer with MoEAlltoAllTokenDispatcher): the ep ranks of an expe
 (carved out of dp x cp) each hold experts / ep experts of every MoE layer; a rank's router picks
 top_k experts per token, the dispatch all-to-all sends each token copy to the rank holding its
 expert, the local experts run as a grouped GEMM, and the combine all-to-all brings the outputs
-back. Expert tensor parallelism equals tp (each expert's FFN split like the dense MLP).
+back. Expert tensor parallelism is tp (each expert's FFN split like the dense MLP) unless the
+layout sets its own etp (MoE Parallel Folding; `LayoutArrays.expert_tp`).
 """
 from __future__ import annotations
 

@@ -74,13 +74,13 @@ def moe_problems(plan: Plan) -> list[str]:
     if layout.tp > 1 and not layout.sequence_parallel:
         out.append("MoE layers with tp > 1 train only with sequence parallelism (MoELayer.forward raises "
                    "without it); set sequence_parallel")
-    if layout.tp > 1 and model.bias:
+    if layout.expert_tp > 1 and model.bias:
         out.append(f"MoE experts with biases need expert tensor parallel size 1 (TransformerConfig: 'Bias in Moe "
-                   f"is only supported when ETP==1'), and plan3d splits experts over tp={layout.tp}; use tp=1 or "
-                   "a model without biases")
-    if layout.order.endswith("dp") and layout.pp > 1 and layout.ep != layout.cp:
+                   f"is only supported when ETP==1'), and the plan splits experts over {layout.expert_tp} ranks; "
+                   "set etp=1 or use a model without biases")
+    if layout.order.endswith("dp") and layout.pp > 1 and layout.expert_dp != layout.dp:
         out.append(f"rank order tp-cp-ep-pp-dp with pp > 1 needs the MoE layers' data-parallel size "
-                   f"dp*cp/ep={layout.dp * layout.cp // layout.ep} to equal dp={layout.dp} "
+                   f"{layout.expert_dp} to equal dp={layout.dp} "
                    "(initialize_model_parallel asserts it); use the default order tp-cp-ep-dp-pp")
     return out
 

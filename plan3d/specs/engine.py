@@ -77,7 +77,7 @@ class CanRun(SpecModel):
                                                 "that the expert data-parallel size dp*cp/ep equals dp).")
     expert_tensor_parallel: bool = Field(False, description="An expert tensor-parallel degree other than tp "
                                          "(etp: MoE Parallel Folding, Megatron-Core --expert-tensor-parallel-size).")
-    moe_bias_with_tp: bool = Field(True, description="An MoE model whose experts carry biases with tp > 1 "
+    moe_bias_with_tp: bool = Field(True, description="An MoE model whose experts carry biases with an expert tp > 1 "
                                    "(Megatron-Core 0.19: expert biases need expert tensor parallel 1; false).")
 
     @field_validator("orders")
@@ -255,9 +255,11 @@ class EngineSpec(SpecModel):
             out.append(f"{name} splits experts over tp only: drop etp (expert tensor parallel = tp)")
         out += self._expert_parallel_problems(layout)
         moe = model is not None and model.moe is not None
-        if moe and model.bias and layout.tp > 1 and not can.moe_bias_with_tp:
+        expert_tp = getattr(layout, "etp", None) or layout.tp
+        if moe and model.bias and expert_tp > 1 and not can.moe_bias_with_tp:
+            fix = "set etp=1" if can.expert_tensor_parallel else "use tp=1"
             out.append(f"{name} runs experts with biases only without tensor parallelism (expert tensor "
-                       "parallel 1): use tp=1 or a model without biases")
+                       f"parallel 1): {fix} or a model without biases")
         if can.sequence_parallel_with_moe and moe and layout.tp > 1 and not layout.sequence_parallel:
             out.append(f"{name} runs a mixture-of-experts model with tp > 1 only with sequence parallelism: "
                        "set sequence_parallel")

@@ -168,20 +168,6 @@ def test_emit_and_launch(mixtral):
         emit_torchtitan(plan.model_copy(update={"layout": plan.layout.model_copy(update={"zero": 3})}))
 
 
-def test_torchrun_and_slurm_scripts_refuse_what_the_runtime_cannot_train(tmp_path, mixtral, capsys):
-    from plan3d.plan import save_plan
-
-    cluster, training = load_cluster("dgx-h100", 1), TrainingSpec(global_batch=64)
-    path = tmp_path / "plan.json"
-    save_plan(build_plan(cluster, mixtral, training, Layout(tp=2, dp=4, ep=8, etp=1, zero=1, sequence_parallel=True)),
-              path)
-    for kind in ("torchrun", "slurm"):
-        code, out, err = run_cli(capsys, "emit", kind, str(path))
-        assert code == 1 and out == ""
-        assert err.strip().splitlines() == ["error: plan3d's runtime cannot train this plan: the bundled runtime "
-                                            "splits experts over tp: drop etp=1"]
-
-
 def test_estimate_and_rankmap_flags(capsys):
     code, out, err = run_cli(capsys, "estimate", "-c", "dgx-h100", "-m", "mixtral-8x7b", "--nodes", "1", "--tp", "2",
                              "--dp", "4", "--ep", "8", "--etp", "1", "--zero", "1", "--sequence-parallel", "--json")

@@ -90,18 +90,6 @@ DataOpt = Annotated[Optional[str], typer.Option("--data", help="Token file the n
                                                 "python-docs); default: synthetic tokens.")]
 
 
-def _runtime_plan(loaded):
-    """The plan, if the bundled runtime the torchrun and SLURM scripts start can train it
-    (`launch.runtime_problems`); else the plan3d error, exit 1, naming what to change."""
-    from plan3d.errors import InfeasibleError
-    from plan3d.launch import runtime_problems
-
-    problems = runtime_problems(loaded)
-    if problems:
-        raise InfeasibleError("plan3d's runtime cannot train this plan: " + "; ".join(problems))
-    return loaded
-
-
 def _data_args(loaded, data: str | None) -> list[str]:
     """`--data` for the worker or launcher: checked when readable here, else noted (it lives on the nodes)."""
     from plan3d.launch import emitted_data
@@ -127,7 +115,7 @@ def emit_torchrun_cmd(plan: PlanArg, out: OutOpt = None, master_addr: MasterAddr
 
     check_run_flags(steps=steps, master_port=master_port, timeout_s=timeout_s, master_addr=master_addr)
     check_script_flags(run_dir=run_dir, plan=plan, data=data)
-    loaded = _runtime_plan(load_plan(plan))
+    loaded = load_plan(plan)
     world, gpn = loaded.layout.world_size, loaded.gpus_per_node
     nnodes = -(-world // min(world, gpn))
     args = worker_argv(Path(run_dir), steps, "auto", ["--timeout-s", timeout_s, *_data_args(loaded, data)])
@@ -159,7 +147,7 @@ def emit_slurm_cmd(
     check_run_flags(steps=steps, master_port=master_port, timeout_s=timeout_s)
     check_script_flags(job_name=job_name, time_limit=time_limit, partition=partition, cpus_per_task=cpus_per_task,
                        run_dir=run_dir, plan=plan, data=data)
-    loaded = _runtime_plan(load_plan(plan))
+    loaded = load_plan(plan)
     script = sbatch_script(loaded, plan, steps=steps, run_dir=run_dir, master_port=master_port,
                            job_name=job_name, time_limit=time_limit, partition=partition,
                            extra_args=["--timeout-s", str(timeout_s), *_data_args(loaded, data)],

@@ -70,10 +70,17 @@ class PhaseClock:
 
 def _read_plan(path: str):
     """The plan the launcher wrote (and checked with load_plan); no second digest check here, so
-    the ranks do not depend on the spec schema being byte-identical to the launcher's."""
+    the ranks do not depend on the spec schema being byte-identical to the launcher's. What the
+    runtime cannot train is refused here too (`launch.runtime_problems`): the torchrun and SLURM
+    scripts `plan3d emit` writes start the workers without `plan3d launch`."""
+    from plan3d.launch import runtime_problems
     from plan3d.plan import Plan
 
-    return Plan.model_validate_json(Path(path).read_text())
+    plan = Plan.model_validate_json(Path(path).read_text())
+    problems = runtime_problems(plan)
+    if problems:
+        raise LaunchError("; ".join(problems))
+    return plan
 
 
 class Runner:

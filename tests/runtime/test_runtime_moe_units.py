@@ -254,3 +254,24 @@ def test_expert_gradients_are_divided_by_the_batch_replicas_not_the_expert_repli
     assert torch.isclose(engine.grad_sq_sum(), engine.dense.grad_sq_sum() + engine.experts.grad_sq_sum())
     total = engine.state_bytes()
     assert total["weights"] == sum(p.numel() * 4 for p in stage.parameters())
+
+
+def test_a_worker_started_by_an_emitted_script_refuses_what_the_runtime_cannot_train(tmp_path):
+    """`plan3d emit torchrun/slurm` start the workers without `plan3d launch`: the worker's own
+    reading of plan.json refuses an expert tp other than tp, in the launcher's words."""
+    from plan3d.errors import LaunchError
+    from plan3d.layout import Layout
+    from plan3d.plan import build_plan, save_plan
+    from plan3d.runtime.train import _read_plan
+    from plan3d.specs.catalog import load_cluster, load_model
+    from plan3d.specs.training import TrainingSpec
+
+    model = load_model("mixtral-8x7b")
+    plan = build_plan(load_cluster("dgx-h100", 1), model, TrainingSpec(global_batch=64),
+                      Layout(tp=2, dp=4, ep=8, etp=1, zero=1, sequence_parallel=True))
+    path = tmp_path / "plan.json"
+    save_plan(plan, path)
+    with pytest.raises(LaunchError, match="^the bundled runtime splits experts over tp: drop etp=1$"):
+        _read_plan(str(path))
+    save_plan(make_plan(dp=2), tmp_path / "ok.json")
+    assert _read_plan(str(tmp_path / "ok.json")).layout.dp == 2

@@ -73,7 +73,7 @@ def _read_plan(path: str):
     the ranks do not depend on the spec schema being byte-identical to the launcher's. What the
     runtime cannot train is refused here too (`launch.runtime_problems`): the torchrun and SLURM
     scripts `plan3d emit` writes start the workers without `plan3d launch`."""
-    from plan3d.launch import runtime_problems
+    from plan3d.runtime_limits import runtime_problems
     from plan3d.plan import Plan
 
     plan = Plan.model_validate_json(Path(path).read_text())

@@ -137,10 +137,10 @@ class Plan(StrictModel):
 
     @property
     def cp_comm(self) -> str:
-        """Context parallelism's K/V exchange the plan was predicted with: its engine's (RunsAs.cp_comm);
-        for a plan saved before engines stated one, the bundled profile's of that name (what the
-        engine ran then); all_gather, plan3d's runtime's, for a plan without an engine."""
-        return with_stated_cp_comm(self).engine.runs_as.cp_comm if self.engine is not None else "all_gather"
+        """Context parallelism's K/V exchange the plan was predicted with: its engine's (RunsAs.cp_comm;
+        `load_plan` fills it in for plans saved before engines stated one, `with_stated_cp_comm`), or
+        all_gather, plan3d's runtime's, for a plan without an engine."""
+        return self.engine.runs_as.cp_comm if self.engine is not None else "all_gather"
 
     @property
     def gpus_per_node(self) -> int:

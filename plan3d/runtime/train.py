@@ -71,7 +71,7 @@ class PhaseClock:
 def _read_plan(path: str):
     """The plan the launcher wrote (and checked with load_plan); no second digest check here, so
     the ranks do not depend on the spec schema being byte-identical to the launcher's. What the
-    runtime cannot train is refused here too (`launch.runtime_problems`): the torchrun and SLURM
+    runtime cannot train is refused here too (`runtime_limits.runtime_problems`): the torchrun and SLURM
     scripts `plan3d emit` writes start the workers without `plan3d launch`."""
     from plan3d.runtime_limits import runtime_problems
     from plan3d.plan import Plan

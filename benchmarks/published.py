@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from collections import defaultdict
 from functools import lru_cache
@@ -46,6 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fitting import nelder_mead  # noqa: E402
 from published_runs import DATA, EXTRA, Run, load, load_extra  # noqa: E402
 
+import yaml  # noqa: E402
+
+from plan3d.cost.bands import BAND_FILE, REGION_FIELDS, BandData, MeasuredRun, Region, band_of, load_band_data, without_source  # noqa: E402
 from plan3d.cost.estimate import estimate  # noqa: E402
 from plan3d.errors import LayoutError  # noqa: E402
 from plan3d.layout import Layout  # noqa: E402
@@ -394,6 +398,85 @@ def print_held_out(rep: dict, title: str) -> None:
         print(f"  {why}: {', '.join(ids)}")
 
 
+# ---- error bands (plan3d/cost/bands.py) ---------------------------------------------------------
+def measured_run(run: Run, layout: Layout | None, error_pct: float, how: str, params: dict) -> MeasuredRun | None:
+    """A run's left-out (or held-out) prediction error with its region; None for a run without a
+    prediction, or run by software that has no profile of its own (predicted with another's)."""
+    if layout is None or not np.isfinite(error_pct) or not run.ran_on_engine:
+        return None
+    gpu = _cluster(run.cluster, run.gpus, tuple(sorted(params.items()))).gpu.generation_name
+    region = Region.of(run.engine, gpu, layout.zero, layout.cp, run.model.moe is not None, run.training.precision)
+    return MeasuredRun(id=run.id, source=run.source, gpus=run.gpus, error_pct=float(error_pct), how=how,
+                       **{k: getattr(region, k) for k in REGION_FIELDS})
+
+
+def band_data(runs: list[Run], loso_pred: np.ndarray, params: dict, held: dict | None) -> BandData:
+    """Every run's error under values that never saw its source: leave-one-source-out for the
+    calibration set, the bundled values for the held-out rows (never fitted on)."""
+    layouts = resolve(runs, params)
+    out = [measured_run(r, lay, e, "left-out", params)
+           for r, lay, e in zip(runs, layouts, errors_pct(runs, loso_pred))]
+    if held:
+        extra = {r.id: r for r in load_extra()[0]}
+        for row in held["rows"]:
+            run = extra[row["id"]]
+            out.append(measured_run(run, predict_run(run, tuple(sorted(params.items())))[1], row["error_pct"],
+                                    "held-out", params))
+    return BandData(generated_by="benchmarks/published.py --loso --write-bands", commit=git_commit(),
+                    runs=tuple(r for r in out if r is not None))
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
+def write_bands(data: BandData, path: Path = BAND_FILE) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = ("# Written by benchmarks/published.py --loso --write-bands: every published run's prediction error\n"
+              "# (predicted / measured - 1, per cent) under values that never saw its source, with its region.\n"
+              "# plan3d/cost/bands.py turns them into error bands. Do not edit by hand.\n")
+    path.write_text(header + yaml.safe_dump(data.model_dump(mode="json"), sort_keys=False, width=120))
+
+
+def band_report(data: BandData) -> dict:
+    """Each region's band and, for every source, how many of its runs fall inside the band made
+    without it (what a user of a new source would have been told)."""
+    regions = defaultdict(list)
+    for run in data.runs:
+        regions[Region(**{k: getattr(run, k) for k in REGION_FIELDS})].append(run)
+    rows = []
+    for region, members in sorted(regions.items(), key=lambda kv: -len(kv[1])):
+        band = band_of(region, max(r.gpus for r in members), data)
+        inside = [_inside(r, band_of(region, r.gpus, without_source(data, r.source))) for r in members]
+        rows.append({"region": region.name, "runs": len(members), "sources": sorted({r.source for r in members}),
+                     "band_error_pct": [100 * band.low, 100 * band.high], "step_band_pct": list(band.band_pct()),
+                     "validated": band.validated, "left_out_inside": int(sum(inside))})
+    total = sum(r["runs"] for r in rows)
+    inside = sum(r["left_out_inside"] for r in rows)
+    return {"regions": rows, "runs": total, "inside": inside, "coverage": inside / total if total else float("nan")}
+
+
+def _inside(run: MeasuredRun, band) -> bool:
+    return band.low - 1e-12 <= run.error_pct / 100 <= band.high + 1e-12
+
+
+def print_bands(rep: dict) -> None:
+    print("\n## error bands (plan3d/cost/bands.py): central 80% of left-out errors by region; coverage: each "
+          "source's runs against the band made without that source")
+    print(f"{'region':58s} {'runs':>4s} {'error band':>16s} {'step band':>16s} {'validated':>9s} {'inside':>7s}  sources")
+    for r in rep["regions"]:
+        lo, hi = r["band_error_pct"]
+        slo, shi = r["step_band_pct"]
+        print(f"{r['region']:58s} {r['runs']:4d} {lo:+7.1f}/{hi:+6.1f}% {slo:+7.1f}/{shi:+6.1f}% "
+              f"{'yes' if r['validated'] else 'no':>9s} {r['left_out_inside']:3d}/{r['runs']:<3d}  {', '.join(r['sources'])}")
+    print(f"left-out runs inside the band made without their source: {rep['inside']} of {rep['runs']} "
+          f"({rep['coverage']:.0%}; target >= 80%)")
+
+
 # ---- output ------------------------------------------------------------------------------------
 def report(runs: list[Run], predicted: np.ndarray, params: dict) -> dict:
     err = errors_pct(runs, predicted)
@@ -442,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--extra", type=Path, default=EXTRA, help="held-out runs (default: data/extra_runs.yaml)")
     parser.add_argument("--no-held-out", action="store_true", help="leave out the held-out validation section")
+    parser.add_argument("--write-bands", action="store_true", help="with --loso: write every run's left-out error "
+                        "to plan3d's bundled error bands (plan3d/bundled/validation/error_bands.yaml)")
     args = parser.parse_args(argv)
     if not args.data.is_file():
         print(f"published.py: {args.data} not found; pass --data PATH/runs.yaml", file=sys.stderr)
@@ -459,6 +544,16 @@ def main(argv: list[str] | None = None) -> int:
         out["vtrain_with_engine"] = vtrain_with_engine(params)
     if not args.no_held_out and args.extra.is_file():
         out["held_out"] = held_out(params, args.extra)
+    if args.write_bands and not args.loso:
+        print("published.py: --write-bands needs --loso (the bands are made of left-out errors)", file=sys.stderr)
+        return 2
+    if args.loso:
+        data = band_data(runs, predicted, params, out.get("held_out"))
+        if args.write_bands:
+            write_bands(data)
+        out["bands"] = band_report(data)
+    else:
+        out["bands"] = band_report(load_band_data())  # the bundled bands
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
@@ -474,6 +569,7 @@ def main(argv: list[str] | None = None) -> int:
                      out["leave_one_source_out"], per_run=False)
     if "held_out" in out:
         print_held_out(out["held_out"], "fitted values" if args.fit else "bundled values")
+    print_bands(out["bands"])
     return 0
 
 

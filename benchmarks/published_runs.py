@@ -58,6 +58,13 @@ class Run:
     pair_of: str | None = None  # held-out FP8 rows: the BF16 run they are compared with
     vpp_choices: tuple[int, ...] | None = None  # interleaving depths to try when unstated (None: 1, 2, 3, 4, 6, 8)
     measured_alt_s: float | None = None  # held-out: the step time under the other reading of the FLOP count
+    framework: str = ""  # the software that ran it, as the source names it (held-out rows)
+
+    @property
+    def ran_on_engine(self) -> bool:
+        """Whether the software that ran it is the engine it is predicted with (held-out rows of a
+        framework without a profile, DeepSeek's HAI-LLM, are predicted with megatron-core's)."""
+        return not self.framework or self.engine.split("-")[0] in self.framework.lower()
 
 
 def load(path: Path = DATA) -> tuple[list[Run], list[tuple[str, str]]]:
@@ -244,7 +251,8 @@ def extra_to_run(row: dict) -> Run:
                gpus=int(row["hardware"]["num_gpus"]), model=model, training=training, knobs=knobs, unknown=unknown,
                measured_s=measured[0], how_measured=measured[1], pair_of=row.get("pair_of"),
                vpp_choices=vpp_depths(model.layers, knobs["pp"]),
-               measured_alt_s=(row.get("derived") or {}).get("iteration_time_s_if_causal"))
+               measured_alt_s=(row.get("derived") or {}).get("iteration_time_s_if_causal"),
+               framework=str(train.get("framework") or ""))
 
 
 def vpp_depths(layers: int, pp: int) -> tuple[int, ...]:

@@ -85,7 +85,9 @@ class Estimate(_Record):
     step_time_s: Seconds
     tokens_per_s: Rate
     model_tflops_per_gpu: Rate | None = None
-    mfu: Ratio | None = None
+    mfu: Ratio | None = None  # plan3d.vocab.UTILISATION: causal model FLOPs (plans before them: non-causal)
+    mfu_noncausal: Ratio | None = None
+    hfu: Ratio | None = None
     peak_memory_bytes: Bytes
     capacity_bytes: Bytes | None = None
     fits: bool | None = None
@@ -100,6 +102,9 @@ class Estimate(_Record):
     engine: Text = ""
     provenance: list[Text] = []
     cp_comm: Text = ""
+    step_time_s_band: list[Seconds] = []  # plan3d.cost.bands: [fast end, slow end] of the measured step
+    validated: bool | None = None
+    region: dict[str, Any] = {}
 
 
 class RankMapRecord(_Record):

@@ -1,13 +1,20 @@
-"""Ranking of searched layouts: feasible first, then the objective, then simplicity.
+"""Ranking of searched layouts: feasible first, then the objective within its error bands, then simplicity.
 
 Order of the keys (first decides):
 1. feasible (fits in memory with headroom and meets the user's thresholds) before infeasible;
 2. the objective: tokens/s (default), MFU, or least memory; values within 1 ppm of each other
-   tie (two layouts the model cannot tell apart are not ranked by rounding noise);
-3. less peak memory per GPU;
-4. fewer moving parts (`moving_parts`): no ZeRO, no recompute, no interleaving, no sequence
+   tie (two layouts the model cannot tell apart are not ranked by rounding noise). How its error
+   band counts (`RANKINGS`, time objectives only; plan3d.cost.bands):
+   - `expected` (default): the prediction, but a layout extrapolated on more features than
+     another (its band's `tier`) ranks above it only when it wins beyond both bands: its slow
+     end faster than the other's fast end (`banded_keys`). Otherwise it ranks just below, and
+     `passed_over` names it as "possibly faster, extrapolated";
+   - `optimistic`: each band's fast end; `conservative`: each band's slow end;
+3. fewer extrapolated features (the band's tier);
+4. less peak memory per GPU;
+5. fewer moving parts (`moving_parts`): no ZeRO, no recompute, no interleaving, no sequence
    parallelism, the default rank order, no pipeline, no tensor parallelism;
-5. the knob values themselves, so the order is total and does not depend on enumeration order.
+6. the knob values themselves, so the order is total and does not depend on enumeration order.
 Infeasible layouts follow, nearest to fitting first (peak memory over capacity).
 """
 from __future__ import annotations
@@ -28,9 +35,10 @@ from plan3d.search import (
     nodes_to_fit,
     search,
 )
-from plan3d.vocab import COMM_TERMS, TIME_TERMS, seconds_column
+from plan3d.vocab import COMM_TERMS, TIME_TERMS, UTILISATION, seconds_column
 
 OBJECTIVES = ("throughput", "mfu", "memory")
+RANKINGS = ("expected", "optimistic", "conservative")
 # The time terms `recommend` shows per layout (its JSON rows, --explain's table) and `why_wins`
 # compares: every one but the host overhead.
 EXPLAINED_TERMS = tuple(t for t in TIME_TERMS if t != "overhead")
@@ -64,17 +72,75 @@ def memory_fraction(result: SearchResult) -> np.ndarray:
     return result.metrics["peak_memory_bytes"] / result.metrics["capacity_bytes"]
 
 
-def rank(result: SearchResult, objective: str = "throughput") -> np.ndarray:
+def rank(result: SearchResult, objective: str = "throughput", ranking: str = "expected") -> np.ndarray:
     """Row indices of every evaluated layout, best first (see the module docstring)."""
     if not result.size:
         return np.zeros(0, dtype=np.int64)
     feasible = result.feasible
-    cost = objective_cost(result.metrics, objective)
+    cost = ranking_cost(result, objective, ranking)
     miss = np.where(feasible, 0.0, memory_fraction(result))
+    tier = np.where(feasible, result.metrics.get("band_tier", np.zeros(result.size)), 0)
     tie_breaks = [result.layouts[k] for k in reversed(LAYOUT_KNOBS)]
-    keys = tie_breaks + [moving_parts(result.layouts), result.metrics["peak_memory_bytes"],
+    keys = tie_breaks + [moving_parts(result.layouts), result.metrics["peak_memory_bytes"], tier,
                          np.where(feasible, cost, 0), miss, ~feasible]
     return np.lexsort(keys)
+
+
+def ranking_cost(result: SearchResult, objective: str, ranking: str) -> np.ndarray:
+    """The objective as ranked (lower is better, quantised as `objective_cost`): for time
+    objectives, read through each layout's error band as `ranking` says (module docstring)."""
+    if ranking not in RANKINGS:
+        raise LayoutError(f"--ranking {ranking!r}: use one of {', '.join(RANKINGS)}")
+    if objective not in OBJECTIVES:
+        raise LayoutError(f"--objective {objective!r}: use one of {', '.join(OBJECTIVES)}")
+    m = result.metrics
+    if objective == "memory" or "step_band_low_s" not in m:
+        return objective_cost(m, objective)
+    cost = 1.0 / np.asarray(objective_cost_values(m, objective), dtype=float)  # proportional to the step time
+    fast, slow = cost * m["step_band_low_s"] / m["step_time_s"], cost * m["step_band_high_s"] / m["step_time_s"]
+    if ranking == "optimistic":
+        key = fast
+    elif ranking == "conservative":
+        key = slow
+    else:
+        key = banded_keys(cost, fast, slow, m["band_tier"], result.feasible)
+    scale = key[result.feasible].min() if result.feasible.any() else 1.0
+    return np.round(key / (scale * TIE_PPM))
+
+
+def objective_cost_values(metrics: dict[str, np.ndarray], objective: str) -> np.ndarray:
+    """The time objective's 'higher is better' value: tokens/s, or MFU."""
+    return metrics["tokens_per_s" if objective == "throughput" else "mfu"]
+
+
+def banded_keys(cost: np.ndarray, fast: np.ndarray, slow: np.ndarray, tier: np.ndarray,
+                rows: np.ndarray) -> np.ndarray:
+    """Ranking keys (lower first) under the band rule, for the `rows` mask: a layout of tier t
+    keeps its own cost only against layouts of lower tiers it beats beyond the bands (its `slow`
+    end below their `fast` end); the others it does not beat must rank above it, so its key is
+    raised to the largest of their keys (ties then go to the lower tier: `rank`'s next key).
+    Tier by tier from the lowest, so a lower tier's keys are final before a higher tier reads them."""
+    key = np.array(cost, dtype=float)
+    tiers = np.unique(tier[rows])
+    for t in tiers[1:]:
+        lower, upper = rows & (tier < t), np.flatnonzero(rows & (tier == t))
+        by_fast = np.argsort(fast[lower], kind="stable")
+        fast_sorted, prefix_max = fast[lower][by_fast], np.maximum.accumulate(key[lower][by_fast])
+        beaten_by = np.searchsorted(fast_sorted, slow[upper], side="right")  # lower rows with fast <= slow
+        blocked = np.where(beaten_by > 0, prefix_max[np.maximum(beaten_by - 1, 0)], -np.inf)
+        key[upper] = np.maximum(key[upper], blocked)
+    return key
+
+
+def passed_over(result: SearchResult, order: np.ndarray, objective: str = "throughput") -> list[int]:
+    """Feasible rows ranked below #1 whose prediction beats #1's: extrapolated on more features,
+    they do not win beyond the bands (the `expected` ranking), best prediction first."""
+    rows = order[result.feasible[order]]
+    if not len(rows) or objective == "memory":
+        return []
+    values = objective_cost_values(result.metrics, objective)
+    better = rows[1:][values[rows[1:]] > values[rows[0]] * (1 + TIE_PPM)]
+    return [int(r) for r in better[np.argsort(-values[better], kind="stable")]]
 
 
 def pareto_front(result: SearchResult, order: np.ndarray) -> np.ndarray:
@@ -267,6 +333,7 @@ class CheckReport:
     estimate: dict | None = None
     recommended: dict | None = None
     engine: object = None  # the EngineSpec checked for
+    conservative: bool = False  # thresholds judged at the slow end of the error band
 
     @property
     def ok(self) -> bool:
@@ -286,11 +353,13 @@ def engine_finding(problem: str) -> Finding:
 
 
 def check_job(cluster, model, training, layout, min_mfu: float | None = None,
-              max_memory_fraction: float | None = None, engine=None, strict: bool = False) -> CheckReport:
+              max_memory_fraction: float | None = None, engine=None, strict: bool = False,
+              conservative: bool = False) -> CheckReport:
     """Is this job valid for `engine` and predicted to fit with headroom (and meet the thresholds)?
-    Each error has a fix. `strict`: GPUs of the job that the layout leaves idle are an error."""
+    Each error has a fix. `strict`: GPUs of the job that the layout leaves idle are an error.
+    `conservative`: --min-mfu is judged at the slow end of the prediction's error band."""
 
-    report = CheckReport([], engine=engine)
+    report = CheckReport([], engine=engine, conservative=conservative)
     if layout is None:
         report.findings.append(Finding("notice", "the job names no layout; checked that some layout fits",
                                        "add the recommended layout under `layout:`"))
@@ -311,7 +380,11 @@ def _check_fit(report: CheckReport, cluster, model, training, layout, min_mfu, m
 
     est = estimate(cluster, model, training, layout, engine).to_dict()
     report.estimate = est
-    errors = fit_findings(est, cluster.gpu.memory_bytes, min_mfu, max_memory_fraction)
+    judged = at_slow_end(est) if report.conservative else est
+    errors = fit_findings(judged, cluster.gpu.memory_bytes, min_mfu, max_memory_fraction)
+    if report.conservative and min_mfu is not None:
+        report.findings.append(Finding("notice", f"--min-mfu judged at the slow end of the error band: MFU "
+                                       f"{judged['mfu']:.1%} (predicted {est['mfu']:.1%})"))
     report.findings += errors
     if errors and (not est["fits"] or max_memory_fraction is not None):
 
@@ -319,9 +392,28 @@ def _check_fit(report: CheckReport, cluster, model, training, layout, min_mfu, m
                                                                   engine))
     idle = idle_gpus_warning(layout.world_size, cluster.world_size)
     report.findings += [Finding("warning", w) for w in est.get("warnings", []) if w != idle]
+    report.findings += band_findings(est)
     if idle:
         fix = "raise dp to use them all, or lower `nodes`" + ("" if strict else " (`--strict` fails on this)")
         report.findings.append(Finding("error" if strict else "warning", idle, fix))
+
+
+def band_findings(est: dict) -> list[Finding]:
+    """A notice for a prediction outside every region of measured runs, naming what it extrapolates."""
+    region = est.get("region") or {}
+    if est.get("validated", True) or not region:
+        return []
+    return [Finding("notice", f"the prediction is extrapolated ({region['name']}): "
+                    + "; ".join(region.get("extrapolated", [])),
+                    "judge thresholds at the slow end of the band with --conservative")]
+
+
+def at_slow_end(est: dict) -> dict:
+    """An estimate's rates at the slow end of its error band (step time its band's high end)."""
+    band = est.get("step_time_s_band") or [est["step_time_s"]] * 2
+    slow = est["step_time_s"] / band[1]
+    rates = ("tokens_per_s", "model_tflops_per_gpu", *UTILISATION)
+    return est | {"step_time_s": band[1], **{k: est[k] * slow for k in rates}}
 
 
 def _recommend_instead(report: CheckReport, cluster, model, training, min_mfu, max_memory_fraction,

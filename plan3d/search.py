@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from plan3d.cost.bands import Band, BandArrays, band_arrays
 from plan3d.cost.batch import Candidates, estimate_batch
 from plan3d.cost.estimate import estimate
 from plan3d.cost.memory import chunk_moe_layers
@@ -57,7 +58,7 @@ from plan3d.specs.cluster import MAX_NODES, ClusterSpec
 from plan3d.specs.engine import EngineSpec
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
-from plan3d.vocab import RECOMPUTE_CODES, RECOMPUTE_MODES
+from plan3d.vocab import RECOMPUTE_CODES, RECOMPUTE_MODES, UTILISATION
 
 DEFAULT_ORDERS = (DEFAULT_ORDER, "tp-cp-ep-pp-dp")
 SHAPE_KNOBS = ("tp", "pp", "dp", "cp", "ep", "micro_batch", "vpp", "sequence_parallel")
@@ -501,6 +502,11 @@ class SearchResult:
     seconds: float
     codes: np.ndarray = field(default=None)  # per evaluated layout: 0 feasible, else 10.. (memory, thresholds)
     engine: EngineSpec | None = None  # the engine predicted for (None: the cluster's values alone)
+    bands: BandArrays | None = None  # per evaluated layout: its error band (plan3d.cost.bands)
+
+    def band(self, i: int) -> Band:
+        """The error band of row `i`."""
+        return self.bands.bands[int(self.bands.index[int(i)])]
 
     @property
     def size(self) -> int:
@@ -609,7 +615,7 @@ def evaluate_scalar(cluster: ClusterSpec, model: ModelSpec, training: TrainingSp
     return {k: np.array([r[k] for r in rows]) for k in rows[0]}
 
 
-SCALAR_METRICS = ("step_time_s", "tokens_per_s", "peak_memory_bytes", "capacity_bytes", "fits", "mfu",
+SCALAR_METRICS = ("step_time_s", "tokens_per_s", "peak_memory_bytes", "capacity_bytes", "fits", *UTILISATION,
                   "model_tflops_per_gpu", "bubble_fraction")
 
 
@@ -655,12 +661,25 @@ def search(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space
     layouts = drop_duplicates(layouts, space, rejected)
     require_within_budget(layouts, cluster)
     metrics = evaluate(cluster, model, training, layouts, space.orders, engine) if len(layouts["tp"]) else {}
+    bands = search_bands(cluster, model, training, layouts, engine)
+    if metrics:
+        metrics["step_band_low_s"] = metrics["step_time_s"] / (1 + bands.high)
+        metrics["step_band_high_s"] = metrics["step_time_s"] / (1 + bands.low)
+        metrics["band_tier"] = bands.tier
     fit_codes = fit_reasons(metrics, len(layouts["tp"]), min_mfu, max_memory_fraction, cluster.gpu.memory_bytes)
     for code in (MEMORY_CODE, MFU_CODE, MEMORY_FRACTION_CODE):
         rejected[code] = int((fit_codes == code).sum())
     return SearchResult(cluster, model, training, space.orders, layouts, metrics,
                         considered=len(codes) * per, rejected=rejected,
-                        seconds=time.perf_counter() - start, codes=fit_codes, engine=engine)
+                        seconds=time.perf_counter() - start, codes=fit_codes, engine=engine, bands=bands)
+
+
+def search_bands(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, layouts: dict[str, np.ndarray],
+                 engine: EngineSpec | None) -> BandArrays:
+    """The error band of every evaluated layout (a few distinct regions: ZeRO-3 or not, cp or not)."""
+    n = len(layouts["tp"])
+    return band_arrays(engine.name if engine else "", cluster.gpu.generation_name, layouts["zero"],
+                       layouts.get("cp", np.ones(n)), model.moe is not None, training.precision, cluster.world_size)
 
 
 def fit_reasons(metrics: dict[str, np.ndarray], n: int, min_mfu: float | None,

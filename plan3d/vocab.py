@@ -33,6 +33,16 @@ def term_of_column(column: str) -> str | None:
 
 TIME_COLUMNS = tuple(seconds_column(t) for t in TIME_TERMS)
 
+# ---- utilisation: three FLOP conventions -------------------------------------------------------
+# Share of the GPUs' peak (the bf16 peak, also under fp8) a step's FLOPs are, each convention by
+# name (`plan3d.cost.compute`): `mfu` model FLOPs with causal attention (half the s^2 term, PaLM
+# appendix B, Megatron-Core since 2025-03), `mfu_noncausal` model FLOPs with the full s^2 term
+# (Narayanan et al. 2021, Korthikanti et al. 2022, Megatron-Core before 2025-03), `hfu` hardware
+# FLOPs: non-causal, plus the recompute pass (Narayanan et al. 2021's reported TFLOP/s).
+UTILISATION = ("mfu", "mfu_noncausal", "hfu")
+UTILISATION_LABELS = {"mfu": "MFU (causal attention)", "mfu_noncausal": "MFU, attention counted non-causally",
+                      "hfu": "HFU (with recompute, non-causal)"}
+
 # ---- memory of one rank -----------------------------------------------------------------------
 # The categories a rank's predicted memory is the sum of (`Estimate.memory_bytes`), in table order.
 MEMORY_TERMS = ("weights", "gradients", "optimizer", "activations", "buffers", "reserve")

@@ -13,11 +13,28 @@ GPT = ModelSpec(name="gpt", layers=24, hidden=2048, heads=16, vocab=50257, seq_l
 
 
 def test_model_flops_reduce_to_classic_gpt_formula():
+    """Non-causal: 72 B s L h^2 (1 + s/6h + V/12Lh) (Narayanan et al. 2021); causal: the s^2 term
+    halved, 72 B s L h^2 (1 + s/12h + V/12Lh) (PaLM appendix B)."""
     training = TrainingSpec(global_batch=512)
     ctx = make_context(None, GPT, training)
     B, s, L, h, V = 512, 2048, 24, 2048, 50257
     classic = 72 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
-    assert compute.model_flops_per_step(ctx) == pytest.approx(classic, rel=1e-12)
+    causal = 72 * B * s * L * h**2 * (1 + s / (12 * h) + V / (12 * L * h))
+    assert compute.model_flops_per_step(ctx, causal=False) == pytest.approx(classic, rel=1e-12)
+    assert compute.model_flops_per_step(ctx) == pytest.approx(causal, rel=1e-12)
+
+
+@pytest.mark.parametrize("recompute, extra", [("none", 0.0), ("selective", 1.0), ("full", None)])
+def test_hardware_flops_add_the_recompute_pass(recompute, extra):
+    """Full recompute: 96 B s L h^2 (1 + s/6h + V/16Lh) (Narayanan et al. 2021's hardware FLOPs);
+    selective: one more attention-core forward, 4 B s^2 h per layer (Korthikanti et al. 2022)."""
+    from plan3d.vocab import RECOMPUTE_CODES
+    ctx = make_context(None, GPT, TrainingSpec(global_batch=512))
+    B, s, L, h, V = 512, 2048, 24, 2048, 50257
+    model = 72 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
+    expected = (96 * B * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h)) if extra is None
+                else model + extra * L * 4 * B * s**2 * h)
+    assert float(compute.hardware_flops_per_step(ctx, RECOMPUTE_CODES[recompute])) == pytest.approx(expected, rel=1e-12)
 
 
 def test_gqa_and_swiglu_change_the_gemm_flops_as_their_shapes_say():

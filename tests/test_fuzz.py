@@ -31,7 +31,7 @@ from plan3d.cli import main
 SEED = 19
 CASES_PER_KIND = 14
 CASE_LIMIT_S = 10.0
-SIGNED_KEYS = {"error"}  # predicted / measured - 1 may be negative
+SIGNED_KEYS = {"error", "error_pct"}  # predicted / measured - 1 may be negative (a band's low end too)
 HOSTILE = [None, True, False, "2", "", "x" * 300, -1, 0, 1, 3, -1e308, 1e308, 1e-300, 2**63, 10**30, 0.5,
            [], {}, [1, 2], {"a": 1}, "1:30", "NaN"]
 YAML_1_1 = ["040", "1:30", "yes", "off", ".inf", ".nan", "~", "0x10", "1_000", "2024-01-01", "!!binary aGk="]

@@ -132,14 +132,16 @@ def test_stages_hold_their_own_moe_layers(deepseek):
 
 # ---- the time model ---------------------------------------------------------------------------------
 def test_model_flops_count_the_active_parameters(mixtral):
-    """MFU's FLOPs: 6 x tokens x active layer GEMM parameters + attention scores + logits."""
+    """MFU's FLOPs: 6 x tokens x active layer GEMM parameters + attention scores (half of them,
+    causal) + logits."""
     training = TrainingSpec(global_batch=64)
     ctx = make_context(None, mixtral, training)
     tokens = 64 * mixtral.seq_len
     gemm = sum(active_layer_params(mixtral, i) - 2 * norm_params(mixtral) for i in range(mixtral.layers))
     scores = mixtral.layers * 4 * 64 * mixtral.seq_len**2 * mixtral.hidden
-    expected = 3 * (2 * tokens * gemm + scores + 2 * tokens * mixtral.hidden * mixtral.vocab)
-    assert model_flops_per_step(ctx) == pytest.approx(expected, rel=1e-12)
+    noncausal = 3 * (2 * tokens * gemm + scores + 2 * tokens * mixtral.hidden * mixtral.vocab)
+    assert model_flops_per_step(ctx, causal=False) == pytest.approx(noncausal, rel=1e-12)
+    assert model_flops_per_step(ctx) == pytest.approx(noncausal - 3 * scores / 2, rel=1e-12)
 
 
 def test_ep_all_to_alls_by_hand(h100_512, mixtral):

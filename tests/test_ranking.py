@@ -39,11 +39,12 @@ def test_feasible_first_then_objective_descending(small):
 def test_ties_go_to_less_memory_then_fewer_moving_parts(small):
     result, order = small
     m = result.metrics
-    cost = ranking.objective_cost(m, "throughput")
+    cost = ranking.ranking_cost(result, "throughput", "expected")
     parts = ranking.moving_parts(result.layouts)
     ties = 0
     for a, b in zip(order[: result.feasible_count - 1], order[1: result.feasible_count]):
-        if cost[a] == cost[b]:
+        assert m["band_tier"][a] <= m["band_tier"][b] or cost[a] < cost[b]  # a tie goes to fewer extrapolations
+        if cost[a] == cost[b] and m["band_tier"][a] == m["band_tier"][b]:
             ties += 1
             assert m["peak_memory_bytes"][a] <= m["peak_memory_bytes"][b]
             if m["peak_memory_bytes"][a] == m["peak_memory_bytes"][b]:

@@ -76,6 +76,8 @@ def scalar_metrics(d: dict) -> dict:
     out = {k: d[k] for k in ("step_time_s", "tokens_per_s", "peak_memory_bytes", "capacity_bytes", "fits", "mfu",
                              "model_tflops_per_gpu", "bubble_fraction")}
     out.update({f"{k}_s": v for k, v in d["time_s"].items()})
+    out["step_band_low_s"], out["step_band_high_s"] = d["step_time_s_band"]  # each estimate's own band
+    out["band_tier"] = len(d["region"]["extrapolated"])
     return out
 
 

@@ -29,6 +29,9 @@ def check(
     engine: EngineOpt = None,
     strict: Annotated[bool, typer.Option(
         "--strict", help="Also fail a layout that leaves some of the job's GPUs idle (a warning otherwise).")] = False,
+    conservative: Annotated[bool, typer.Option(
+        "--conservative", help="Judge --min-mfu at the slow end of the prediction's error band (80% of published "
+        "runs like it measured no slower).")] = False,
 ) -> None:
     """Validate a job file for CI: valid, runs on its engine, fits in memory with headroom, meets the thresholds.
 
@@ -44,7 +47,7 @@ def check(
         raise
     try:  # a prediction that is not finite, or a search over budget, fails the gate with its reason
         report = check_job(job.cluster, job.model, job.training, job.layout, **thresholds, engine=job.engine,
-                           strict=strict)
+                           strict=strict, conservative=conservative)
     except Plan3dError as err:
         render.print_invalid(job_file, err.lines(), fmt, json_out)
         raise

@@ -18,6 +18,10 @@ MinMfuOpt = Annotated[Optional[float], typer.Option("--min-mfu", help="Reject la
 MaxMemFracOpt = Annotated[Optional[float], typer.Option(
     "--max-memory-fraction", help="Reject layouts whose peak memory exceeds this fraction of the GPU's memory.")]
 ObjectiveOpt = Annotated[str, typer.Option("--objective", help="throughput (tokens/s), mfu or memory.")]
+RankingOpt = Annotated[str, typer.Option(
+    "--ranking", help="How error bands count: expected (default: the prediction, but a layout extrapolated on more "
+    "features ranks higher only when it wins beyond both bands), optimistic (each band's fast end) or conservative "
+    "(each band's slow end).")]
 MAX_TOKENS = 1e16  # far above any training run (Llama 3: 1.5e13 tokens); keeps days-to-train a sane number
 TokensOpt = Annotated[Optional[float], typer.Option(
     "--tokens", help="Token budget: also show the time to train it (at most 1e16, far above any training run).")]
@@ -40,6 +44,7 @@ def recommend(
     cp_comm: CpCommOpt = None,
     top: Annotated[int, _opt("--top", "How many layouts to show.")] = 10,
     objective: ObjectiveOpt = "throughput",
+    ranking_mode: RankingOpt = "expected",
     json_out: JsonOpt = False,
     out: Annotated[Optional[Path], _opt("--out", "Write the Plan JSON of the best (or --pick) layout.")] = None,
     pick: Annotated[int, _opt("--pick", "Which ranked layout --out and --explain use (1 = best).")] = 1,
@@ -106,8 +111,8 @@ def recommend(
         space = replace(space, uneven=True)
         result = search.search(*specs, space, **thresholds)
         notes.append("no layout with an even layer split is valid here, so uneven splits were searched (--uneven)")
-    order_ = ranking.rank(result, objective)
-    report = render.Recommendation(result, order_, objective, top, pick, sweep, tokens, notes)
+    order_ = ranking.rank(result, objective, ranking_mode)
+    report = render.Recommendation(result, order_, objective, top, pick, sweep, tokens, notes, ranking=ranking_mode)
     _require_pick(report)
     if not result.feasible_count:
         _no_fit(report, space, thresholds, json_out)
@@ -265,6 +270,7 @@ def explain_cmd(
     engine: EngineOpt = None,
     cp_comm: CpCommOpt = None,
     objective: ObjectiveOpt = "throughput",
+    ranking_mode: RankingOpt = "expected",
     json_out: JsonOpt = False,
 ) -> None:
     """Why one layout ranks where it does, term by term against the best the engine can run."""
@@ -292,7 +298,7 @@ def explain_cmd(
     space = search.Space(max_micro_batch=max(8, micro_batch), max_vpp=max(8, vpp), orders=orders,
                          max_cp=max(cp_bound, cp))
     result = search.search(*specs, space, engine=engine_spec)
-    order_ = ranking.rank(result, objective)
+    order_ = ranking.rank(result, objective, ranking_mode)
     row = result.find(layout)
     assert row is not None, "a valid layout inside the space is always evaluated"
     report = render.Explanation(result, order_, row, objective)

@@ -3,15 +3,19 @@
 FLOP counts follow Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU
 Clusters Using Megatron-LM", SC'21, eq. 3) and Korthikanti et al. 2022 (eq. 7), written for any
 attention (GQA: kv_dim <= q_dim), any FFN size and SwiGLU (three MLP matrices). A multiply-add
-counts 2 FLOPs; backward costs twice the forward; the attention score terms count the full s^2
-(as the classic formula does). For the classic GPT block (kv = q = h, ffn = 4h, GELU) one step is
-72 * Bg * s * L * h^2 * (1 + s/(6h) + V/(12 L h)).
+counts 2 FLOPs; backward costs twice the forward. The time model prices the attention score
+GEMMs at the full s^2 (what its fitted GEMM efficiency was calibrated with). FLOP counts for
+utilisation come in three conventions (`model_flops_per_step`, `hardware_flops_per_step`):
+causal model FLOPs (the s^2 term halved: MFU), non-causal model FLOPs (the classic formula: for
+the GPT block, kv = q = h, ffn = 4h, GELU, one step is 72 * Bg * s * L * h^2 * (1 + s/(6h) +
+V/(12 L h))) and hardware FLOPs (non-causal, with the recompute pass: HFU).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from plan3d.cost.context import CostContext
+from plan3d.vocab import RECOMPUTE_CODES
 
 GEMMS_PER_LAYER = 6  # fused QKV, scores, scores x V, output projection, MLP up (+gate), MLP down
 LINEAR_GEMMS = 4  # the weight GEMMs: fused QKV, output projection, MLP up (+gate), MLP down
@@ -42,13 +46,41 @@ def logits_flops(ctx: CostContext, tokens):
     return 2 * tokens * ctx.hidden * ctx.vocab
 
 
-def model_flops_per_step(ctx: CostContext) -> float:
-    """Model FLOPs of one step (forward + backward = 3x forward, no recompute): what MFU counts."""
+def model_flops_per_step(ctx: CostContext, causal: bool = True) -> float:
+    """Model FLOPs of one step (forward + backward = 3x forward, no recompute): what MFU counts.
+
+    `causal`: the attention score GEMMs (Q K^T, scores x V) at half their s^2 work, since a causal
+    mask leaves half the score matrix to compute (PaLM, Chowdhery et al. 2022, appendix B;
+    Megatron-Core's `num_floating_point_operations` since 2025-03-06). False: the full s^2 term,
+    as Narayanan et al. 2021 (eq. 3), Korthikanti et al. 2022 (eq. 7) and Megatron-Core before
+    2025-03 count it (`mfu_noncausal`: at 128K tokens the two differ by tens of per cent)."""
     tokens = ctx.global_batch * ctx.seq
-    forward = ctx.layers * (layer_gemm_flops(ctx, tokens) + layer_attention_flops(ctx, ctx.global_batch))
+    attention = layer_attention_flops(ctx, ctx.global_batch) * (0.5 if causal else 1.0)
+    forward = ctx.layers * (layer_gemm_flops(ctx, tokens) + attention)
     if ctx.moe_layers:  # MoE layers count their active parameters (top_k experts), as MFU does
         forward += ctx.moe_layers * (moe_active_gemm_flops(ctx, tokens) - layer_gemm_flops(ctx, tokens))
     return 3.0 * (forward + logits_flops(ctx, tokens))
+
+
+def recompute_flops_per_step(ctx: CostContext, recompute):
+    """FLOPs the recompute pass adds to a step (`recompute`: RECOMPUTE_CODES, scalar or array):
+    full recompute repeats every layer's forward (not the output layer's), selective only the
+    attention core (Korthikanti et al. 2022, section 5); the s^2 term in full, as hardware FLOPs
+    are counted (Narayanan et al. 2021: 96 B s L h^2 (1 + s/6h + V/16Lh) with full recompute)."""
+    tokens = ctx.global_batch * ctx.seq
+    attention = ctx.layers * layer_attention_flops(ctx, ctx.global_batch)
+    layers = ctx.layers * layer_gemm_flops(ctx, tokens) + attention
+    if ctx.moe_layers:
+        layers += ctx.moe_layers * (moe_active_gemm_flops(ctx, tokens) - layer_gemm_flops(ctx, tokens))
+    recompute = np.asarray(recompute)
+    return np.where(recompute >= RECOMPUTE_CODES["full"], layers,
+                    np.where(recompute == RECOMPUTE_CODES["selective"], attention, 0.0))
+
+
+def hardware_flops_per_step(ctx: CostContext, recompute):
+    """Hardware FLOPs of one step: non-causal model FLOPs plus the recompute pass (what HFU counts,
+    and what Narayanan et al. 2021 and BLOOM report as TFLOP/s per GPU)."""
+    return model_flops_per_step(ctx, causal=False) + recompute_flops_per_step(ctx, recompute)
 
 
 def gemm_s(ctx: CostContext, flops, kernels):

@@ -315,11 +315,14 @@ def _summary(ctx: CostContext, la: LayoutArrays, mem: dict, time: dict, weights)
     shape = np.broadcast_shapes(*(np.shape(v) for v in mem.values()))
     totals = np.broadcast_to(mem["total"], shape)
     world = la.tp * la.pp * la.grad_ranks
+    per_gpu_s = step * world * ctx.peak_flops  # FLOPs one step at peak on every GPU
     model_flops = compute.model_flops_per_step(ctx)
     achieved = model_flops / (step * world)
     return {
         "step_time_s": step, "tokens_per_s": ctx.global_batch * ctx.seq / step,
         "model_tflops_per_gpu": achieved / 1e12, "mfu": achieved / ctx.peak_flops,
+        "mfu_noncausal": compute.model_flops_per_step(ctx, causal=False) / per_gpu_s,
+        "hfu": compute.hardware_flops_per_step(ctx, la.recompute) / per_gpu_s,
         "peak_memory_bytes": masked_max(totals, weights), "worst_stage": masked_argmax(totals, weights),
         "capacity_bytes": np.full_like(step, ctx.capacity_bytes),
         "bubble_fraction": time["bubble"] / step,

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 from plan3d.cost.arrays import layout_arrays
+from plan3d.cost.bands import Band, Region, band_of
 from plan3d.cost.comm import GROUPS, layout_links
 from plan3d.cost.finite import require_finite
 from plan3d.cost.memory import rank_layer_counts
@@ -20,7 +21,7 @@ from plan3d.specs.cluster import ClusterSpec
 from plan3d.specs.engine import EngineSpec
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
-from plan3d.vocab import MEMORY_TERMS, RECOMPUTE_CODES, TIME_TERMS
+from plan3d.vocab import MEMORY_TERMS, RECOMPUTE_CODES, TIME_TERMS, UTILISATION
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,9 @@ class Estimate:
     step_time_s: float
     tokens_per_s: float
     model_tflops_per_gpu: float
-    mfu: float
+    mfu: float  # model FLOPs, causal attention (plan3d.vocab.UTILISATION)
+    mfu_noncausal: float
+    hfu: float
     peak_memory_bytes: float
     capacity_bytes: float
     fits: bool
@@ -45,6 +48,9 @@ class Estimate:
     engine: str = ""  # the engine predicted for ("" : the cluster's values alone)
     provenance: list = field(default_factory=list)  # which fitted values were used, from what data
     cp_comm: str = ""  # context parallelism's K/V exchange priced (p2p, all_gather, a2a); "" with cp = 1
+    step_time_s_band: list = field(default_factory=list)  # [fast end, slow end] of the measured step (plan3d.cost.bands)
+    validated: bool = False  # inside a region of measured runs (no feature extrapolated)
+    region: dict = field(default_factory=dict)  # the band's region, runs, sources and what is extrapolated
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -80,8 +86,19 @@ def estimate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, lay
     result = _to_estimate(out, layout, _tiers(links, layout), _warnings(cluster, model, layout))
     require_finite(_numbers(result), cluster, model, training, engine)
     trust = provenance(cluster, engine, training, layout.zero)
+    band = layout_band(cluster, model, training, layout, engine)
     return replace(result, engine=engine.name if engine else "", provenance=trust.lines,
-                   warnings=result.warnings + trust.warnings, cp_comm=ctx.cp_comm if layout.cp > 1 else "")
+                   warnings=result.warnings + trust.warnings, cp_comm=ctx.cp_comm if layout.cp > 1 else "",
+                   step_time_s_band=list(band.step_band(result.step_time_s)), validated=band.validated,
+                   region=band.summary())
+
+
+def layout_band(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, layout: Layout,
+                engine: EngineSpec | None) -> Band:
+    """The error band of a prediction of `layout` (plan3d.cost.bands): its region's left-out errors."""
+    region = Region.of(engine.name if engine else "", cluster.gpu.generation_name, layout.zero, layout.cp,
+                       model.moe is not None, training.precision)
+    return band_of(region, layout.world_size)
 
 
 def _tiers(links: dict, layout: Layout) -> dict:
@@ -95,7 +112,7 @@ def _tiers(links: dict, layout: Layout) -> dict:
 
 def _numbers(est: Estimate) -> dict:
     """The numeric terms of an estimate (for `require_finite`)."""
-    keys = ("step_time_s", "tokens_per_s", "model_tflops_per_gpu", "mfu", "peak_memory_bytes", "capacity_bytes",
+    keys = ("step_time_s", "tokens_per_s", "model_tflops_per_gpu", *UTILISATION, "peak_memory_bytes", "capacity_bytes",
             "bubble_fraction", "time_s", "memory_bytes", "stage_memory_bytes")
     return {k: getattr(est, k) for k in keys}
 
@@ -110,7 +127,7 @@ def _to_estimate(out: dict, layout: Layout, tiers: dict, warnings: list[str]) ->
                                f"{capacity / 2**30:.1f} GiB usable"]
     return Estimate(
         step_time_s=scalar(out["step_time_s"]), tokens_per_s=scalar(out["tokens_per_s"]),
-        model_tflops_per_gpu=scalar(out["model_tflops_per_gpu"]), mfu=scalar(out["mfu"]),
+        model_tflops_per_gpu=scalar(out["model_tflops_per_gpu"]), **{k: scalar(out[k]) for k in UTILISATION},
         peak_memory_bytes=peak, capacity_bytes=capacity, fits=peak <= capacity,
         bubble_fraction=scalar(out["bubble_fraction"]),
         memory_bytes={k: float(stage[k][worst, 0]) for k in MEMORY_TERMS},

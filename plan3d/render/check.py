@@ -5,6 +5,7 @@ from plan3d.ranking import CheckReport, Finding
 from plan3d.render.engine import engine_text
 from plan3d.render.recommend import duration
 from plan3d.render.units import gib, json_text, printable
+from plan3d.vocab import UTILISATION
 
 SCHEMA_VERSION = 1
 GITHUB_LEVELS = {"error": "error", "warning": "warning", "notice": "notice"}
@@ -30,7 +31,10 @@ def summary(report: CheckReport) -> str | None:
     est = report.estimate
     if not est:
         return None
-    return (f"predicted: step {duration(est['step_time_s'])}, {est['tokens_per_s']:,.0f} tokens/s, "
+    band = est.get("step_time_s_band") or []
+    band_text = (f" (band {duration(band[0])}-{duration(band[1])}, "
+                 f"{'validated' if est.get('validated') else 'extrapolated'})" if band else "")
+    return (f"predicted: step {duration(est['step_time_s'])}{band_text}, {est['tokens_per_s']:,.0f} tokens/s, "
             f"MFU {est['mfu']:.1%}, peak {gib(est['peak_memory_bytes'])} of {gib(est['capacity_bytes'])} usable")
 
 
@@ -66,12 +70,12 @@ def print_invalid(path: str, problems: list[str], fmt: str, json_out: bool) -> N
 
 def check_dict(path: str, job, report: CheckReport) -> dict:
     est = report.estimate
-    keep = ("step_time_s", "tokens_per_s", "model_tflops_per_gpu", "mfu", "peak_memory_bytes", "capacity_bytes",
-            "fits", "bubble_fraction")
+    keep = ("step_time_s", "step_time_s_band", "validated", "region", "tokens_per_s", "model_tflops_per_gpu",
+            *UTILISATION, "peak_memory_bytes", "capacity_bytes", "fits", "bubble_fraction")
     return {"schema_version": SCHEMA_VERSION, "file": path, "valid": True, "ok": report.ok,
             "engine": job.engine.name, "cluster": job.cluster.name, "gpus": job.cluster.world_size,
             "model": job.model.name,
             "layout": job.layout.model_dump(mode="json") if job.layout is not None else None,
-            "findings": [vars(f) for f in report.findings],
+            "findings": [vars(f) for f in report.findings], "conservative": report.conservative,
             "estimate": {k: est[k] for k in keep if k in est} if est else None,
             "recommended": report.recommended}

@@ -51,10 +51,34 @@ def summary_lines(est, cluster, model, training) -> list[str]:
     return [
         printable(f"{model.name} on {cluster.name}: {_layout_text(est.layout, est.cp_comm)}, global batch {training.global_batch}"),
         "groups span: " + ", ".join(f"{group.replace('_', 'x')} {tier}" for group, tier in est.tiers.items()),
-        f"step {ms(est.step_time_s)}, {est.tokens_per_s:,.0f} tokens/s, "
-        f"{est.model_tflops_per_gpu:.1f} model TFLOP/s per GPU, MFU {est.mfu:.1%}, bubble {est.bubble_fraction:.1%}",
+        f"step {ms(est.step_time_s)}{band_text(est)}, {est.tokens_per_s:,.0f} tokens/s, "
+        f"{est.model_tflops_per_gpu:.1f} model TFLOP/s per GPU, bubble {est.bubble_fraction:.1%}",
+        f"MFU {est.mfu:.1%} (causal attention: half the s^2 term), {est.mfu_noncausal:.1%} counting attention "
+        f"non-causally, HFU {est.hfu:.1%} (hardware FLOPs: non-causal, with the recompute pass)",
+        *region_lines(est),
         f"memory: {fits} ({gib(est.peak_memory_bytes)} of {gib(est.capacity_bytes)}); per pipeline rank GiB: {stages}",
     ]
+
+
+def band_text(est) -> str:
+    """' (band 35.0 s-56.2 s)': where 80% of published runs like it measured (plan3d.cost.bands)."""
+    if not est.step_time_s_band:
+        return ""
+    lo, hi = est.step_time_s_band
+    return f" (band {ms(lo)}-{ms(hi)}, {'validated' if est.validated else '[yellow]extrapolated[/yellow]'})"
+
+
+def region_lines(est) -> list[str]:
+    """The band's region: the runs behind it, and each feature it is extrapolated on."""
+    region = est.region
+    if not region:
+        return []
+    lo, hi = region["error_pct"]
+    runs = (f"{region['runs']} left-out published runs ({', '.join(region['sources'])})" if region["runs"]
+            else "no measured run")
+    lines = [escape(f"band: {region['name']}: prediction error {lo:+.0f}% to {hi:+.0f}% (80% of {runs})")]
+    lines += [escape(f"extrapolated: {why}") for why in region["extrapolated"]]
+    return lines
 
 
 def _layout_text(layout: dict, cp_comm: str = "") -> str:

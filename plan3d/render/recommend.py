@@ -17,12 +17,14 @@ from plan3d.ranking import pareto_front
 from plan3d.render.engine import engine_line, provenance_lines
 from plan3d.render.units import GIB, gib, ms, printable
 from plan3d.search import SearchResult
-from plan3d.vocab import seconds_column
+from plan3d.vocab import UTILISATION, seconds_column
 
 SCHEMA_VERSION = 1
-METRICS = (("step_time_s", "tokens_per_s", "model_tflops_per_gpu", "mfu", "bubble_fraction", "peak_memory_bytes",
+METRICS = (("step_time_s", "tokens_per_s", "model_tflops_per_gpu", *UTILISATION, "bubble_fraction", "peak_memory_bytes",
             "capacity_bytes") + tuple(seconds_column(t) for t in ranking.EXPLAINED_TERMS))
 SECONDS_PER_DAY = 86400.0
+MFU_NOTE = ("MFU: model FLOPs with causal attention (half the s^2 term); --json also gives mfu_noncausal (the full "
+            "s^2 term) and hfu (hardware FLOPs with the recompute pass)")
 
 
 @dataclass
@@ -36,6 +38,7 @@ class Recommendation:
     tokens: float | None = None
     notes: list[str] = field(default_factory=list)
     nodes_needed: int | None = None
+    ranking: str = "expected"  # how error bands count (plan3d.ranking.RANKINGS)
 
     @cached_property
     def decisions(self) -> list[grouping.Decision]:
@@ -78,6 +81,11 @@ def row_dict(result: SearchResult, row: int, tokens: float | None = None) -> dic
     out["headroom_bytes"] = out["capacity_bytes"] - out["peak_memory_bytes"]
     out["fits"] = bool(m["fits"][row])
     out["dominant_comm"] = ranking.dominant_comm(m, row)
+    if result.bands is not None:
+        band = result.band(row)
+        out["step_time_s_band"] = list(band.step_band(out["step_time_s"]))
+        out["validated"] = band.validated
+        out["region"] = band.summary()
     if tokens:
         out["days_to_train"] = tokens / out["tokens_per_s"] / SECONDS_PER_DAY
     return out
@@ -92,6 +100,9 @@ def recommendation_dict(report: Recommendation, explain: bool = False) -> dict:
         "top": [dict(rank=i + 1, **row_dict(r, d.head, report.tokens), alternatives=alternatives_list(r, d))
                 for i, d in enumerate(report.decisions[: report.top])],
         "why": ranking.why_wins(r, report.ranked_decisions, report.objective),
+        "ranking": report.ranking,
+        "passed_over": [row_dict(r, row) for row in passed_over_heads(report)],
+        "best_validated": (row_dict(r, best) if (best := best_validated(report)) is not None else None),
         "pareto_front": [row_dict(r, int(row)) for row in ranking.pareto_front(r, report.order)],
     }
     if not r.feasible_count:
@@ -100,12 +111,71 @@ def recommendation_dict(report: Recommendation, explain: bool = False) -> dict:
     if report.next_decision is not None:
         payload["next_alternative"] = row_dict(r, report.next_decision.head, report.tokens)
     if report.sweep is not None:
-        payload["node_sweep"] = [sweep_row(s, report.objective) for s in report.sweep]
+        payload["node_sweep"] = [sweep_row(s, report.objective, report.ranking) for s in report.sweep]
     if explain and r.feasible_count:
         payload["explain"] = explanation_dict(Explanation(r, report.order, report.picked_row, report.objective))
     payload["warnings"] = trust_warnings(report)
     payload["notes"] = report.notes
     return payload
+
+
+def passed_over_heads(report: Recommendation, limit: int = 3) -> list[int]:
+    """Up to `limit` layouts predicted faster than #1 but ranked below it (extrapolated on more
+    features, not faster beyond the bands), one per tp/pp/dp/mb/ZeRO decision."""
+    r = report.result
+    if not r.feasible_count:
+        return []
+    seen, out = set(), []
+    for row in ranking.passed_over(r, report.order, report.objective):
+        shape = tuple(int(r.layouts[k][row]) for k in grouping.DECISION_KNOBS if k in r.layouts)
+        if shape not in seen:
+            seen.add(shape)
+            out.append(row)
+        if len(out) == limit:
+            break
+    return out
+
+
+def best_validated(report: Recommendation) -> int | None:
+    """The best-ranked validated layout when #1 is not validated (None: #1 is, or none is)."""
+    r = report.result
+    if not r.feasible_count or r.bands is None or r.band(report.picked_row).validated:
+        return None
+    rows = report.order[r.feasible[report.order]]
+    hits = rows[r.metrics["band_tier"][rows] == 0]
+    return int(hits[0]) if len(hits) else None
+
+
+def band_lines(report: Recommendation) -> list[str]:
+    """What the bands say about the ranking: #1's extrapolations, the best validated layout, and
+    the layouts predicted faster that the bands kept below #1."""
+    r = report.result
+    if not r.feasible_count or r.bands is None:
+        return []
+    first = report.decisions[0].head
+    band = r.band(first)
+    lines = [f"band: the measured step of 80% of published runs like it (left out of the fit) lies in it; ranking "
+             f"{report.ranking}" + (": a layout extrapolated on more features ranks higher only when it wins beyond "
+                                   "both bands" if report.ranking == "expected" else "")]
+    if not band.validated:
+        lines.append(f"#1 is extrapolated: {'; '.join(band.extrapolated)}")
+        best = best_validated(report)
+        if best is not None:
+            gap = float(r.metrics["tokens_per_s"][best] / r.metrics["tokens_per_s"][first] - 1)
+            lines.append(f"best validated layout: {r.layout(best).short()} ({_signed_pct(gap)} tokens/s against #1)")
+        elif not (r.metrics["band_tier"][r.feasible] == 0).any():
+            lines.append("no layout of this search is validated: every one is extrapolated on "
+                         f"{', '.join(band.relaxed)}")
+    lo, hi = band.step_band(float(r.metrics["step_time_s"][first]))
+    for row in passed_over_heads(report):
+        other = r.band(row)
+        gain = float(r.metrics["tokens_per_s"][row] / r.metrics["tokens_per_s"][first] - 1)
+        olo, ohi = other.step_band(float(r.metrics["step_time_s"][row]))
+        more = [s for a, s in zip(other.relaxed, other.extrapolated) if a not in band.relaxed]
+        lines.append(f"possibly faster, extrapolated: {r.layout(row).short()} ({_signed_pct(gain)} tokens/s predicted; "
+                     f"{'; '.join(more)}): its step may be {duration(olo)}-{duration(ohi)}, #1's "
+                     f"{duration(lo)}-{duration(hi)}: not faster beyond the bands")
+    return lines
 
 
 def trust_warnings(report: Recommendation) -> list[str]:
@@ -137,8 +207,8 @@ def miss_dict(result: SearchResult, row: int) -> dict:
     return out
 
 
-def sweep_row(result: SearchResult, objective: str) -> dict:
-    order = ranking.rank(result, objective)
+def sweep_row(result: SearchResult, objective: str, mode: str = "expected") -> dict:
+    order = ranking.rank(result, objective, mode)
     best = int(order[0]) if len(order) and result.feasible[order[0]] else None
     row = {"nodes": result.cluster.nodes, "gpus": result.cluster.world_size, "feasible": result.feasible_count}
     if best is not None:
@@ -200,15 +270,28 @@ def shows_ep(result: SearchResult) -> bool:
 def metric_cells(result: SearchResult, row: int, tokens: float | None) -> list[str]:
     d = row_dict(result, row, tokens)
     cells = [f"{d['peak_memory_bytes'] / GIB:.1f}", f"{d['headroom_bytes'] / GIB:.1f}", duration(d["step_time_s"]),
-             f"{d['tokens_per_s']:,.0f}", f"{d['model_tflops_per_gpu']:.0f}", _pct(d["mfu"]),
+             *band_cells(result, row), f"{d['tokens_per_s']:,.0f}", _pct(d["mfu"]),
              _pct(d["bubble_fraction"]), d["dominant_comm"]]
     if tokens:
         cells.append(f"{d['days_to_train']:.1f}")
     return cells
 
 
-HEADERS = ["#", "tp", "pp", "dp", "mb", "vpp", "zero", "recompute", "sp", "order", "mem GiB", "headroom GiB",
-           "step", "tokens/s", "TFLOP/s/GPU", "MFU", "bubble", "top comm"]
+HEADERS = ["#", "tp", "pp", "dp", "mb", "vpp", "zero", "recompute", "sp", "order", "mem GiB", "free GiB",
+           "step", "band", "validated", "tokens/s", "MFU", "bubble", "top comm"]
+# the short names of a band's extrapolated features in the table (plan3d.cost.bands.AXES)
+AXIS_LABELS = {"engine": "engine", "gpu": "gpu", "sharding": "ZeRO-3", "cp": "cp", "moe": "MoE", "fp8": "fp8",
+               "scale": "scale"}
+
+
+def band_cells(result: SearchResult, row: int) -> list[str]:
+    """'-7/+23%' (the measured step against the prediction) and 'yes' or 'no: gpu, ZeRO-3'."""
+    if result.bands is None:
+        return ["", ""]
+    band = result.band(row)
+    fast, slow = band.band_pct()
+    return [f"{fast:+.0f}/{slow:+.0f}%",
+            "yes" if band.validated else "no: " + ", ".join(AXIS_LABELS[a] for a in band.relaxed)]
 ALSO_SHOWN = 3  # alternatives named per row under the table; --json lists all
 
 
@@ -216,7 +299,7 @@ def layouts_table(result: SearchResult, rows, title: str, tokens: float | None =
     table = Table(title=title)
     headers = HEADERS[:4] + (["cp"] if shows_cp(result) else []) + (["ep"] if shows_ep(result) else []) + HEADERS[4:]
     for header in headers + (["days"] if tokens else []):
-        table.add_column(header, justify="left" if header in ("recompute", "order", "top comm") else "right")
+        table.add_column(header, justify="left" if header in ("recompute", "order", "top comm", "validated") else "right")
     for i, row in enumerate(rows):
         table.add_row(str(i + 1), *layout_cells(result, int(row)), *metric_cells(result, int(row), tokens))
     return table
@@ -282,6 +365,9 @@ def print_recommendation(report: Recommendation, explain: bool = False, console:
         if any(r.layout(int(row)).pp_layers is not None for row in report.shown):
             console.print("* uneven split: the first and last stages hold fewer layers (--json lists pp_layers)")
         console.print(f"[bold]why #1:[/bold] {ranking.why_wins(r, report.ranked_decisions, report.objective)}")
+        for line in band_lines(report):
+            console.print(escape(line))
+        console.print(MFU_NOTE)
         for warning in trust_warnings(report):
             console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
         front = ranking.pareto_front(r, report.order)
@@ -331,9 +417,10 @@ def sweep_table(report: Recommendation) -> Table:
     for header in ("nodes", "GPUs", "fit", "best layout", "tokens/s", "tokens/s/GPU", "MFU", "mem GiB"):
         table.add_column(header, justify="left" if header == "best layout" else "right")
     for result in report.sweep:
-        row = sweep_row(result, report.objective)
+        row = sweep_row(result, report.objective, report.ranking)
         best = row.get("best")
-        cells = ([result.layout(ranking.rank(result, report.objective)[0]).short(), f"{best['tokens_per_s']:,.0f}",
+        cells = ([result.layout(ranking.rank(result, report.objective, report.ranking)[0]).short(),
+                  f"{best['tokens_per_s']:,.0f}",
                   f"{best['tokens_per_s'] / row['gpus']:,.0f}", _pct(best["mfu"]),
                   f"{best['peak_memory_bytes'] / GIB:.1f}"] if best else ["none fits", "", "", "", ""])
         table.add_row(str(row["nodes"]), str(row["gpus"]), f"{row['feasible']:,}", *cells)
@@ -376,7 +463,17 @@ def explanation_sentences(ex: Explanation) -> list[str]:
         lines.append("it is the best: " + ranking.why_wins(r, ex.order, ex.objective))
     elif r.feasible[best]:
         lines.append("the best " + ranking.compare_sentence(r, best, row, "this layout"))
+    if r.bands is not None:
+        lines += [band_sentence(r, row, "this layout")] + ([band_sentence(r, best, "the best")] if row != best else [])
     return lines
+
+
+def band_sentence(result: SearchResult, row: int, name: str) -> str:
+    """'this layout: step 35.0 s-56.2 s (80% of published runs like it), extrapolated: ...'."""
+    band = result.band(row)
+    lo, hi = band.step_band(float(result.metrics["step_time_s"][row]))
+    trust = "validated" if band.validated else "extrapolated: " + "; ".join(band.extrapolated)
+    return f"{name}: step {duration(lo)}-{duration(hi)} (the band of {band.region.name}), {trust}"
 
 
 def explanation_dict(ex: Explanation) -> dict:
@@ -391,7 +488,7 @@ def explanation_trust(ex: Explanation):
     """Which fitted values the explained numbers used, from what data (`plan3d.cost.trust`)."""
 
     r = ex.result
-    return provenance(r.cluster, r.engine, r.training)
+    return provenance(r.cluster, r.engine, r.training, r.layout(ex.row).zero)
 
 
 def _fmt(key: str, value: float) -> str:

@@ -73,8 +73,17 @@ class GPUSpec(SpecModel):
         2.0, dict(MEMORY_GIB, ge=0), description="Per-device memory no formula sees: CUDA context, NCCL buffers, "
         "allocator fragmentation. A property of the device and its software stack."
     )
+    generation: Name | None = Field(
+        None, description="The chip generation (volta, ampere, hopper, blackwell, cdna3, cpu): GPUs of one "
+        "generation share kernels and efficiency, so a run measured on one of them validates the others "
+        "(plan3d.cost.bands). None: the GPU's own name.")
     compute_efficiency: ComputeEfficiency = ComputeEfficiency()
     source: Text = ""
+
+    @property
+    def generation_name(self) -> str:
+        """`generation`, or the GPU's name for a GPU that states none."""
+        return self.generation or self.name
 
     @field_validator("peak_tflops")
     @classmethod

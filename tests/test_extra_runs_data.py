@@ -173,6 +173,15 @@ def test_there_are_moe_fp8_and_context_parallel_rows(rows):
     assert sum(1 for r in rows if (r["parallelism"].get("cp") or 1) > 1) >= 4
 
 
+def test_there_are_dense_fully_sharded_and_dense_fp8_rows(rows):
+    dense = [r for r in rows if not r["model"].get("moe")]
+    sharded = [r for r in dense if "zero-3" in str(r["parallelism"].get("zero")).lower()
+               or "full_shard" in str(r["parallelism"].get("zero")).lower()]
+    assert len(sharded) >= 40
+    assert all(r["training"].get("framework") for r in sharded)
+    assert sum(1 for r in dense if r["training"]["precision"] == "fp8" and r.get("pair_of")) >= 3
+
+
 # ---- the benchmark's use of the rows --------------------------------------------------------------
 @pytest.fixture(scope="module")
 def bench():

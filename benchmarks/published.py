@@ -65,13 +65,17 @@ FIT_KEYS = {
     "megatron-core.elementwise_bytes": ("engine", ("megatron-core",), "elementwise_bytes"),
     "megatron-core.gemm_efficiency_scale": ("engine", ("megatron-core",), "gemm_efficiency_scale"),
     "a100.nvlink_latency_us": ("tier", ("dgx-a100-80g", "dgx-a100-40g"), "latency_us"),
+    "deepspeed-0.19.zero3_overlap_fraction": ("runs_as", ("deepspeed-0.19",), "zero3_overlap_fraction"),
+    "deepspeed-0.19.gemm_efficiency_scale": ("engine", ("deepspeed-0.19",), "gemm_efficiency_scale"),
 }
 SCALE = {"a100.max_fraction": 1.0, "a100.nvlink_latency_us": 10.0, "megatron-core.gemm_efficiency_scale": 1.0, "unfused.attention_score_bytes": 10.0,
          "legacy.layer_overhead_s": 1e-3, "megatron-deepspeed.gemm_efficiency_scale": 1.0,
-         "megatron-core.elementwise_bytes": 1.0}
+         "megatron-core.elementwise_bytes": 1.0, "deepspeed-0.19.zero3_overlap_fraction": 1.0,
+         "deepspeed-0.19.gemm_efficiency_scale": 1.0}
 BOUNDS = {"a100.max_fraction": (0.3, 1.0), "a100.nvlink_latency_us": (0.5, 50.0), "megatron-core.gemm_efficiency_scale": (0.3, 1.0),
           "unfused.attention_score_bytes": (0.0, 100.0), "legacy.layer_overhead_s": (0.0, 5e-3),
-          "megatron-deepspeed.gemm_efficiency_scale": (0.3, 1.0), "megatron-core.elementwise_bytes": (0.0, 64.0)}
+          "megatron-deepspeed.gemm_efficiency_scale": (0.3, 1.0), "megatron-core.elementwise_bytes": (0.0, 64.0),
+          "deepspeed-0.19.zero3_overlap_fraction": (0.0, 1.0), "deepspeed-0.19.gemm_efficiency_scale": (0.3, 1.0)}
 # Where each value starts, and what it keeps when no training run informs it (leave-one-source-out
 # never starts from the bundled values, which were fitted on every source): the GPU spec's
 # datasheet default for a GEMM ceiling, the vTrain fit (another data set) for the legacy Megatron
@@ -79,8 +83,11 @@ BOUNDS = {"a100.max_fraction": (0.3, 1.0), "a100.nvlink_latency_us": (0.5, 50.0)
 # Megatron-Core layer (about 4 bytes per element, docs/cost-model.md).
 PRIORS = {"a100.max_fraction": 0.75, "a100.nvlink_latency_us": 5.0, "megatron-core.gemm_efficiency_scale": 1.0, "unfused.attention_score_bytes": 24.46,
           "legacy.layer_overhead_s": 7.87e-4, "megatron-deepspeed.gemm_efficiency_scale": 1.0,
-          "megatron-core.elementwise_bytes": 4.0}
-ENGINE_SCALES = ("megatron-deepspeed.gemm_efficiency_scale", "megatron-core.gemm_efficiency_scale")
+          "megatron-core.elementwise_bytes": 4.0,
+          "deepspeed-0.19.zero3_overlap_fraction": 0.9,  # megatron-core's stated ZeRO-3 overlap
+          "deepspeed-0.19.gemm_efficiency_scale": 1.0}
+ENGINE_SCALES = ("megatron-deepspeed.gemm_efficiency_scale", "megatron-core.gemm_efficiency_scale",
+                 "deepspeed-0.19.gemm_efficiency_scale")
 # which runs inform which value (a value no training run informs keeps its prior)
 INFORMED_BY = {
     "a100.max_fraction": lambda r: r.cluster.startswith("dgx-a100"),
@@ -90,6 +97,8 @@ INFORMED_BY = {
     "legacy.layer_overhead_s": lambda r: r.engine in LEGACY,
     "megatron-deepspeed.gemm_efficiency_scale": lambda r: r.engine == "megatron-deepspeed",
     "megatron-core.elementwise_bytes": lambda r: r.engine == "megatron-core",
+    "deepspeed-0.19.zero3_overlap_fraction": lambda r: r.engine == "deepspeed-0.19" and r.knobs.get("zero") == 3,
+    "deepspeed-0.19.gemm_efficiency_scale": lambda r: r.engine == "deepspeed-0.19",
 }
 ORDER_GAP = 0.10
 
@@ -259,6 +268,22 @@ def fit(runs: list[Run], start: dict) -> dict:
     x = nelder_mead(lambda x: source_mape_mean(runs, predict_fixed(runs, layouts, decode(x))),
                     np.array([start[k] / SCALE[k] for k in keys]), step=0.15, iters=120, tol=1e-3, relative=True)
     return pool_engine_scales(decode(x), keys)
+
+
+def fit_only(runs: list[Run], start: dict, keys: list[str]) -> dict:
+    """`keys` fitted on `runs` with every other value held at `start` (a value a new source
+    informs, fitted without moving the values the other sources set)."""
+    unknown = [k for k in keys if k not in FIT_KEYS]
+    if unknown:
+        raise SystemExit(f"published.py: --fit-only {', '.join(unknown)}: fit keys are {', '.join(FIT_KEYS)}")
+
+    def decode(x):
+        return dict(start) | {k: float(np.clip(v * SCALE[k], *BOUNDS[k])) for k, v in zip(keys, x)}
+
+    layouts = resolve(runs, start)
+    x = nelder_mead(lambda x: source_mape_mean(runs, predict_fixed(runs, layouts, decode(x))),
+                    np.array([start[k] / SCALE[k] for k in keys]), step=0.15, iters=120, tol=1e-4, relative=True)
+    return decode(x)
 
 
 def pool_engine_scales(theta: dict, informed: list[str]) -> dict:
@@ -519,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", type=Path, default=DATA, help="runs.yaml (default: ../shared/data/published)")
     parser.add_argument("--fit", action="store_true", help="fit the global values on every source and print them")
+    parser.add_argument("--fit-only", nargs="+", metavar="KEY", help="fit only these values on every source, the "
+                        "others at their bundled values (how a new source's values were fitted)")
     parser.add_argument("--loso", action="store_true", help="also the leave-one-source-out table (refits, minutes)")
     parser.add_argument("--vtrain", action="store_true", help="also the vTrain rows with the megatron-deepspeed "
                         "profile on the catalog A100 (an out-of-fit check of the engine profile)")
@@ -532,10 +559,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"published.py: {args.data} not found; pass --data PATH/runs.yaml", file=sys.stderr)
         return 2
     runs, excluded = load(args.data)
+    if args.extra.is_file():  # the extra sources fitted on like the calibration set (their `role`)
+        more, more_excluded, _ = load_extra(args.extra, role="calibration")
+        runs, excluded = runs + more, excluded + more_excluded
     params = bundled_params()
     if args.fit:
         params = fit(runs, PRIORS)
-    out = {"bundled" if not args.fit else "fitted": report(runs, predict(runs, params), params),
+    elif args.fit_only:
+        params = fit_only(runs, params, args.fit_only)
+    out = {"fitted" if args.fit or args.fit_only else "bundled": report(runs, predict(runs, params), params),
            "excluded": excluded}
     if args.loso:
         predicted, fits = leave_one_source_out(runs, PRIORS)
@@ -557,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
-    title = "fitted on every source" if args.fit else "bundled values"
+    title = "fitted on every source" if args.fit else "fitted: " + ", ".join(args.fit_only) if args.fit_only else "bundled values"
     print_report(f"{title}: {', '.join(f'{k}={v:.4g}' for k, v in params.items())}", out.get("bundled") or out["fitted"])
     print("\nexcluded:", "; ".join(f"{i} ({why})" for i, why in excluded))
     if args.vtrain:
@@ -568,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
         print_report("leave-one-source-out (each source predicted by a fit that never saw it)",
                      out["leave_one_source_out"], per_run=False)
     if "held_out" in out:
-        print_held_out(out["held_out"], "fitted values" if args.fit else "bundled values")
+        print_held_out(out["held_out"], "fitted values" if args.fit or args.fit_only else "bundled values")
     print_bands(out["bands"])
     return 0
 

@@ -39,7 +39,12 @@ REPO = Path(__file__).resolve().parent.parent
 DATA = REPO.parent / "shared" / "data" / "published" / "runs.yaml"
 EXTRA = Path(__file__).resolve().parent / "data" / "extra_runs.yaml"
 PEAK = {"a100": 312e12, "h100": 989e12, "v100": 125e12}
-EXTRA_CLUSTERS = {"h100": "dgx-h100", "h800": "h800", "gb200": "gb200-nvl72"}  # GPU kind -> bundled cluster
+EXTRA_CLUSTERS = {"h100": "dgx-h100", "h800": "h800", "gb200": "gb200-nvl72",
+                  "a100": "dgx-a100-80g"}  # GPU kind -> bundled cluster (Azure NDm A100 v4: DGX A100's 8 x 200 Gbit/s)
+# The software of a held-out row -> the engine profile it is predicted with (first match; rows of
+# software without a profile, DeepSeek's HAI-LLM, get megatron-core's and stay out of the bands).
+EXTRA_ENGINES = (("deepspeed", "deepspeed-0.19"),  # DeepSpeed 0.6+ ZeRO-3: bucketed all-gathers (the 2022-on code)
+                 ("megatron", "megatron-core"))
 
 
 @dataclass
@@ -221,11 +226,13 @@ def step_time(row: dict, model: ModelSpec, gb: int, gpu: str) -> tuple[float, st
 
 
 # ---- held-out rows (data/extra_runs.yaml) -------------------------------------------------------
-def load_extra(path: Path = EXTRA) -> tuple[list[Run], list[tuple[str, str]], dict]:
-    """(predictable held-out runs, [(id, why excluded)], the file's `sources` block)."""
+def load_extra(path: Path = EXTRA, role: str = "held-out") -> tuple[list[Run], list[tuple[str, str]], dict]:
+    """(predictable runs, [(id, why excluded)], the file's `sources` block) of the sources with `role`:
+    held-out (the default: never fitted) or calibration (fitted on with the calibration set)."""
     data = yaml.safe_load(path.read_text())
     runs, excluded = [], []
-    for row in data["runs"]:
+    roles = {name: src.get("role", "held-out") for name, src in data.get("sources", {}).items()}
+    for row in (r for r in data["runs"] if roles.get(r["source"]["ref"], "held-out") == role):
         try:
             runs.append(extra_to_run(row))
         except Excluded as why:
@@ -247,12 +254,18 @@ def extra_to_run(row: dict) -> Run:
         Layout(**knobs)
     except ValueError as err:
         raise Excluded(f"layout not expressible: {first_error(err)}") from None
-    return Run(id=row["id"], source=row["source"]["ref"], engine="megatron-core", cluster=EXTRA_CLUSTERS[gpu],
+    return Run(id=row["id"], source=row["source"]["ref"], engine=extra_engine(train), cluster=EXTRA_CLUSTERS[gpu],
                gpus=int(row["hardware"]["num_gpus"]), model=model, training=training, knobs=knobs, unknown=unknown,
                measured_s=measured[0], how_measured=measured[1], pair_of=row.get("pair_of"),
                vpp_choices=vpp_depths(model.layers, knobs["pp"]),
                measured_alt_s=(row.get("derived") or {}).get("iteration_time_s_if_causal"),
                framework=str(train.get("framework") or ""))
+
+
+def extra_engine(train: dict) -> str:
+    """The engine profile a held-out row is predicted with, by the software the source names."""
+    framework = str(train.get("framework") or "").lower()
+    return next((engine for word, engine in EXTRA_ENGINES if word in framework), "megatron-core")
 
 
 def vpp_depths(layers: int, pp: int) -> tuple[int, ...]:

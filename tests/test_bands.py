@@ -42,20 +42,27 @@ def quantile(values: list[float], q: float) -> float:
     return xs[lo] + (pos - lo) * (xs[min(lo + 1, len(xs) - 1)] - xs[lo])
 
 
-def test_a_measured_region_gets_the_central_80_percent_of_its_errors():
+def noisy(log_low: float, log_high: float) -> tuple[float, float]:
+    """A quantile band stretched to hold 0 and widened by a measurement's noise, as errors (e)."""
+    return (math.expm1(min(log_low, 0) + math.log1p(-NOISE)), math.expm1(max(log_high, 0) + math.log1p(NOISE)))
+
+
+def test_a_measured_region_gets_the_central_80_percent_of_its_errors_and_the_noise():
     errors = [-20.0, -10.0, 0.0, 10.0, 30.0]
     band = band_of(region(), 64, data(*(run(i, e) for i, e in enumerate(errors))))
     logs = [math.log1p(e / 100) for e in errors]
     assert band.validated and band.relaxed == () and band.runs == 5
-    assert band.low == pytest.approx(math.expm1(quantile(logs, 0.1)), rel=1e-12)  # -16% by hand: 0.4 of the way
-    assert band.high == pytest.approx(math.expm1(quantile(logs, 0.9)), rel=1e-12)
+    low, high = noisy(quantile(logs, 0.1), quantile(logs, 0.9))  # q10: 0.4 of the way from -20% to -10%
+    assert band.low == pytest.approx(low, rel=1e-12) and band.high == pytest.approx(high, rel=1e-12)
     # the measured step of a 10 s prediction: 10 / (1 + high) .. 10 / (1 + low)
     assert band.step_band(10.0) == pytest.approx((10 / (1 + band.high), 10 / (1 + band.low)))
 
 
-def test_no_band_is_narrower_than_the_sources_noise():
+def test_no_band_is_narrower_than_the_sources_noise_and_every_band_holds_the_prediction():
     band = band_of(region(), 64, data(*(run(i, 0.0) for i in range(6))))
     assert band.low == pytest.approx(-NOISE) and band.high == pytest.approx(NOISE)
+    biased = band_of(region(), 64, data(*(run(i, 10.0 + i) for i in range(6))))  # always too slow
+    assert biased.low == pytest.approx(-NOISE) and biased.high > 0.14
 
 
 def test_too_few_runs_borrow_the_engines_other_gpu_widened_by_the_stated_prior():
@@ -65,8 +72,9 @@ def test_too_few_runs_borrow_the_engines_other_gpu_widened_by_the_stated_prior()
     logs = [math.log1p(e / 100) for e in errors + [50.0]]  # the pool: the engine's runs on any GPU
     lo, hi = AXIS_BY_NAME["gpu"].prior_pct
     assert band.relaxed == ("gpu",) and not band.validated and band.runs == 6
-    assert math.log1p(band.low) == pytest.approx(quantile(logs, 0.1) + math.log1p(lo / 100), rel=1e-12)
-    assert math.log1p(band.high) == pytest.approx(quantile(logs, 0.9) + math.log1p(hi / 100), rel=1e-12)
+    low, high = noisy(quantile(logs, 0.1), quantile(logs, 0.9))
+    assert math.log1p(band.low) == pytest.approx(math.log1p(low) + math.log1p(lo / 100), rel=1e-12)
+    assert math.log1p(band.high) == pytest.approx(math.log1p(high) + math.log1p(hi / 100), rel=1e-12)
     assert "runs of eng-a on hopper" in band.extrapolated[0]
 
 

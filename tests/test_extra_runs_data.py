@@ -191,10 +191,20 @@ def bench():
     return published, published_runs
 
 
-def test_each_row_becomes_a_run_or_an_exclusion_with_a_reason(bench, rows):
+def rows_of(data: dict, rows: list[dict], role: str) -> list[dict]:
+    """The rows of the sources with `role` (held-out unless a source says `role: calibration`)."""
+    roles = {name: src.get("role", "held-out") for name, src in data["sources"].items()}
+    return [r for r in rows if roles.get(r["source"]["ref"], "held-out") == role]
+
+
+def test_each_row_becomes_a_run_or_an_exclusion_with_a_reason(bench, data, rows):
     _, runs_mod = bench
     runs, excluded, _ = runs_mod.load_extra(DATA)
-    assert len(runs) + len(excluded) == len(rows)
+    calibration, calibration_excluded, _ = runs_mod.load_extra(DATA, role="calibration")
+    assert len(runs) + len(excluded) == len(rows_of(data, rows, "held-out"))
+    assert len(calibration) + len(calibration_excluded) == len(rows_of(data, rows, "calibration"))
+    assert calibration and all(r.engine == "deepspeed-0.19" and r.knobs["zero"] == 3 for r in calibration)
+    excluded = excluded + calibration_excluded
     assert all(why.strip() for _, why in excluded)
     by_id = {r["id"]: r for r in rows}
     for run_id, why in excluded:
@@ -209,7 +219,7 @@ def test_each_row_becomes_a_run_or_an_exclusion_with_a_reason(bench, rows):
                 or run.knobs["zero"] == 3 or run.id in bf16_twins), run.id
 
 
-def test_held_out_rows_are_predicted_without_fitting(bench, rows, monkeypatch):
+def test_held_out_rows_are_predicted_without_fitting(bench, data, rows, monkeypatch):
     published, _ = bench
 
     def no_fit(*args, **kwargs):
@@ -218,7 +228,7 @@ def test_held_out_rows_are_predicted_without_fitting(bench, rows, monkeypatch):
     monkeypatch.setattr(published, "fit", no_fit)
     monkeypatch.setattr(published, "nelder_mead", no_fit)
     rep = published.held_out(published.bundled_params(), DATA)
-    assert len(rep["rows"]) + len(rep["excluded"]) == len(rows)
+    assert len(rep["rows"]) + len(rep["excluded"]) == len(rows_of(data, rows, "held-out"))
     for row in rep["rows"]:
         assert row["predicted_s"] > 0 and math.isfinite(row["error_pct"])
     for source, s in rep["sources"].items():

@@ -9,7 +9,8 @@ bundled values, which are never fitted on them) and writes each run's prediction
 e = predicted / measured - 1 with its region to `bundled/validation/error_bands.yaml`.
 
 The band of a prediction is the central `QUANTILES` (10th to 90th percentile) of the errors of
-the runs in its region, never narrower than the sources' own noise (`NOISE`). A region with fewer
+the runs in its region, stretched to hold the prediction and widened by the sources' own rerun
+noise (`NOISE`). A region with fewer
 than `MIN_RUNS` runs borrows the errors of the nearest region that has them: each feature it
 lets go of (`AXES`: a row of data each, with its stated prior and the evidence for it) widens the
 band by that feature's prior, and the prediction is *extrapolated* on that feature. A prediction
@@ -35,7 +36,7 @@ from plan3d.specs.loader import read_mapping, validation_problems
 BAND_FILE = Path(__file__).resolve().parent.parent / "bundled" / "validation" / "error_bands.yaml"
 QUANTILES = (0.10, 0.90)  # the central 80% of left-out errors
 MIN_RUNS = 5  # runs a region needs before its own errors set its band
-NOISE = 0.03  # the sources' rerun noise (2-4%, shared/data/published/README.md): no band is narrower
+NOISE = 0.03  # the sources' rerun noise (2-4%, shared/data/published/README.md), added to every band
 SCALE_FACTOR = 2.0  # a prediction for more than this many times the GPUs of the largest run is extrapolated
 
 
@@ -222,12 +223,14 @@ def _band_of(region: Region, gpus: int, runs: tuple[MeasuredRun, ...]) -> Band:
 
 
 def _quantile_band(errors: list[float]) -> tuple[float, float]:
-    """log(1 + e) at the QUANTILES of `errors`, widened to at least +-NOISE (0, 0 for no errors)."""
+    """log(1 + e) at the QUANTILES of `errors`, stretched to hold the prediction itself (0) and
+    widened by the NOISE of a measurement: a new run has its own 2-4% on top of the model's
+    spread (0, 0 for no errors)."""
     if not errors:
         return 0.0, 0.0
     r = np.log1p(np.asarray(errors, dtype=float))
     lo, hi = (float(q) for q in np.quantile(r, QUANTILES))
-    return min(lo, math.log1p(-NOISE)), max(hi, math.log1p(NOISE))
+    return min(lo, 0.0) + math.log1p(-NOISE), max(hi, 0.0) + math.log1p(NOISE)
 
 
 def _sentence(axis: Axis, region: Region, largest: int) -> str:

@@ -57,6 +57,7 @@ class CostContext:
     zero3_overlap_fraction: float | None = None  # None: dp_overlap_fraction
     zero3_per_gpu_nic: bool = False  # ZeRO-3 collectives get one NIC share per GPU, not the node's rings
     tp_overlap_fraction: float = 0.0  # share of TP collectives hidden behind GEMMs
+    tp_overlap_off_zero: tuple = ()  # ZeRO stages with which this engine cannot hide them on this GPU (RunsAs.tp_overlap_conflict)
     param_gather_overlap: bool = False  # ZeRO-1/2 weight all-gather hidden behind the first forward
     cpu_cores_per_node: int = 0  # CPU "GPUs": the cores a node's ranks share (0: not shared)
     gpus_per_node: int = 1
@@ -101,6 +102,12 @@ def bytes_per_param(training: TrainingSpec) -> tuple[int, int, int]:
     return 2, 4 if training.fp32_grad_accum else 2, 4 if sgd else 12
 
 
+def tp_overlap_off_zero(runs_as, generation: str) -> tuple:
+    """The ZeRO stages with which the engine's TP overlap is off on this GPU generation."""
+    conflict = runs_as.tp_overlap_conflict if runs_as is not None else None
+    return tuple(conflict.zero) if conflict is not None and generation in conflict.generations else ()
+
+
 def make_context(cluster: ClusterSpec | None, model: ModelSpec, training: TrainingSpec,
                  engine: EngineSpec | None = None) -> CostContext:
     """The context of one (cluster, model, training) as `engine` runs it; cluster None leaves the
@@ -137,6 +144,7 @@ def make_context(cluster: ClusterSpec | None, model: ModelSpec, training: Traini
         zero3_overlap_fraction=runs_as.zero3_overlap_fraction if runs_as else None,
         zero3_per_gpu_nic=bool(runs_as and runs_as.zero3_collectives == "per-gpu-nic"),
         tp_overlap_fraction=runs_as.tp_overlap_fraction if runs_as else 0.0,
+        tp_overlap_off_zero=tp_overlap_off_zero(runs_as, cluster.gpu.generation_name),
         param_gather_overlap=bool(runs_as and runs_as.param_gather_overlap),
         ep_overlap_fraction=runs_as.ep_overlap_fraction if runs_as else 0.0,
         shared_expert_overlap=bool(runs_as and runs_as.shared_expert_overlap),

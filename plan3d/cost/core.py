@@ -64,7 +64,7 @@ def stage_micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_ran
     share = la.mb_share
     layer_fwd = compute.layer_forward_s(ctx, share, la.tp, la.sp_div)
     boundary_bytes = share * ctx.seq * ctx.hidden * ctx.act_bytes
-    tp_pair = 2 * _tp_exchange_s(la, links, boundary_bytes) * (1 - ctx.tp_overlap_fraction)  # exposed, per pass
+    tp_pair = 2 * _tp_exchange_s(la, links, boundary_bytes) * (1 - tp_overlap(ctx, la))  # exposed, per pass
     full = la.recompute >= FULL
     attention_fwd = compute.attention_core_forward_s(ctx, share, la.tp)
     dense = _layer_passes(ctx, la, layer_fwd, tp_pair, attention_fwd)
@@ -106,9 +106,16 @@ def _expert_tp_gather_s(ctx: CostContext, la: LayoutArrays, links: Links, full):
     gathered = memory.routed_tokens(ctx, la) * la.expert_tp / la.tp * ctx.hidden * ctx.act_bytes
     expert = (_collective_s(links, "etp", "all_gather", gathered, la.expert_tp)
               + _collective_s(links, "etp", "reduce_scatter", gathered, la.expert_tp))
-    dense_mlp = _tp_exchange_s(la, links, la.mb_share * ctx.seq * ctx.hidden * ctx.act_bytes) * (1 - ctx.tp_overlap_fraction)
+    dense_mlp = _tp_exchange_s(la, links, la.mb_share * ctx.seq * ctx.hidden * ctx.act_bytes) * (1 - tp_overlap(ctx, la))
     net = expert - (0.0 if ctx.shared_ffn else dense_mlp)
     return np.where((la.tp > 1) | (la.expert_tp > 1), np.where(full, 3, 2) * net, 0.0)
+
+
+def tp_overlap(ctx: CostContext, la: LayoutArrays):
+    """The share of TP collectives hidden (`tp_overlap_fraction`), none where the engine cannot run
+    its TP overlap next to the layout's ZeRO stage on this GPU (RunsAs.tp_overlap_conflict:
+    Megatron-FSDP before Blackwell)."""
+    return np.where(np.isin(la.zero, ctx.tp_overlap_off_zero), 0.0, ctx.tp_overlap_fraction)
 
 
 def _layer_passes(ctx: CostContext, la: LayoutArrays, layer_fwd, tp_pair, attention_fwd) -> dict:

@@ -176,7 +176,13 @@ def _overlap_args(plan: Plan, engine: EngineSpec) -> list[str]:
 def _tp_comm_overlap(plan: Plan, engine: EngineSpec) -> bool:
     layout = plan.layout
     return (engine.runs_as.tp_overlap_fraction > 0 and layout.tp > 1 and layout.sequence_parallel
-            and layout.tp <= plan.cluster.gpus_per_node)
+            and layout.tp <= plan.cluster.gpus_per_node and not _tp_overlap_conflict(plan, engine))
+
+
+def _tp_overlap_conflict(plan: Plan, engine: EngineSpec) -> bool:
+    """The profile's rule that the TP overlap cannot run next to this ZeRO stage on this GPU."""
+    conflict = engine.runs_as.tp_overlap_conflict
+    return bool(conflict is not None and conflict.drops_tp_overlap(plan.layout.zero, plan.cluster.gpu.generation_name))
 
 
 def _pipeline_split_args(plan: Plan) -> list[str]:
@@ -322,7 +328,10 @@ def gpu_arch(plan: Plan) -> int:
 def plan_notes(plan: Plan, engine: EngineSpec) -> list[str]:
     """What the time model assumes of Megatron-Core that these arguments cannot give this plan."""
     layout, notes = plan.layout, []
-    if engine.runs_as.tp_overlap_fraction > 0 and layout.tp > 1 and not _tp_comm_overlap(plan, engine):
+    if _tp_overlap_conflict(plan, engine) and layout.tp > 1:
+        notes.append(f"--tp-comm-overlap is off: {engine.runs_as.tp_overlap_conflict.why}; the prediction "
+                     "hides none of the tensor-parallel communication")
+    elif engine.runs_as.tp_overlap_fraction > 0 and layout.tp > 1 and not _tp_comm_overlap(plan, engine):
         why = ("it needs sequence parallelism (validate_args)" if not layout.sequence_parallel
                else "its tensor-parallel group spans nodes (Transformer Engine userbuffers are intra-node)")
         notes.append(f"the prediction hides {engine.runs_as.tp_overlap_fraction:.0%} of the tensor-parallel "

@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 from typing import Literal, get_args
 
+import numpy as np
+
 from pydantic import Field, field_validator, model_validator
 
 from plan3d.errors import LayoutError
@@ -89,6 +91,21 @@ class CanRun(SpecModel):
             raise ValueError(str(err)) from None
 
 
+class OverlapConflict(SpecModel):
+    """Tensor-parallel communication overlap that the engine cannot run next to its sharded data
+    parallelism on some GPU generations: with ZeRO `zero` and tp > 1, on `generations`, the TP
+    collectives are not hidden (the cost model drops `tp_overlap_fraction`, the emitter leaves the
+    overlap flag off and says so)."""
+
+    zero: list[Literal[0, 1, 2, 3]] = Field(description="ZeRO stages the conflict comes with.")
+    generations: list[Name] = Field(description="GPU generations (GPUSpec.generation) it holds on.")
+    why: Text = Field(description="The engine's own reason (its code or documentation).")
+
+    def drops_tp_overlap(self, zero, generation: str):
+        """Whether the conflict switches TP overlap off for `zero` (a stage or an array of stages)."""
+        return np.isin(zero, self.zero) & (generation in self.generations)
+
+
 class RunsAs(SpecModel):
     """How the engine runs a layout, as the cost model needs it."""
 
@@ -112,6 +129,8 @@ class RunsAs(SpecModel):
     tp_overlap_fraction: float = bounded(0.0, FRACTION, description="Share of the tensor-parallel "
                                        "collectives hidden behind the layer's GEMMs (Megatron-Core --tp-comm-overlap "
                                        "with Transformer Engine userbuffers); 0: blocking.")
+    tp_overlap_conflict: OverlapConflict | None = Field(
+        None, description="Where the TP overlap cannot run next to sharded data parallelism (None: nowhere).")
     ep_overlap_fraction: float = bounded(0.0, FRACTION, description="Share of the expert-parallel all-to-alls "
                                          "(MoE dispatch and combine) hidden behind compute (Megatron-Core "
                                          "--overlap-moe-expert-parallel-comm with the 1F1B A2A overlap); 0: exposed.")

@@ -76,7 +76,9 @@ class Excluded(Exception):
     """A run that cannot be turned into a step-time measurement (the reason is the message)."""
 
 
-def to_run(row: dict) -> Run:
+def to_run(row: dict, require_time: bool = True) -> Run:
+    """The run of a runs.yaml row; `require_time=False` keeps a row without a step time (its
+    measured_s is nan and how_measured says why), for what does not need one (benchmarks/memory.py)."""
     source, m, par, batch, train = (row["source"]["ref"], row["model"], row["parallelism"], row["batch"],
                                     row["training"])
     gpu = gpu_kind(row["hardware"]["gpu"])
@@ -87,7 +89,12 @@ def to_run(row: dict) -> Run:
     training = TrainingSpec(global_batch=gb, precision=precision, fp32_grad_accum=precision == "bf16")
     engine = engine_of(source, row)
     knobs, unknown = knobs_of(row, par, batch, train, engine)
-    measured, how = step_time(row, model, gb, gpu)
+    try:
+        measured, how = step_time(row, model, gb, gpu)
+    except Excluded as why:
+        if require_time:
+            raise
+        measured, how = float("nan"), str(why)
     return Run(id=row["id"], source=source, engine=engine, cluster=cluster_of(gpu, row), gpus=int(row["hardware"]["num_gpus"]),
                model=model, training=training, knobs=knobs, unknown=unknown, measured_s=measured,
                how_measured=how)
@@ -226,12 +233,18 @@ def load_extra(path: Path = EXTRA) -> tuple[list[Run], list[tuple[str, str]], di
     return runs, excluded, data.get("sources", {})
 
 
-def extra_to_run(row: dict) -> Run:
+def extra_to_run(row: dict, require_time: bool = True) -> Run:
+    """The run of an extra_runs.yaml row (`require_time=False`: also without a step time, as `to_run`)."""
     if row.get("excluded"):
         raise Excluded(row["excluded"])
     par, batch, train = row["parallelism"], row["batch"], row["training"]
     gpu = extra_gpu_kind(row["hardware"]["gpu"])
-    measured = extra_step_time(row)
+    try:
+        measured = extra_step_time(row)
+    except Excluded as why:
+        if require_time:
+            raise
+        measured = (float("nan"), str(why))
     model = extra_model(row)
     precision = str(train["precision"])
     training = TrainingSpec(global_batch=int(batch["global_batch_seqs"]), precision=precision, fp32_grad_accum=True)

@@ -43,6 +43,7 @@ import numpy as np
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # this checkout's plan3d
 import published  # noqa: E402
 from published_runs import DATA, EXTRA, Excluded, Run, extra_to_run, to_run  # noqa: E402
 
@@ -82,9 +83,10 @@ class Case:
 
 # ---- reading the data ---------------------------------------------------------------------------
 def bloom_model(name: str, layers: int, hidden: int, heads: int, vocab: int = 250680, seq: int = 2048) -> ModelSpec:
-    """A BLOOM-shaped model (BigScience tr11): GELU MLP of 4h, LayerNorm, biases, ALiBi, tied embeddings."""
+    """A BLOOM-shaped model (BigScience tr11): GELU MLP of 4h, LayerNorm, biases, ALiBi, tied
+    embeddings, dropout 0.1 (tr11 README: "The default Megatron-LM dropout settings are inherited")."""
     return ModelSpec(name=name, layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq_len=seq,
-                     position="alibi", tied_embeddings=True)
+                     position="alibi", tied_embeddings=True, dropout=0.1)
 
 
 GRADS = {"16-bit": False, "fp32": True, None: None}

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/memory.py           # tables
     .venv/bin/python benchmarks/memory.py --json    # the same figures for machines
+    .venv/bin/python benchmarks/memory.py --fit     # + the reserve and allocator overhead fitted per engine
 
 (a) Measured peaks. Every published per-GPU memory figure in the data, estimated with the engine
 profile of the software that ran it on the bundled cluster of its GPU, with the layout as
@@ -304,6 +305,50 @@ def _stated(run: Run) -> str:
     return " ".join(f"{k}={v}" for k, v in run.knobs.items())
 
 
+# ---- fitting the reserve -----------------------------------------------------------------------
+FIT_MIN_PEAKS = 10  # an engine needs this many nvidia-smi peaks to have its reserve fitted
+RESERVE_GRID = np.arange(0.0, 16.0, 0.1)  # GiB
+OVERHEAD_GRID = np.arange(0.0, 0.6, 0.01)
+
+
+def fit_reserve(rows: list[dict]) -> dict:
+    """Per engine with FIT_MIN_PEAKS nvidia-smi peaks: the reserve R (GiB) and allocator overhead
+    fraction f minimising the mean |error| of live + R + f * (activations + buffers) against the
+    measured figures (live = the prediction without its reserve row), on a grid; and the same
+    fit left out table by table (each table of a source predicted by a fit on the others)."""
+    out = {}
+    for engine in sorted({r["engine"] for r in rows if "error_pct" in r}):
+        mine = [r for r in rows if r.get("engine") == engine and "error_pct" in r and r["reading"] == "nvidia-smi"]
+        if len(mine) < FIT_MIN_PEAKS:
+            continue
+        meas = np.array([r["measured_gib"] for r in mine])
+        live = np.array([r["predicted_gib"] - r["terms_gib"]["reserve"] for r in mine])
+        varying = np.array([r["terms_gib"]["activations"] + r["terms_gib"]["buffers"] for r in mine])
+        tables = np.array([r["id"].split("/")[0] for r in mine])
+
+        def best(idx):
+            pred = live[idx][None, None] + RESERVE_GRID[:, None, None] + OVERHEAD_GRID[None, :, None] * varying[idx]
+            mae = np.mean(np.abs(pred - meas[idx]) / meas[idx], axis=-1)
+            i, j = np.unravel_index(np.argmin(mae), mae.shape)
+            return float(RESERVE_GRID[i]), float(OVERHEAD_GRID[j])
+
+        reserve, overhead = best(np.ones(len(mine), bool))
+        held_out = np.zeros(len(mine))
+        for table in set(tables):
+            r_t, f_t = best(tables != table)
+            test = tables == table
+            held_out[test] = (live[test] + r_t + f_t * varying[test] - meas[test]) / meas[test] * 100
+        fitted = (live + reserve + overhead * varying - meas) / meas * 100
+        out[engine] = {"reserved_memory_gib": reserve, "allocator_overhead_fraction": overhead, "peaks": len(mine),
+                       "in_sample": _errors(fitted), "leave_one_table_out": _errors(held_out)}
+    return out
+
+
+def _errors(err: np.ndarray) -> dict:
+    return {"mean_abs_error_pct": float(np.mean(np.abs(err))), "bias_pct": float(np.mean(err)),
+            "worst_under_pct": float(np.min(err))}
+
+
 # ---- output -------------------------------------------------------------------------------------
 def fmt_terms(terms: dict) -> str:
     return ", ".join(f"{k} {v:.1f}" for k, v in terms.items())
@@ -356,15 +401,25 @@ def print_layouts(rep: dict, skipped: list) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--fit", action="store_true", help="fit each engine's reserve and allocator overhead on its "
+                        "nvidia-smi peaks (and print them left out table by table)")
     args = parser.parse_args(argv)
     cases = runs_yaml_cases() + memory_runs_cases()
     peaks = peaks_report(cases)
+    if args.fit:
+        peaks["fit"] = fit_reserve(peaks["rows"])
     runs, skipped = published_runs()
     layouts = layouts_report(runs)
     if args.json:
         print(json.dumps({"schema_version": 1, "peaks": peaks, "layouts": layouts, "not_expressible": skipped}, indent=1))
         return 0
     print_peaks(peaks)
+    for engine, f in peaks.get("fit", {}).items():
+        print(f"\nfit for {engine} ({f['peaks']} nvidia-smi peaks): reserved_memory_gib {f['reserved_memory_gib']:.1f}, "
+              f"allocator_overhead_fraction {f['allocator_overhead_fraction']:.2f}; in sample: mean |error| "
+              f"{f['in_sample']['mean_abs_error_pct']:.1f}%, bias {f['in_sample']['bias_pct']:+.1f}%; each table left "
+              f"out: {f['leave_one_table_out']['mean_abs_error_pct']:.1f}%, bias "
+              f"{f['leave_one_table_out']['bias_pct']:+.1f}%, worst under {f['leave_one_table_out']['worst_under_pct']:+.1f}%")
     print_layouts(layouts, skipped)
     return 0
 

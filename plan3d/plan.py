@@ -100,6 +100,7 @@ class Estimate(_Record):
     engine: Text = ""
     provenance: list[Text] = []
     cp_comm: Text = ""
+    grad_dtype: Text = ""
 
 
 class RankMapRecord(_Record):

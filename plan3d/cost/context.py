@@ -72,11 +72,14 @@ class CostContext:
     dropout: bool = False  # the model trains with dropout: 1-byte masks are saved (plan3d.cost.memory)
     scores_stored: bool = False  # unfused attention: the softmax output (and dropout mask and output) is saved
     grad_dtype: str = "fp32"  # the gradient buffer's dtype (`grad_dtype`)
+    grad_label: str = "fp32"  # the gradients as budgeted, for display: "fp32", "bf16", "fp32 + bf16 .grad"
     grad_copy_bytes: int = 0  # 16-bit .grad tensors kept next to an fp32 buffer (DeepSpeed BF16_Optimizer), per parameter
     step_grad_cast_bytes: int = 0  # fp32 copy of 16-bit gradients the optimizer step makes, per parameter it updates
     reduce_bucket_elements: float = 0.0  # flat bucket the gradient reduction copies into (DeepSpeed), in elements
     pipeline_outputs_kept: bool = False  # each stage keeps its output of every micro-batch in flight (DeepSpeed)
     zero3_live_params: float = 0.0  # ZeRO-3: parameters gathered at once, at most (0: two whole layers)
+    logit_bytes: float = 4.0  # bytes per logit element at the loss's peak (engine runs_as.logit_bytes)
+    fsdp_unsharded_with_pp: bool = False  # pp > 1: FSDP keeps weights gathered and fp32 grads unsharded
     allocator_overhead_fraction: float = 0.0  # allocator's cache beyond live activations and buffers, as a share
     # attention as the weights see it (`_attention_fields`: plain or multi-head latent attention)
     attn_weight_params: int = 0  # weight-matrix parameters of one attention block (its linear GEMMs)
@@ -127,7 +130,9 @@ def gradient_extras(training: TrainingSpec, engine: EngineSpec | None) -> dict:
     dtype = grad_dtype(training, engine)
     mixed = training.precision != "fp32"
     keeps = bool(engine and engine.runs_as.gradients.keeps_16bit_grads)
-    return {"grad_dtype": dtype, "grad_copy_bytes": 2 if mixed and dtype == "fp32" and keeps else 0,
+    copy = mixed and dtype == "fp32" and keeps
+    half = "fp16" if training.precision == "fp16" else "bf16"
+    return {"grad_dtype": dtype, "grad_copy_bytes": 2 if copy else 0, "grad_label": f"{dtype} + {half} .grad" if copy else dtype,
             "step_grad_cast_bytes": 4 if mixed and dtype != "fp32" else 0}
 
 
@@ -195,6 +200,8 @@ def _model_fields(model: ModelSpec, training: TrainingSpec, engine: EngineSpec |
         reduce_bucket_elements=runs_as.reduce_bucket_elements if runs_as else 0.0,
         pipeline_outputs_kept=bool(runs_as and runs_as.pipeline_outputs_kept),
         zero3_live_params=runs_as.zero3_live_params if runs_as else 0.0,
+        logit_bytes=runs_as.logit_bytes if runs_as else 4.0,
+        fsdp_unsharded_with_pp=bool(runs_as and runs_as.fsdp_unsharded_with_pp),
         allocator_overhead_fraction=engine.efficiency.allocator_overhead_fraction if engine else 0.0,
     )
 

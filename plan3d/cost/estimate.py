@@ -45,6 +45,7 @@ class Estimate:
     engine: str = ""  # the engine predicted for ("" : the cluster's values alone)
     provenance: list = field(default_factory=list)  # which fitted values were used, from what data
     cp_comm: str = ""  # context parallelism's K/V exchange priced (p2p, all_gather, a2a); "" with cp = 1
+    grad_dtype: str = ""  # the gradients budgeted: fp32, bf16, fp16, or "fp32 + bf16 .grad" (context.gradient_extras)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -57,7 +58,9 @@ def estimate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, lay
 
     A layout smaller than the cluster runs on its first GPUs (whole nodes first); an engine that
     splits layers unevenly on its own (Megatron-DeepSpeed) gets its split."""
+    notes = []
     if engine is not None:
+        notes = [n for n in (engine.zero_note(layout),) if n]
         layout = engine.resolve_split(layout, model)
         problems = engine.layout_problems(layout, model)
         if problems:
@@ -77,11 +80,12 @@ def estimate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, lay
     moe_layers = np.array([c[1] for c in counts], dtype=np.float64)[:, None]
     pp_rank = np.arange(layout.pp, dtype=np.float64)[:, None]
     out = evaluate(ctx, la, link_arrays, pp_rank, layers, np.ones_like(layers), moe_layers)
-    result = _to_estimate(out, layout, _tiers(links, layout), _warnings(cluster, model, layout))
+    result = _to_estimate(out, layout, _tiers(links, layout), notes + _warnings(cluster, model, layout))
     require_finite(_numbers(result), cluster, model, training, engine)
     trust = provenance(cluster, engine, training, layout.zero)
     return replace(result, engine=engine.name if engine else "", provenance=trust.lines,
-                   warnings=result.warnings + trust.warnings, cp_comm=ctx.cp_comm if layout.cp > 1 else "")
+                   warnings=result.warnings + trust.warnings, cp_comm=ctx.cp_comm if layout.cp > 1 else "",
+                   grad_dtype=ctx.grad_label)
 
 
 def _tiers(links: dict, layout: Layout) -> dict:

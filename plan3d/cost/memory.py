@@ -18,8 +18,6 @@ from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
 from plan3d.vocab import RECOMPUTE_CODES
 
-LOGITS_BYTES = 4  # the loss reads fp32 logits
-
 
 # ---- parameters ----------------------------------------------------------------------------
 def layer_params_split(ctx: CostContext) -> int:
@@ -72,15 +70,22 @@ def stage_params(ctx: CostContext, tp, pp, pp_rank, layers_on_rank, moe_on_rank=
     return layers + first + last
 
 
-def model_states(ctx: CostContext, params, dp, zero, expert_params=0.0, edp=1.0) -> dict:
+def model_states(ctx: CostContext, params, dp, zero, expert_params=0.0, edp=1.0, pp=1.0) -> dict:
     """Bytes of weights, gradients and optimizer states on one rank under ZeRO stage `zero`:
     1 shards the optimizer over dp, 2 also the gradients, 3 also the weights (ZeRO paper, Fig. 1).
     The routed experts' parameters (`expert_params`) shard the same way over the expert-data-
     parallel group `edp` = dp*cp/ep instead (Megatron-Core's distributed optimizer shards expert
-    parameters over expert_data_parallel_group)."""
+    parameters over expert_data_parallel_group). Gradients as the engine keeps them: its buffer
+    (`grad_bytes`) and the 16-bit copies it keeps beside an fp32 one (`grad_copy_bytes`). An engine
+    whose FSDP keeps a stage's parameters gathered and its gradients unsharded across the
+    micro-batches of a pipeline (`fsdp_unsharded_with_pp`, pp > 1 and ZeRO >= 2: torchtitan) holds
+    the weights whole and an unsharded fp32 gradient beside the sharded one."""
     def part(per_param, stage):
         return sharded_bytes(per_param, stage, params, dp, zero, expert_params, edp)
-    return {"weights": part(ctx.weight_bytes, 3), "gradients": part(ctx.grad_bytes + ctx.grad_copy_bytes, 2),
+    held = np.asarray(ctx.fsdp_unsharded_with_pp & (pp > 1) & (zero >= 2))
+    unsharded_grads = np.where(held, (params + expert_params) * ctx.grad_bytes, 0.0)
+    return {"weights": np.where(held, part(ctx.weight_bytes, 4), part(ctx.weight_bytes, 3)),
+            "gradients": part(ctx.grad_bytes + ctx.grad_copy_bytes, 2) + unsharded_grads,
             "optimizer": part(ctx.optim_bytes, 1)}
 
 
@@ -114,7 +119,7 @@ def model_state_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, 
     params = stage_params(ctx, float(layout.tp), float(layout.pp), float(pp_rank), float(layers), float(moe))
     experts = moe * expert_rank_params(ctx, float(layout.expert_tp), float(layout.ep))
     dp_cp = float(layout.dp * layout.cp)
-    states = model_states(ctx, params, dp_cp, float(layout.zero), experts, float(layout.expert_dp))
+    states = model_states(ctx, params, dp_cp, float(layout.zero), experts, float(layout.expert_dp), float(layout.pp))
     return {k: float(v) for k, v in states.items()}
 
 
@@ -242,7 +247,8 @@ def stage_activation_bytes(ctx: CostContext, la: LayoutArrays, pp_rank, layers_o
     """Activations at the peak of rank `pp_rank`: in-flight micro-batches times its layers
     (full recompute keeps only each layer's input, 2*s*B*h, plus one layer's working set: the
     larger of a dense and an MoE layer where it has both), and the fp32 logits of one micro-batch
-    on the last stage (its seq / cp tokens with context parallelism)."""
+    on the last stage (its seq / cp tokens with context parallelism), at the engine's `logit_bytes` per
+    element (the bf16 output, the loss's fp32 copy and what it saves)."""
     full = la.recompute >= RECOMPUTE_CODES["full"]
     selective = la.recompute == RECOMPUTE_CODES["selective"]
     per_layer = layer_activation_bytes(ctx, la)
@@ -254,7 +260,7 @@ def stage_activation_bytes(ctx: CostContext, la: LayoutArrays, pp_rank, layers_o
     largest = np.where(moe_on_rank > 0, np.maximum(per_layer, per_moe), per_layer)
     working = np.where(full, largest, 0.0)
     acts = in_flight(la, pp_rank) * ((layers_on_rank - moe_on_rank) * stored + moe_on_rank * stored_moe) + working
-    logits = ctx.seq * la.mb_share * padded_vocab(ctx, la.tp) / la.tp * LOGITS_BYTES
+    logits = ctx.seq * la.mb_share * padded_vocab(ctx, la.tp) / la.tp * ctx.logit_bytes
     return acts + np.where(pp_rank == la.pp - 1, logits, 0.0) + pipeline_output_bytes(ctx, la, pp_rank)
 
 
@@ -358,7 +364,7 @@ def stage_memory(ctx: CostContext, la: LayoutArrays, pp_rank, layers_on_rank, mo
     `expert_params` the routed experts' (ZeRO-sharded over dp*cp and dp*cp/ep respectively)."""
     params = stage_params(ctx, la.tp, la.pp, pp_rank, layers_on_rank, moe_on_rank)
     experts = moe_on_rank * expert_rank_params(ctx, la.expert_tp, la.ep) if ctx.moe_layers else 0.0 * params
-    out = model_states(ctx, params, la.grad_ranks, la.zero, experts, la.expert_grad_ranks)
+    out = model_states(ctx, params, la.grad_ranks, la.zero, experts, la.expert_grad_ranks, la.pp)
     out["activations"] = stage_activation_bytes(ctx, la, pp_rank, layers_on_rank, moe_on_rank)
     out["buffers"] = (buffer_bytes(ctx, la) + fp8_weight_cache_bytes(ctx, la, layers_on_rank, moe_on_rank)
                       + gradient_work_bytes(ctx, la, params, experts) + 0.0 * pp_rank)

@@ -49,6 +49,11 @@ class CanRun(SpecModel):
     zero: list[Literal[0, 1, 2, 3]] = Field([0, 1, 2, 3], min_length=1,
                                            description="ZeRO stages it runs without pipeline parallelism.")
     zero_with_pp: list[Literal[0, 1, 2, 3]] = Field([0, 1], description="ZeRO stages it runs with pp > 1.")
+    zero_read_as_with_pp: dict[Literal["0", "1", "2", "3"], Literal[0, 1, 2, 3]] = Field(
+        default_factory=dict, description="With pp > 1, a ZeRO stage named for what the engine runs as another "
+        "(Megatron-Core {'2': 1}: papers call its distributed optimizer ZeRO-2, since it reduce-scatters gradients into "
+        "the optimizer shard, but it keeps the whole gradient buffer: ZeRO-1 memory); estimate and check accept the "
+        "name with a note instead of refusing it.")
     sequence_parallel: bool = True
     sequence_parallel_required: bool = Field(False, description="Tensor parallelism always shards the "
                                              "norms and dropout over the sequence (torchtitan).")
@@ -160,6 +165,16 @@ class RunsAs(SpecModel):
                                             "that the gradient reduction copies buckets into (DeepSpeed: the ZeRO "
                                             "ipg buffer and the buffered all-reduce, reduce_bucket_size 5e8); 0: "
                                             "the reduction runs in place on the gradient buffer (Megatron).")
+    logit_bytes: float = bounded(4.0, dict(ge=0, le=64), description="Bytes per logit element the last stage holds "
+                                 "at the loss's peak, for one micro-batch (its s*B*V/tp logits): 4, an fp32 copy "
+                                 "(plan3d's runtime); 6, the bf16 output plus the fp32 copy the loss saves (Megatron's "
+                                 "vocab_parallel_cross_entropy(logits.float()) keeps exp_logits); 10, plus an fp32 "
+                                 "log_softmax (torch's cross_entropy(pred.float()): torchtitan, Hugging Face models).")
+    fsdp_unsharded_with_pp: bool = Field(False, description="With pp > 1, FSDP (ZeRO 2/3) keeps the stage's parameters "
+                                         "gathered and its gradients unsharded in fp32 across the micro-batches, "
+                                         "reduce-scattering once after the last (torchtitan: reshard_after_forward = "
+                                         "not pp_enabled; torch.distributed.pipelining defers gradient sync to the last "
+                                         "backward and FSDP2 accumulates the unsharded grad in reduce_dtype).")
     zero3_live_params: float = bounded(0.0, dict(ge=0, le=1e15), description="ZeRO-3: the most parameters held "
                                        "gathered at once (DeepSpeed stage3_max_live_parameters, 1e9 by default: it "
                                        "gathers module by module); 0: two whole layers (the one computing and the "
@@ -340,11 +355,28 @@ class EngineSpec(SpecModel):
         return out
 
     def resolve_split(self, layout: LayoutShape, model: ModelSpec) -> LayoutShape:
-        """`layout` with the engine's own uneven split filled in where it makes one."""
+        """`layout` as the engine runs it: its own uneven split filled in where it makes one, and a
+        ZeRO stage it reads as another with pp > 1 (`zero_read_as`)."""
+        layout = self.zero_read_as(layout)
         if layout.pp_layers is not None:
             return layout
         split = self.default_split(model.layers, layout.pp, layout.vpp)
         return layout if split is None else layout.model_copy(update={"pp_layers": split})
+
+    def zero_read_as(self, layout: LayoutShape) -> LayoutShape:
+        """The layout with a ZeRO stage named for what the engine runs as another
+        (`can_run.zero_read_as_with_pp`, pp > 1 only)."""
+        stage = self.can_run.zero_read_as_with_pp.get(str(layout.zero)) if layout.pp > 1 else None
+        return layout if stage is None else layout.model_copy(update={"zero": stage})
+
+    def zero_note(self, layout: LayoutShape) -> str | None:
+        """The note for a ZeRO stage read as another (None where none is)."""
+        read = self.zero_read_as(layout)
+        if read.zero == layout.zero:
+            return None
+        return (f"ZeRO-{layout.zero} with pp > 1 read as {self.name}'s distributed optimizer, ZeRO-{read.zero} here: "
+                f"optimizer states sharded over dp*cp, gradients reduce-scattered into the shard (ZeRO-2-like traffic) "
+                f"but the whole gradient buffer kept (ZeRO-1 memory)")
 
 
 def grad_dtype(training: TrainingSpec, engine: EngineSpec | None) -> str:

@@ -154,6 +154,7 @@ def candidates(run: Run, engine) -> list[Layout]:
         "vpp": [v for v in run.vpp_choices or (1, 2, 3, 4, 6, 8) if v == 1 or engine.can_run.interleaving],
         "recompute": list(engine.can_run.recompute),
         "sequence_parallel": [False, True] if engine.can_run.sequence_parallel else [False],
+        "zero": list(engine.can_run.zero_with_pp if run.knobs["pp"] > 1 else engine.can_run.zero),
     }
     unknown = [k for k in run.unknown]
     out = []

@@ -14,7 +14,7 @@ stated once here (see the data README):
 - Hardware: the bundled cluster of that GPU (DGX A100 40/80 GB, DGX H100, DGX-2 for V100),
   sized to the run's GPU count.
 - Knobs a source does not state (micro-batch, interleaving depth, recompute, sequence
-  parallelism) are resolved as the publisher would have tuned them: the fastest predicted
+  parallelism, the ZeRO stage where the data says "not stated") are resolved as the publisher would have tuned them: the fastest predicted
   choice that fits in memory among those the engine can run. Which knobs were resolved is kept
   with each run.
 
@@ -88,18 +88,26 @@ class Excluded(Exception):
     """A run that cannot be turned into a step-time measurement (the reason is the message)."""
 
 
-def to_run(row: dict) -> Run:
+def to_run(row: dict, require_time: bool = True) -> Run:
+    """The run of a runs.yaml row; `require_time=False` keeps a row without a step time (its
+    measured_s is nan and how_measured says why), for what does not need one (benchmarks/memory.py)."""
     source, m, par, batch, train = (row["source"]["ref"], row["model"], row["parallelism"], row["batch"],
                                     row["training"])
     gpu = gpu_kind(row["hardware"]["gpu"])
     model = model_of(row, m)
     gb = int(batch["global_batch_seqs"])
     precision = "bf16" if "bf16" in (str(train.get("precision")) + str(train.get("framework"))).lower() else "fp16"
-    # Megatron-LM and DeepSpeed keep 16-bit gradients in fp16 and accumulate in fp32 with bf16
-    training = TrainingSpec(global_batch=gb, precision=precision, fp32_grad_accum=precision == "bf16")
+    # the gradient buffer is the engine's (engine runs_as.gradients): Megatron-LM and DeepSpeed keep
+    # fp16 gradients with fp16 and accumulate in fp32 with bf16
+    training = TrainingSpec(global_batch=gb, precision=precision)
     engine = engine_of(source, row)
     knobs, unknown = knobs_of(row, par, batch, train, engine)
-    measured, how = step_time(row, model, gb, gpu)
+    try:
+        measured, how = step_time(row, model, gb, gpu)
+    except Excluded as why:
+        if require_time:
+            raise
+        measured, how = float("nan"), str(why)
     return Run(id=row["id"], source=source, engine=engine, cluster=cluster_of(gpu, row), gpus=int(row["hardware"]["num_gpus"]),
                model=model, training=training, knobs=knobs, unknown=unknown, measured_s=measured,
                how_measured=how)
@@ -127,10 +135,14 @@ def model_of(row: dict, m: dict) -> ModelSpec:
     arch = str(m.get("arch", "")).lower()
     gated = "geglu" in arch or "swiglu" in arch
     position = "alibi" if row["source"]["ref"] == "bloom_tr11" else "rope" if "rope" in arch else "learned"
+    # dropout: Megatron-LM's default 0.1 (hidden and attention), which these GPT runs and BLOOM inherit
+    # (tr11 README: "The default Megatron-LM dropout settings are inherited"); GPT-NeoX-20B sets both
+    # to 0 (configs/20B.yml, regularization)
     return ModelSpec(name=row["id"], layers=m["layers"], hidden=m["hidden"], heads=m["heads"],
                      kv_heads=m.get("kv_heads"), ffn_hidden=m.get("ffn_hidden"),
                      activation="swiglu" if gated else "gelu", vocab=int(m["vocab"]), seq_len=m["seq_len"],
-                     position=position, tied_embeddings=True)
+                     position=position, tied_embeddings=True,
+                     dropout=0.0 if row["source"]["ref"] == "gptneox" else 0.1)
 
 
 def engine_of(source: str, row: dict) -> str:
@@ -162,6 +174,8 @@ def knobs_of(row: dict, par: dict, batch: dict, train: dict, engine: str) -> tup
     if knobs["dp"] == 1:
         knobs["zero"] = 0
     unknown = []
+    if "not stated" in zero and knobs["dp"] > 1:
+        unknown.append("zero")  # resolved like the other unstated knobs (GLM-130B)
     mb = batch.get("micro_batch")
     if isinstance(mb, int):
         knobs["micro_batch"] = mb
@@ -240,15 +254,21 @@ def load_extra(path: Path = EXTRA, role: str = "held-out") -> tuple[list[Run], l
     return runs, excluded, data.get("sources", {})
 
 
-def extra_to_run(row: dict) -> Run:
+def extra_to_run(row: dict, require_time: bool = True) -> Run:
+    """The run of an extra_runs.yaml row (`require_time=False`: also without a step time, as `to_run`)."""
     if row.get("excluded"):
         raise Excluded(row["excluded"])
     par, batch, train = row["parallelism"], row["batch"], row["training"]
     gpu = extra_gpu_kind(row["hardware"]["gpu"])
-    measured = extra_step_time(row)
+    try:
+        measured = extra_step_time(row)
+    except Excluded as why:
+        if require_time:
+            raise
+        measured = (float("nan"), str(why))
     model = extra_model(row)
     precision = str(train["precision"])
-    training = TrainingSpec(global_batch=int(batch["global_batch_seqs"]), precision=precision, fp32_grad_accum=True)
+    training = TrainingSpec(global_batch=int(batch["global_batch_seqs"]), precision=precision)
     knobs, unknown = extra_knobs(par, batch, train)
     try:
         Layout(**knobs)

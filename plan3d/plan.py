@@ -32,7 +32,7 @@ from plan3d.layout import Layout, layout_problems
 from plan3d.rankmap import MAX_PLAN_RANKS, RankMap, rankmap_for
 from plan3d.specs.base import StrictModel, Text
 from plan3d.specs.cluster import ClusterSpec
-from plan3d.specs.engine import EngineSpec
+from plan3d.specs.engine import EngineSpec, grad_dtype
 from plan3d.specs.loader import (
     MAX_RUN_FILE_BYTES,
     read_mapping,
@@ -105,6 +105,7 @@ class Estimate(_Record):
     step_time_s_band: list[Seconds] = []  # plan3d.cost.bands: [fast end, slow end] of the measured step
     validated: bool | None = None
     region: dict[str, Any] = {}
+    grad_dtype: Text = ""
 
 
 class RankMapRecord(_Record):
@@ -146,6 +147,12 @@ class Plan(StrictModel):
         `load_plan` fills it in for plans saved before engines stated one, `with_stated_cp_comm`), or
         all_gather, plan3d's runtime's, for a plan without an engine."""
         return self.engine.runs_as.cp_comm if self.engine is not None else "all_gather"
+
+    @property
+    def grad_dtype(self) -> str:
+        """The gradient buffer's dtype the plan was predicted with: the training spec's choice, else
+        its engine's (`plan3d.specs.engine.grad_dtype`)."""
+        return grad_dtype(self.training, self.engine)
 
     @property
     def gpus_per_node(self) -> int:

@@ -4,6 +4,7 @@ import pytest
 from plan3d.cost.arrays import layout_arrays
 from plan3d.cost.context import make_context
 from plan3d.cost.memory import layer_activation_bytes, model_state_bytes
+from plan3d.specs.catalog import load_engine
 from plan3d.cost.params import total_params
 from plan3d.layout import Layout
 from plan3d.specs.model import ModelSpec
@@ -75,10 +76,11 @@ def test_larger_dp_never_raises_model_states_under_zero(zero):
     assert all(b <= a for a, b in zip(totals, totals[1:]))
 
 
-def classic_activation(tp, sp):
-    """Korthikanti et al. 2022, Table 2, with flash attention (no 5as/h term)."""
-    model = ModelSpec(name="gpt", layers=2, hidden=64, heads=4, vocab=100, seq_len=32)
-    ctx = make_context(None, model, TrainingSpec(global_batch=8))
+def classic_activation(tp, sp, dropout=0.1, engine=None):
+    """Korthikanti et al. 2022, Table 2 (GPT with dropout 0.1), with flash attention (no 5as/h
+    term) unless the engine runs unfused attention."""
+    model = ModelSpec(name="gpt", layers=2, hidden=64, heads=4, vocab=100, seq_len=32, dropout=dropout)
+    ctx = make_context(None, model, TrainingSpec(global_batch=8), engine)
     la = layout_arrays(8, [tp], [1], [1], [2], [1], [0], [0], [sp])
     return float(layer_activation_bytes(ctx, la)[0]), 32 * 2 * 64
 
@@ -90,6 +92,46 @@ def test_activations_reduce_to_korthikanti_table():
     assert got == pytest.approx(sbh * (10 + 24 / 4))
     got, sbh = classic_activation(4, 1)
     assert got == pytest.approx(34 * sbh / 4)
+
+
+def test_dropout_masks_only_with_dropout():
+    """Two 1-byte hidden-dropout masks per h element: 34 s*b*h with dropout, 32 without (Llama)."""
+    got, sbh = classic_activation(1, 0, dropout=0.0)
+    assert got == pytest.approx(32 * sbh)
+    got, sbh = classic_activation(4, 0, dropout=0.0)
+    assert got == pytest.approx(sbh * (8 + 24 / 4))
+
+
+def test_unfused_attention_stores_the_scores_as_korthikanti_counts():
+    """Unfused attention keeps softmax output, mask and dropout output: 5*a*s/h per s*b*h (Table 2),
+    2*a*s/h without dropout; flash attention none. a=4, s=32, h=64: 5as/h = 10, 2as/h = 4."""
+    unfused = load_engine("megatron-lm-2021")
+    got, sbh = classic_activation(1, 0, engine=unfused)
+    assert got == pytest.approx(sbh * (34 + 5 * 4 * 32 / 64))
+    got, sbh = classic_activation(4, 0, engine=unfused)
+    assert got == pytest.approx(sbh * (10 + 24 / 4 + 5 * 4 * 32 / (64 * 4)))
+    got, sbh = classic_activation(1, 0, dropout=0.0, engine=unfused)
+    assert got == pytest.approx(sbh * (32 + 2 * 4 * 32 / 64))
+    flash, _ = classic_activation(1, 0, engine=load_engine("megatron-core"))
+    assert flash == pytest.approx(34 * sbh)
+
+
+def test_selective_recompute_drops_the_unfused_scores_only():
+    """Selective recompute (Korthikanti Sec. 4.2) keeps the layer but the attention core: with
+    unfused attention its stored activations fall by 5as/h * sbh, with flash by nothing."""
+    from plan3d.cost.memory import stage_activation_bytes
+
+    model = ModelSpec(name="gpt", layers=2, hidden=64, heads=4, vocab=100, seq_len=32, dropout=0.1)
+
+    def stage(engine, recompute):
+        ctx = make_context(None, model, TrainingSpec(global_batch=8), engine)
+        la = layout_arrays(8, [1], [2], [1], [2], [1], [0], [recompute], [0])
+        return float(stage_activation_bytes(ctx, la, 1.0, 1.0)[0])  # the last stage, one micro-batch in flight
+
+    sbh = 32 * 2 * 64
+    unfused, flash = load_engine("megatron-lm-2021"), load_engine("megatron-core")
+    assert stage(unfused, 0) - stage(unfused, 1) == pytest.approx(5 * 4 * 32 / 64 * sbh)
+    assert stage(flash, 0) == pytest.approx(stage(flash, 1))
 
 
 def test_swiglu_stores_three_mlp_tensors():

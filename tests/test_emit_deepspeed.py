@@ -28,15 +28,26 @@ def test_deepspeed_values(tp, pp, dp, mb, zero, precision):
     assert config.get("tensor_parallel", {"autotp_size": 1})["autotp_size"] == tp
     assert any("PipelineModule(num_stages=4" in n for n in emitted.notes) == (pp == 4)
 
-@pytest.mark.parametrize("precision,zero,accum", [
-    ("bf16", 0, "bf16"), ("bf16", 1, "fp32"), ("bf16", 3, "fp32"), ("fp16", 0, "fp16"), ("fp16", 2, "fp32"),
-    ("fp32", 0, "fp32"),
+@pytest.mark.parametrize("precision,fp32_grads,zero,accum", [
+    ("bf16", None, 0, "bf16"), ("bf16", None, 1, "fp32"), ("bf16", None, 3, "fp32"), ("fp16", True, 0, "fp16"),
+    ("fp16", True, 2, "fp32"), ("fp32", None, 0, "fp32"),
 ])
-def test_deepspeed_accumulates_in_fp32_only_where_it_can(precision, zero, accum):
-    """DeepSpeed 0.19 refuses half-precision parameters with fp32 accumulation without ZeRO."""
-    emitted = emit_deepspeed(make_plan(dp=32, zero=zero, precision=precision))
+def test_deepspeed_accumulates_in_fp32_only_where_it_can(precision, fp32_grads, zero, accum):
+    """DeepSpeed 0.19 refuses half-precision parameters with fp32 accumulation without ZeRO; a plan
+    that budgets fp32 gradients there gets a note."""
+    plan = make_plan(dp=32, zero=zero, precision=precision)
+    plan = plan.model_copy(update={"training": plan.training.model_copy(update={"fp32_grad_accum": fp32_grads})})
+    emitted = emit_deepspeed(plan)
     assert json.loads(emitted.text)["data_types"]["grad_accum_dtype"] == accum
     assert any("4-byte fp32 gradients" in n for n in emitted.notes) == (accum != "fp32")
+
+
+@pytest.mark.parametrize("precision,accum", [("bf16", "fp32"), ("fp16", "fp16")])
+def test_deepspeed_writes_the_gradient_dtype_the_plan_budgets(precision, accum):
+    """Without a training choice the plan's engine decides (megatron-core: fp32 for bf16, fp16 for fp16)."""
+    plan = make_plan(dp=32, zero=1, precision=precision)
+    assert plan.grad_dtype == accum
+    assert json.loads(emit_deepspeed(plan).text)["data_types"]["grad_accum_dtype"] == accum
 
 
 def test_deepspeed_overlaps_the_reduction_where_its_optimizer_can():

@@ -7,14 +7,14 @@ from typing import Annotated
 import typer
 
 from plan3d.cli.app import app
-from plan3d.cli.common import EngineOpt
+from plan3d.cli.common import EngineOpt, GpuMemoryOpt
 from plan3d.cli.recommend_cmd import MaxMemFracOpt, MinMfuOpt, _thresholds
 from plan3d.errors import EXIT_FAILED, Plan3dError, SpecError
 from plan3d.job import load_job
-from plan3d.ranking import check_job
+from plan3d.ranking import Finding, check_job
 from plan3d.render import check as render
 from plan3d.render.units import json_text
-from plan3d.specs.catalog import load_engine
+from plan3d.specs.catalog import load_cluster, load_engine, with_gpu_memory
 
 FORMATS = ("text", "github")
 
@@ -27,6 +27,7 @@ def check(
     min_mfu: MinMfuOpt = None,
     max_memory_fraction: MaxMemFracOpt = None,
     engine: EngineOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
     strict: Annotated[bool, typer.Option(
         "--strict", help="Also fail a layout that leaves some of the job's GPUs idle (a warning otherwise).")] = False,
     conservative: Annotated[bool, typer.Option(
@@ -35,22 +36,28 @@ def check(
 ) -> None:
     """Validate a job file for CI: valid, runs on its engine, fits in memory with headroom, meets the thresholds.
 
-    --engine overrides the job file's `engine:` (default megatron-core; plan3d-runtime on CPU clusters)."""
+    --engine overrides the job file's `engine:` (default megatron-core; plan3d-runtime on CPU clusters),
+    --gpu-memory the memory of its cluster's GPUs (GiB)."""
     if fmt not in FORMATS:
         raise SpecError("command line", [f"--format {fmt!r}: use text or github"])
     thresholds = _thresholds(min_mfu, max_memory_fraction)
     override = load_engine(engine) if engine else None  # a bad --engine is not the job file's fault
+    with_gpu_memory(load_cluster("dgx-h100"), gpu_memory)  # a bad --gpu-memory neither
     try:
         job = load_job(job_file, override)
     except Plan3dError as err:
         render.print_invalid(job_file, err.lines(), fmt, json_out)
         raise
+    job = job.model_copy(update={"cluster": with_gpu_memory(job.cluster, gpu_memory)})
     try:  # a prediction that is not finite, or a search over budget, fails the gate with its reason
         report = check_job(job.cluster, job.model, job.training, job.layout, **thresholds, engine=job.engine,
                            strict=strict, conservative=conservative)
     except Plan3dError as err:
         render.print_invalid(job_file, err.lines(), fmt, json_out)
         raise
+    note = job.engine.zero_note(job.layout) if job.engine is not None and job.layout is not None else None
+    if note:  # a ZeRO stage checked as the engine runs it (EngineSpec.zero_read_as)
+        report.findings.insert(0, Finding("notice", note))
     if json_out:
         print(json_text(render.check_dict(job_file, job, report)))
     else:

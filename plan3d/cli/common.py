@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from plan3d.errors import LayoutError, SpecError
 from plan3d.layout import DEFAULT_ORDER, Layout
-from plan3d.specs.catalog import engine_for, load_cluster, load_model, require_positive
+from plan3d.specs.catalog import engine_for, load_cluster, load_model, require_positive, with_gpu_memory
 from plan3d.specs.cluster import ClusterSpec
 from plan3d.specs.loader import validation_problems
 from plan3d.specs.model import ModelSpec
@@ -22,6 +22,9 @@ GpnOpt = Annotated[Optional[int], typer.Option("--gpus-per-node", help="Override
 GlobalBatchOpt = Annotated[Optional[int], typer.Option("--global-batch", help="Sequences per step.")]
 SeqLenOpt = Annotated[Optional[int], typer.Option("--seq-len", help="Override the sequence length.")]
 PrecisionOpt = Annotated[str, typer.Option("--precision", help="bf16, fp16, fp8 or fp32.")]
+GpuMemoryOpt = Annotated[Optional[float], typer.Option(
+    "--gpu-memory", help="Override the GPUs' memory in GiB, for a variant of the cluster's GPU "
+    "(94: H100 NVL, 96: GH200, 141: H200, 180/192: B200).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
 OrderOpt = Annotated[str, typer.Option("--order", help="Rank order, first axis fastest.")]
 EngineOpt = Annotated[Optional[str], typer.Option(
@@ -31,12 +34,13 @@ EngineOpt = Annotated[Optional[str], typer.Option(
 
 def load_specs(cluster: str, model: str, nodes: int | None, gpus_per_node: int | None,
                global_batch: int | None, seq_len: int | None,
-               precision: str = "bf16") -> tuple[ClusterSpec, ModelSpec, TrainingSpec]:
-    """Resolve names or paths and command-line overrides into validated specs."""
+               precision: str = "bf16", gpu_memory: float | None = None) -> tuple[ClusterSpec, ModelSpec, TrainingSpec]:
+    """Resolve names or paths and command-line overrides (--gpu-memory: catalog.with_gpu_memory)
+    into validated specs."""
     for name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node),
                         ("global_batch", global_batch), ("seq_len", seq_len)):
         require_positive(name, value)
-    cluster_spec = load_cluster(cluster, nodes, gpus_per_node)
+    cluster_spec = with_gpu_memory(load_cluster(cluster, nodes, gpus_per_node), gpu_memory)
     model_spec = load_model(model)
     batch = global_batch or model_spec.default_global_batch
     if batch is None:

@@ -6,7 +6,8 @@ from typing import Annotated, Optional
 import typer
 
 from plan3d.cli.app import app
-from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, CpCommOpt, CpOpt, EngineOpt, EpOpt, EtpOpt, GlobalBatchOpt, GpnOpt, JsonOpt, MicroBatchOpt,
+from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, CpCommOpt, CpOpt, EngineOpt, EpOpt, EtpOpt, GlobalBatchOpt, GpnOpt,
+                               GpuMemoryOpt, JsonOpt, MicroBatchOpt,
                                ModelOpt, NodesOpt, OrderOpt, PlotOpt, PpOpt, PrecisionOpt, RecomputeOpt,
                                SeqLenOpt, SeqParallelOpt, TpOpt, VppOpt, ZeroOpt, load_engine_opt, load_specs,
                                make_layout)
@@ -41,6 +42,7 @@ def estimate_command(
     order: OrderOpt = DEFAULT_ORDER,
     nodes: NodesOpt = None,
     gpus_per_node: GpnOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
     precision: PrecisionOpt = "bf16",
     engine: EngineOpt = None,
     cp_comm: CpCommOpt = None,
@@ -49,7 +51,7 @@ def estimate_command(
 ) -> None:
     """Predict the memory of every rank and the time of one training step for one layout, as an engine runs it."""
     cluster_spec, model_spec, training = load_specs(cluster, model, nodes, gpus_per_node, global_batch,
-                                                    seq_len, precision)
+                                                    seq_len, precision, gpu_memory)
     engine_spec = load_engine_opt(engine, cluster_spec, cp_comm)
     flags = dict(tp=tp, pp=pp, cp=cp, micro_batch=micro_batch, vpp=vpp, zero=zero, recompute=recompute,
                  sequence_parallel=sequence_parallel, order=order)

@@ -9,7 +9,8 @@ import typer
 
 from plan3d.cli.app import app
 from plan3d.render.units import json_text
-from plan3d.cli.common import (ClusterOpt, CpCommOpt, CpOpt, EngineOpt, GlobalBatchOpt, GpnOpt, JsonOpt, ModelOpt, NodesOpt, PlotOpt,
+from plan3d.cli.common import (ClusterOpt, CpCommOpt, CpOpt, EngineOpt, GlobalBatchOpt, GpnOpt, GpuMemoryOpt, JsonOpt, ModelOpt,
+                               NodesOpt, PlotOpt,
                                PrecisionOpt, SeqLenOpt, load_engine_opt, load_specs, make_layout)
 from plan3d.errors import InfeasibleError, LayoutError
 
@@ -37,6 +38,7 @@ def recommend(
     model: ModelOpt,
     nodes: NodesOpt = None,
     gpus_per_node: GpnOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
     global_batch: GlobalBatchOpt = None,
     seq_len: SeqLenOpt = None,
     precision: PrecisionOpt = "bf16",
@@ -91,7 +93,7 @@ def recommend(
     from plan3d.render import recommend as render
 
     space = space_from_flags(locals())
-    specs = load_specs(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision)
+    specs = load_specs(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision, gpu_memory)
     engine_spec = load_engine_opt(engine, specs[0], cp_comm)
     space = search.engine_space(space, engine_spec)  # a knob the engine cannot run fails here, before the search
     thresholds = dict(_thresholds(min_mfu, max_memory_fraction), engine=engine_spec)
@@ -264,6 +266,7 @@ def explain_cmd(
     order: Annotated[str, _opt("--order", "Rank order, first axis fastest.")] = "tp-cp-ep-dp-pp",
     nodes: NodesOpt = None,
     gpus_per_node: GpnOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
     global_batch: GlobalBatchOpt = None,
     seq_len: SeqLenOpt = None,
     precision: PrecisionOpt = "bf16",
@@ -278,7 +281,7 @@ def explain_cmd(
     from plan3d.layout import check_layout
     from plan3d.render import recommend as render
 
-    specs = load_specs(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision)
+    specs = load_specs(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision, gpu_memory)
     engine_spec = load_engine_opt(engine, specs[0], cp_comm)
     world = specs[0].world_size
     if dp is None:  # a tp or pp below 1 is left for make_layout to reject

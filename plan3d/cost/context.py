@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from plan3d.cost.fp8 import compute_dtype, fp8_fields
 from plan3d.cost.params import norm_params
 from plan3d.specs.cluster import ClusterSpec
-from plan3d.specs.engine import EngineSpec
+from plan3d.specs.engine import EngineSpec, grad_dtype
 from plan3d.specs.gpu import GPUSpec
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
@@ -39,7 +39,7 @@ class CostContext:
     global_batch: int
     act_bytes: int  # bytes of one activation element (2 in 16-bit, 4 in fp32)
     weight_bytes: int
-    grad_bytes: int
+    grad_bytes: int  # the gradient buffer's dtype (what accumulates and what the reduction moves)
     optim_bytes: int
     reserve_bytes: float
     capacity_bytes: float
@@ -70,6 +70,18 @@ class CostContext:
     cp_kv_saved: bool = False  # all_gather: the gathered K/V are saved for the backward (no second gather)
     cp_ring_overlap: bool = True  # p2p: each ring transfer overlaps a block of attention
     fp8: bool = False  # fp8 training: FP8 weight caches and FP8-saved GEMM inputs (plan3d.cost.memory)
+    dropout: bool = False  # the model trains with dropout: 1-byte masks are saved (plan3d.cost.memory)
+    scores_stored: bool = False  # unfused attention: the softmax output (and dropout mask and output) is saved
+    grad_dtype: str = "fp32"  # the gradient buffer's dtype (`grad_dtype`)
+    grad_label: str = "fp32"  # the gradients as budgeted, for display: "fp32", "bf16", "fp32 + bf16 .grad"
+    grad_copy_bytes: int = 0  # 16-bit .grad tensors kept next to an fp32 buffer (DeepSpeed BF16_Optimizer), per parameter
+    step_grad_cast_bytes: int = 0  # fp32 copy of 16-bit gradients the optimizer step makes, per parameter it updates
+    reduce_bucket_elements: float = 0.0  # flat bucket the gradient reduction copies into (DeepSpeed), in elements
+    pipeline_outputs_kept: bool = False  # each stage keeps its output of every micro-batch in flight (DeepSpeed)
+    zero3_live_params: float = 0.0  # ZeRO-3: parameters gathered at once, at most (0: two whole layers)
+    logit_bytes: float = 4.0  # bytes per logit element at the loss's peak (engine runs_as.logit_bytes)
+    fsdp_unsharded_with_pp: bool = False  # pp > 1: FSDP keeps weights gathered and fp32 grads unsharded
+    allocator_overhead_fraction: float = 0.0  # allocator's cache beyond live activations and buffers, as a share
     # attention as the weights see it (`_attention_fields`: plain or multi-head latent attention)
     attn_weight_params: int = 0  # weight-matrix parameters of one attention block (its linear GEMMs)
     attn_split: int = 0  # attention parameters tensor parallelism divides (column/row-parallel weights, column biases)
@@ -89,17 +101,40 @@ class CostContext:
     expert_replicated: int = 0  # one routed expert's down-projection bias
 
 
-def bytes_per_param(training: TrainingSpec) -> tuple[int, int, int]:
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def bytes_per_param(training: TrainingSpec, engine: EngineSpec | None = None) -> tuple[int, int, int]:
     """(weights, gradients, optimizer) bytes per parameter.
 
-    fp32: 4 + 4 + 8 (Adam m, v). Mixed precision: 2 + (4 if fp32 gradient accumulation else 2)
-    + 12 (fp32 master, m, v) -- the 16 vs 18 bytes of cost-model.md. SGD keeps no moments
-    (mixed precision: the fp32 master only).
+    fp32: 4 + 4 + 8 (Adam m, v). Mixed precision: 2 + the gradient buffer (4 in fp32, 2 in 16 bits:
+    `grad_dtype`, the engine's unless the training spec says) + 12 (fp32 master, m, v) -- the 16 vs
+    18 bytes of cost-model.md. SGD keeps no moments (mixed precision: the fp32 master only).
     """
     sgd = training.optimizer == "sgd"
+    grads = DTYPE_BYTES[grad_dtype(training, engine)]
     if training.precision == "fp32":
         return 4, 4, 0 if sgd else 8
-    return 2, 4 if training.fp32_grad_accum else 2, 4 if sgd else 12
+    return 2, grads, 4 if sgd else 12
+
+
+def gradient_extras(training: TrainingSpec, engine: EngineSpec | None) -> dict:
+    """The engine's gradient memory beyond the buffer, per parameter (`CostContext` fields):
+    - grad_copy_bytes: 2 where the engine keeps the 16-bit .grad tensors next to an fp32 buffer
+      (DeepSpeed BF16_Optimizer: deepspeed/runtime/bf16_optimizer.py adds each bf16 grad into
+      `fp32_groups_gradients_flat` and zeroes it; BigScience's tr11 prequel, 'Rebalancing layers':
+      "The additional memory usage is 4bytes x params and it's not sharded across gpus");
+    - step_grad_cast_bytes: 4 where mixed-precision gradients are 16-bit: the fp32 optimizer step
+      reads an fp32 copy of the gradients it updates (Megatron's Float16Optimizer
+      `main_param.grad = model_param.main_grad.float()`, its distributed optimizer per shard;
+      DeepSpeed stage_1_and_2.py `single_grad_partition = ... .to(fp32)`), sharded as the optimizer."""
+    dtype = grad_dtype(training, engine)
+    mixed = training.precision != "fp32"
+    keeps = bool(engine and engine.runs_as.gradients.keeps_16bit_grads)
+    copy = mixed and dtype == "fp32" and keeps
+    half = "fp16" if training.precision == "fp16" else "bf16"
+    return {"grad_dtype": dtype, "grad_copy_bytes": 2 if copy else 0, "grad_label": f"{dtype} + {half} .grad" if copy else dtype,
+            "step_grad_cast_bytes": 4 if mixed and dtype != "fp32" else 0}
 
 
 def tp_overlap_off_zero(runs_as, generation: str) -> tuple:
@@ -117,7 +152,7 @@ def make_context(cluster: ClusterSpec | None, model: ModelSpec, training: Traini
     fitted software values (non-GEMM bytes, host overheads, overlap) replace the GPU spec's where
     the engine sets them. No engine: the GPU spec's values alone (a calibrated cluster)."""
     if cluster is None:
-        return CostContext(**_model_fields(model, training), reserve_bytes=reserve_bytes(None, training),
+        return CostContext(**_model_fields(model, training, engine), reserve_bytes=reserve_bytes(None, training, engine),
                            capacity_bytes=0.0, peak_flops=0.0,
                            hbm_bytes_per_s=0.0, gemm_max_fraction=1.0, gemm_half_work_flops=0.0,
                            elementwise_bytes=0.0, attention_score_bytes=0.0, layer_overhead_s=0.0,
@@ -129,8 +164,8 @@ def make_context(cluster: ClusterSpec | None, model: ModelSpec, training: Traini
     runs_as = engine.runs_as if engine is not None else None
     max_fraction = eff.max_fraction * (engine.efficiency.gemm_efficiency_scale if engine else 1.0)
     return CostContext(
-        **_model_fields(model, training),
-        reserve_bytes=reserve_bytes(cluster, training),
+        **_model_fields(model, training, engine),
+        reserve_bytes=reserve_bytes(cluster, training, engine),
         capacity_bytes=cluster.gpu.memory_bytes * (1 - training.memory_headroom_fraction),
         peak_flops=cluster.gpu.peak_flops(compute_dtype(training.precision)),
         **fp8_fields(cluster.gpu, eff, max_fraction, training),
@@ -156,8 +191,9 @@ def make_context(cluster: ClusterSpec | None, model: ModelSpec, training: Traini
     )
 
 
-def _model_fields(model: ModelSpec, training: TrainingSpec) -> dict:
-    weights, grads, optim = bytes_per_param(training)
+def _model_fields(model: ModelSpec, training: TrainingSpec, engine: EngineSpec | None = None) -> dict:
+    weights, grads, optim = bytes_per_param(training, engine)
+    runs_as = engine.runs_as if engine is not None else None
     return dict(
         layers=model.layers, hidden=model.hidden, heads=model.heads,
         **_attention_fields(model), **_moe_fields(model),
@@ -166,8 +202,15 @@ def _model_fields(model: ModelSpec, training: TrainingSpec) -> dict:
         position_params=model.seq_len * model.hidden if model.position == "learned" else 0,
         norm_params=norm_params(model), bias=model.bias, qkv_bias=model.qkv_bias_, tied=model.tied_embeddings,
         global_batch=training.global_batch, act_bytes=4 if training.precision == "fp32" else 2,
-        fp8=training.precision == "fp8",
-        weight_bytes=weights, grad_bytes=grads, optim_bytes=optim,
+        fp8=training.precision == "fp8", dropout=model.dropout > 0,
+        scores_stored=bool(runs_as and runs_as.attention == "unfused"),
+        weight_bytes=weights, grad_bytes=grads, optim_bytes=optim, **gradient_extras(training, engine),
+        reduce_bucket_elements=runs_as.reduce_bucket_elements if runs_as else 0.0,
+        pipeline_outputs_kept=bool(runs_as and runs_as.pipeline_outputs_kept),
+        zero3_live_params=runs_as.zero3_live_params if runs_as else 0.0,
+        logit_bytes=runs_as.logit_bytes if runs_as else 4.0,
+        fsdp_unsharded_with_pp=bool(runs_as and runs_as.fsdp_unsharded_with_pp),
+        allocator_overhead_fraction=engine.efficiency.allocator_overhead_fraction if engine else 0.0,
     )
 
 
@@ -233,10 +276,13 @@ def _moe_fields(model: ModelSpec) -> dict:
                 expert_split=mats * h * fe + (mats - 1) * fe * bias, expert_replicated=h * bias)
 
 
-def reserve_bytes(cluster: ClusterSpec | None, training: TrainingSpec) -> float:
-    """Memory no formula sees: the training spec's override, else the GPU's own figure."""
+def reserve_bytes(cluster: ClusterSpec | None, training: TrainingSpec, engine: EngineSpec | None = None) -> float:
+    """Memory no formula sees: the training spec's override, else the engine's fitted figure,
+    else the GPU's own."""
     if training.reserved_memory_gib is not None:
         return training.reserved_memory_gib * GIB
+    if engine is not None and engine.efficiency.reserved_memory_gib is not None:
+        return engine.efficiency.reserved_memory_gib * GIB
     gpu_reserve = cluster.gpu.reserved_memory_gib if cluster is not None else GPUSpec.model_fields[
         "reserved_memory_gib"].default
     return gpu_reserve * GIB

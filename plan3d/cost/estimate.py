@@ -51,6 +51,7 @@ class Estimate:
     step_time_s_band: list = field(default_factory=list)  # [fast end, slow end] of the measured step (plan3d.cost.bands)
     validated: bool = False  # inside a region of measured runs (no feature extrapolated)
     region: dict = field(default_factory=dict)  # the band's region, runs, sources and what is extrapolated
+    grad_dtype: str = ""  # the gradients budgeted: fp32, bf16, fp16, or "fp32 + bf16 .grad" (context.gradient_extras)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -63,7 +64,9 @@ def estimate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, lay
 
     A layout smaller than the cluster runs on its first GPUs (whole nodes first); an engine that
     splits layers unevenly on its own (Megatron-DeepSpeed) gets its split."""
+    notes = []
     if engine is not None:
+        notes = [n for n in (engine.zero_note(layout),) if n]
         layout = engine.resolve_split(layout, model)
         problems = engine.layout_problems(layout, model)
         if problems:
@@ -83,14 +86,14 @@ def estimate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, lay
     moe_layers = np.array([c[1] for c in counts], dtype=np.float64)[:, None]
     pp_rank = np.arange(layout.pp, dtype=np.float64)[:, None]
     out = evaluate(ctx, la, link_arrays, pp_rank, layers, np.ones_like(layers), moe_layers)
-    result = _to_estimate(out, layout, _tiers(links, layout), _warnings(cluster, model, layout))
+    result = _to_estimate(out, layout, _tiers(links, layout), notes + _warnings(cluster, model, layout))
     require_finite(_numbers(result), cluster, model, training, engine)
     trust = provenance(cluster, engine, training, layout.zero)
     band = layout_band(cluster, model, training, layout, engine)
     return replace(result, engine=engine.name if engine else "", provenance=trust.lines,
                    warnings=result.warnings + trust.warnings, cp_comm=ctx.cp_comm if layout.cp > 1 else "",
                    step_time_s_band=list(band.step_band(result.step_time_s)), validated=band.validated,
-                   region=band.summary())
+                   region=band.summary(), grad_dtype=ctx.grad_label)
 
 
 def layout_band(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, layout: Layout,

@@ -13,11 +13,10 @@ import numpy as np
 from plan3d.cost.arrays import LayoutArrays, layout_arrays
 from plan3d.cost.context import CostContext, make_context
 from plan3d.layout import Layout
+from plan3d.specs.engine import EngineSpec
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
 from plan3d.vocab import RECOMPUTE_CODES
-
-LOGITS_BYTES = 4  # the loss reads fp32 logits
 
 
 # ---- parameters ----------------------------------------------------------------------------
@@ -71,29 +70,56 @@ def stage_params(ctx: CostContext, tp, pp, pp_rank, layers_on_rank, moe_on_rank=
     return layers + first + last
 
 
-def model_states(ctx: CostContext, params, dp, zero, expert_params=0.0, edp=1.0) -> dict:
+def model_states(ctx: CostContext, params, dp, zero, expert_params=0.0, edp=1.0, pp=1.0) -> dict:
     """Bytes of weights, gradients and optimizer states on one rank under ZeRO stage `zero`:
     1 shards the optimizer over dp, 2 also the gradients, 3 also the weights (ZeRO paper, Fig. 1).
     The routed experts' parameters (`expert_params`) shard the same way over the expert-data-
     parallel group `edp` = dp*cp/ep instead (Megatron-Core's distributed optimizer shards expert
-    parameters over expert_data_parallel_group)."""
+    parameters over expert_data_parallel_group). Gradients as the engine keeps them: its buffer
+    (`grad_bytes`) and the 16-bit copies it keeps beside an fp32 one (`grad_copy_bytes`). An engine
+    whose FSDP keeps a stage's parameters gathered and its gradients unsharded across the
+    micro-batches of a pipeline (`fsdp_unsharded_with_pp`, pp > 1 and ZeRO >= 2: torchtitan) holds
+    the weights whole and an unsharded fp32 gradient beside the sharded one."""
     def part(per_param, stage):
-        return (params * per_param / np.where(zero >= stage, dp, 1.0)
-                + expert_params * per_param / np.where(zero >= stage, edp, 1.0))
-    return {"weights": part(ctx.weight_bytes, 3), "gradients": part(ctx.grad_bytes, 2),
+        return sharded_bytes(per_param, stage, params, dp, zero, expert_params, edp)
+    held = np.asarray(ctx.fsdp_unsharded_with_pp & (pp > 1) & (zero >= 2))
+    unsharded_grads = np.where(held, (params + expert_params) * ctx.grad_bytes, 0.0)
+    return {"weights": np.where(held, part(ctx.weight_bytes, 4), part(ctx.weight_bytes, 3)),
+            "gradients": part(ctx.grad_bytes + ctx.grad_copy_bytes, 2) + unsharded_grads,
             "optimizer": part(ctx.optim_bytes, 1)}
 
 
-def model_state_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, pp_rank: int) -> dict:
+def sharded_bytes(per_param, stage, params, dp, zero, expert_params=0.0, edp=1.0):
+    """Bytes of `per_param` bytes per parameter that ZeRO stage `stage` and above shard: the dense
+    part over dp (dp*cp), the routed experts over their expert-data-parallel group."""
+    return (params * per_param / np.where(zero >= stage, dp, 1.0)
+            + expert_params * per_param / np.where(zero >= stage, edp, 1.0))
+
+
+def gradient_work_bytes(ctx: CostContext, la: LayoutArrays, params, expert_params=0.0):
+    """Gradient memory outside the model states (`CostContext` fields, from the engine profile):
+    the optimizer step's fp32 copy of 16-bit gradients, sharded as the optimizer states
+    (`step_grad_cast_bytes`), and the flat bucket the engine's reduction copies gradients into
+    (`reduce_bucket_elements` in the gradient dtype, at most the rank's gradients: DeepSpeed
+    stage_1_and_2.py allocates `ipg_buffer` of reduce_bucket_size elements for a pipeline's
+    reduction, and its engine's buffered all-reduce flattens buckets of 5e8 elements)."""
+    cast = sharded_bytes(ctx.step_grad_cast_bytes, 1, params, la.grad_ranks, la.zero, expert_params,
+                         la.expert_grad_ranks)
+    bucket = np.minimum(ctx.reduce_bucket_elements, params + expert_params) * ctx.grad_bytes
+    return cast + bucket
+
+
+def model_state_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, pp_rank: int,
+                      engine: EngineSpec | None = None) -> dict:
     """Exact bytes of weights, gradients and optimizer states ONE rank of stage `pp_rank` holds
     (the shared accounting contract: dense part over dp*cp, routed experts over the expert-data-parallel
-    ranks, dp*cp/ep, or tp*cp*dp/(ep*etp) with an expert tp of its own)."""
-    ctx = make_context(None, model, training)
+    ranks, dp*cp/ep, or tp*cp*dp/(ep*etp) with an expert tp of its own), gradients as `engine` keeps them."""
+    ctx = make_context(None, model, training, engine)
     layers, moe = rank_layer_counts(model, layout, pp_rank)
     params = stage_params(ctx, float(layout.tp), float(layout.pp), float(pp_rank), float(layers), float(moe))
     experts = moe * expert_rank_params(ctx, float(layout.expert_tp), float(layout.ep))
     dp_cp = float(layout.dp * layout.cp)
-    states = model_states(ctx, params, dp_cp, float(layout.zero), experts, float(layout.expert_dp))
+    states = model_states(ctx, params, dp_cp, float(layout.zero), experts, float(layout.expert_dp), float(layout.pp))
     return {k: float(v) for k, v in states.items()}
 
 
@@ -114,16 +140,39 @@ def rank_layer_counts(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[i
 
 # ---- activations ---------------------------------------------------------------------------
 def layer_activation_bytes(ctx: CostContext, la: LayoutArrays):
-    """Bytes one layer stores for one micro-batch without recompute (Korthikanti Table 2 with
-    flash attention): 10*s*B*h replicated (norm inputs, dropout masks; divided by tp under
-    sequence parallelism), plus Q, K, V, the attention output and the MLP activations per tp.
+    """Bytes one layer stores for one micro-batch without recompute (Korthikanti Table 2, whose
+    34*s*B*h count this reproduces for a GELU MLP of 4h with dropout): the `norm_mask_bytes`
+    (divided by tp under sequence parallelism), Q, K, V, the attention output and the MLP
+    activations per tp, and with unfused attention the scores (`attention_score_store_bytes`).
     Context parallelism stores the rank's seq / cp tokens only (`LayoutArrays.mb_share`), plus
     the other ranks' K/V where the engine saves the gathered K/V (`cp_saved_kv_bytes`)."""
     sb = ctx.seq * la.mb_share
-    replicated = 10 * sb * ctx.hidden / la.sp_div
     attention = 2 * sb * (2 * ctx.q_dim + 2 * ctx.kv_dim) / la.tp
     mlp = 2 * sb * ctx.ffn * ctx.mlp_mats / la.tp  # GELU: in, out; SwiGLU: gate, up, product
-    return (replicated + attention + mlp) * ctx.act_bytes / 2 - fp8_saved_input_bytes(ctx, la) + cp_saved_kv_bytes(ctx, la)
+    return ((attention + mlp) * ctx.act_bytes / 2 + norm_mask_bytes(ctx, la) + attention_score_store_bytes(ctx, la)
+            - fp8_saved_input_bytes(ctx, la) + cp_saved_kv_bytes(ctx, la))
+
+
+def norm_mask_bytes(ctx: CostContext, la: LayoutArrays):
+    """The h-wide tensors of a layer every tp rank keeps whole (divided by tp under sequence
+    parallelism): the two norms' inputs and the QKV and MLP inputs (4 activations), and with
+    dropout the 1-byte masks of the two hidden dropouts (Korthikanti et al. 2022, Sec. 4.1: the
+    10*s*b*h of Table 2 is 4 + 2 + 2 bytes of tensors and 2 of masks). A model without dropout
+    keeps no masks (torch's dropout returns its input for p = 0)."""
+    sb = ctx.seq * la.mb_share
+    masks = 2 if ctx.dropout else 0
+    return (4 * ctx.act_bytes + masks) * sb * ctx.hidden / la.sp_div
+
+
+def attention_score_store_bytes(ctx: CostContext, la: LayoutArrays):
+    """What unfused attention (the engine's `runs_as.attention: unfused`) saves per layer and
+    micro-batch: the softmax output of its a*s*s*B/tp scores, and with dropout the 1-byte mask
+    and the dropout output (Korthikanti et al. 2022, Table 2's 5*a*s/h term: 2 + 1 + 2 bytes per
+    score). Flash attention saves none. Selective recompute drops it (`stage_activation_bytes`)."""
+    if not ctx.scores_stored:
+        return 0.0 * la.tp
+    per_score = ctx.act_bytes + ((1 + ctx.act_bytes) if ctx.dropout else 0)
+    return per_score * ctx.heads / la.tp * ctx.seq * la.mb_share * ctx.seq
 
 
 def fp8_saved_input_bytes(ctx: CostContext, la: LayoutArrays):
@@ -176,14 +225,13 @@ def moe_layer_activation_bytes(ctx: CostContext, la: LayoutArrays):
     rank: Megatron-Core MoEAlltoAllTokenDispatcher keeps both for the backward) and the router's
     logits and probabilities (tokens x experts, sequence-split under sequence parallelism)."""
     sb = ctx.seq * la.mb_share
-    replicated = 10 * sb * ctx.hidden / la.sp_div
     attention = 2 * sb * (2 * ctx.q_dim + 2 * ctx.kv_dim) / la.tp
     shared = 2 * sb * ctx.shared_ffn * ctx.mlp_mats / la.tp
     routed = routed_tokens(ctx, la)
     experts = 2 * routed * ctx.expert_ffn * ctx.mlp_mats / la.tp
     dispatch = 2 * routed * la.expert_tp / la.tp * ctx.hidden + 2 * sb * ctx.experts / la.sp_div  # elements
-    return ((replicated + attention + shared + experts) * ctx.act_bytes / 2 + dispatch * ctx.act_bytes
-            + cp_saved_kv_bytes(ctx, la))
+    return ((attention + shared + experts) * ctx.act_bytes / 2 + dispatch * ctx.act_bytes + norm_mask_bytes(ctx, la)
+            + attention_score_store_bytes(ctx, la) + cp_saved_kv_bytes(ctx, la))
 
 
 def in_flight(la: LayoutArrays, pp_rank):
@@ -199,18 +247,38 @@ def stage_activation_bytes(ctx: CostContext, la: LayoutArrays, pp_rank, layers_o
     """Activations at the peak of rank `pp_rank`: in-flight micro-batches times its layers
     (full recompute keeps only each layer's input, 2*s*B*h, plus one layer's working set: the
     larger of a dense and an MoE layer where it has both), and the fp32 logits of one micro-batch
-    on the last stage (its seq / cp tokens with context parallelism)."""
+    on the last stage (its seq / cp tokens with context parallelism), at the engine's `logit_bytes` per
+    element (the bf16 output, the loss's fp32 copy and what it saves). The logits and the
+    recompute working set are never live together: the loss's backward frees what it saved before
+    the first layer is recomputed, so the rank holds the larger of the two, not their sum."""
     full = la.recompute >= RECOMPUTE_CODES["full"]
+    selective = la.recompute == RECOMPUTE_CODES["selective"]
     per_layer = layer_activation_bytes(ctx, la)
     per_moe = moe_layer_activation_bytes(ctx, la) if ctx.moe_layers else per_layer
     checkpoint = 2 * ctx.seq * la.mb_share * ctx.hidden / la.sp_div * ctx.act_bytes / 2
-    stored = np.where(full, checkpoint, per_layer)
-    stored_moe = np.where(full, checkpoint, per_moe)
+    scores = np.where(selective, attention_score_store_bytes(ctx, la), 0.0)  # selective recomputes the scores
+    stored = np.where(full, checkpoint, per_layer - scores)
+    stored_moe = np.where(full, checkpoint, per_moe - scores)
     largest = np.where(moe_on_rank > 0, np.maximum(per_layer, per_moe), per_layer)
     working = np.where(full, largest, 0.0)
-    acts = in_flight(la, pp_rank) * ((layers_on_rank - moe_on_rank) * stored + moe_on_rank * stored_moe) + working
-    logits = ctx.seq * la.mb_share * padded_vocab(ctx, la.tp) / la.tp * LOGITS_BYTES
-    return acts + np.where(pp_rank == la.pp - 1, logits, 0.0)
+    kept = in_flight(la, pp_rank) * ((layers_on_rank - moe_on_rank) * stored + moe_on_rank * stored_moe)
+    logits = np.where(pp_rank == la.pp - 1, ctx.seq * la.mb_share * padded_vocab(ctx, la.tp) / la.tp
+                      * ctx.logit_bytes, 0.0)
+    return kept + np.maximum(working, logits) + pipeline_output_bytes(ctx, la, pp_rank)
+
+
+def pipeline_output_bytes(ctx: CostContext, la: LayoutArrays, pp_rank):
+    """The stage outputs an engine keeps until their backward (`pipeline_outputs_kept`: DeepSpeed's
+    PipelineEngine holds pipe_buffers['outputs'] for every micro-batch in flight, and with tp > 1
+    partitions each over the tensor-parallel group, keeping its 1/tp slice: pipe/engine.py
+    _exec_forward_pass, `is_pipe_partitioned`): s*B*h/tp per micro-batch in flight on every stage
+    but the last. Megatron frees the output's data once sent (`deallocate_output_tensor`;
+    Korthikanti et al. 2022, Appendix B: s*b*h*p*2 bytes saved on pipeline rank 0, 2.73 GB for
+    their 530B layout)."""
+    if not ctx.pipeline_outputs_kept:
+        return 0.0 * pp_rank
+    boundary = ctx.seq * la.mb_share * ctx.hidden / la.tp * ctx.act_bytes
+    return np.where(pp_rank < la.pp - 1, in_flight(la, pp_rank) * boundary, 0.0)
 
 
 def buffer_bytes(ctx: CostContext, la: LayoutArrays):
@@ -228,8 +296,18 @@ def buffer_bytes(ctx: CostContext, la: LayoutArrays):
                     + expert_rank_params(ctx, la.expert_tp, la.ep)) * ctx.weight_bytes
         layer_full = np.maximum(layer_full, moe_full)
         p2p = p2p + np.where(la.ep > 1, ep_a2a_buffer_bytes(ctx, la), 0.0)
-    return (p2p + sp_gather + np.where(la.zero >= 3, 2 * layer_full, 0.0)
+    return (p2p + sp_gather + np.where(la.zero >= 3, zero3_gathered_bytes(ctx, layer_full), 0.0)
             + np.where(la.cp > 1, cp_ring_buffer_bytes(ctx, la), 0.0))
+
+
+def zero3_gathered_bytes(ctx: CostContext, layer_bytes):
+    """Parameters ZeRO-3 holds gathered at once: two layers (the one computing and the one
+    prefetched: FSDP2 units, Megatron-FSDP buckets), or at most the engine's live-parameter cap
+    (`zero3_live_params`: DeepSpeed gathers module by module and releases past
+    stage3_max_live_parameters, 1e9 elements by default; deepspeed/runtime/zero/config.py)."""
+    if not ctx.zero3_live_params:
+        return 2 * layer_bytes
+    return np.minimum(2 * layer_bytes, ctx.zero3_live_params * ctx.weight_bytes)
 
 
 def ep_a2a_buffer_bytes(ctx: CostContext, la: LayoutArrays):
@@ -275,16 +353,25 @@ def cp_saved_kv_bytes(ctx: CostContext, la: LayoutArrays):
     return np.maximum(la.cp - 1, 0) * cp_kv_chunk_bytes(ctx, la)
 
 
+def reserve_row_bytes(ctx: CostContext, activations, buffers):
+    """The reserve row: what no formula sees (`reserve_bytes`: CUDA context, NCCL, workspaces) plus
+    what the caching allocator holds beyond the live activations and buffers at the peak
+    (`allocator_overhead_fraction` of them: freed blocks it keeps cached, fragmentation).
+    Model states are allocated once, as flat buffers, and not counted in it."""
+    return ctx.reserve_bytes + ctx.allocator_overhead_fraction * (activations + buffers)
+
+
 def stage_memory(ctx: CostContext, la: LayoutArrays, pp_rank, layers_on_rank, moe_on_rank=0.0) -> dict:
     """Every memory category of one rank of pipeline rank `pp_rank` holding `layers_on_rank`
     layers of which `moe_on_rank` are MoE layers, and their total; `params` is the dense part,
     `expert_params` the routed experts' (ZeRO-sharded over dp*cp and dp*cp/ep respectively)."""
     params = stage_params(ctx, la.tp, la.pp, pp_rank, layers_on_rank, moe_on_rank)
     experts = moe_on_rank * expert_rank_params(ctx, la.expert_tp, la.ep) if ctx.moe_layers else 0.0 * params
-    out = model_states(ctx, params, la.grad_ranks, la.zero, experts, la.expert_grad_ranks)
+    out = model_states(ctx, params, la.grad_ranks, la.zero, experts, la.expert_grad_ranks, la.pp)
     out["activations"] = stage_activation_bytes(ctx, la, pp_rank, layers_on_rank, moe_on_rank)
-    out["buffers"] = buffer_bytes(ctx, la) + fp8_weight_cache_bytes(ctx, la, layers_on_rank, moe_on_rank) + 0.0 * pp_rank
-    out["reserve"] = np.full_like(out["buffers"], ctx.reserve_bytes)
+    out["buffers"] = (buffer_bytes(ctx, la) + fp8_weight_cache_bytes(ctx, la, layers_on_rank, moe_on_rank)
+                      + gradient_work_bytes(ctx, la, params, experts) + 0.0 * pp_rank)
+    out["reserve"] = reserve_row_bytes(ctx, out["activations"], out["buffers"])
     out["total"] = sum(out[k] for k in ("weights", "gradients", "optimizer", "activations", "buffers", "reserve"))
     out["params"] = params
     out["expert_params"] = experts

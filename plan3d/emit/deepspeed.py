@@ -92,8 +92,9 @@ def model_dtype(plan: Plan) -> str:
 
 
 def grad_accum_dtype(plan: Plan) -> str:
-    """fp32 where the plan keeps fp32 gradients and DeepSpeed can (ZeRO >= 1), else the model dtype."""
-    if plan.training.fp32_grad_accum and plan.layout.zero >= 1:
+    """fp32 where the plan keeps fp32 gradients (`Plan.grad_dtype`) and DeepSpeed can (ZeRO >= 1),
+    else the model dtype."""
+    if plan.grad_dtype == "fp32" and plan.layout.zero >= 1:
         return "fp32"
     return model_dtype(plan)
 
@@ -128,7 +129,7 @@ def _notes(plan: Plan) -> list[str]:
                      f"whole world (tp x dp = {layout.tp * layout.dp}), so it reports "
                      f"{plan.training.global_batch * layout.tp}; the tp ranks share samples, the step still "
                      f"trains on {plan.training.global_batch} (micro x accumulation x dp)")
-    if training.fp32_grad_accum and model_dtype(plan) != "fp32" and layout.zero == 0:
+    if plan.grad_dtype == "fp32" and model_dtype(plan) != "fp32" and layout.zero == 0:
         notes.append(f"DeepSpeed keeps {model_dtype(plan)} gradients without ZeRO (it refuses fp32 accumulation "
                      f"of {model_dtype(plan)} parameters at ZeRO-0): the plan budgets 4-byte fp32 gradients, "
                      "DeepSpeed uses 2 bytes per parameter and accumulates micro-batches in half precision; "

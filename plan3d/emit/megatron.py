@@ -227,9 +227,21 @@ def _precision_args(plan: Plan) -> list[str]:
     precision = plan.training.precision
     plan.cluster.gpu.require_precision(precision)  # fp8 needs FP8 units (Transformer Engine: sm_89+)
     if precision == "fp8":  # TransformerConfig.fp8 / fp8_recipe (megatron-core 0.19): TE's hybrid E4M3/E5M2
-        return ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"]
+        return ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"] + _grad_dtype_args(plan)
     if precision in ("bf16", "fp16"):
-        return [f"--{precision}"]
+        return [f"--{precision}"] + _grad_dtype_args(plan)
+    return []
+
+
+def _grad_dtype_args(plan: Plan) -> list[str]:
+    """The gradient buffer the plan budgets (`Plan.grad_dtype`), where it is not Megatron's default
+    (validate_args, megatron-core 0.19: bf16 turns --accumulate-allreduce-grads-in-fp32 on unless
+    --grad-reduce-in-bf16; fp16 keeps fp16 gradients without the flag)."""
+    dtype, precision = plan.grad_dtype, plan.training.precision
+    if precision in ("bf16", "fp8") and dtype == "bf16":  # fp8 trains with bf16 master gradients
+        return ["--grad-reduce-in-bf16"]
+    if precision == "fp16" and dtype == "fp32":
+        return ["--accumulate-allreduce-grads-in-fp32"]
     return []
 
 
@@ -243,7 +255,9 @@ def _model_args(plan: Plan) -> list[str]:
                               "mrope, relative, none); change the model spec's position")
     args = ["--num-layers", str(model.layers), "--hidden-size", str(model.hidden),
             "--num-attention-heads", str(model.heads), "--ffn-hidden-size", str(model.ffn_hidden_),
-            "--vocab-size", str(model.vocab)]
+            "--vocab-size", str(model.vocab),
+            # the model's dropout (TransformerConfig defaults to 0.1 for both), which the memory budgets
+            "--hidden-dropout", repr(float(model.dropout)), "--attention-dropout", repr(float(model.dropout))]
     if model.head_dim is not None and model.mla is None:  # MLA: --qk-head-dim / --v-head-dim instead
         args += ["--kv-channels", str(model.head_dim)]
     if model.kv_heads_ != model.heads and model.mla is None:  # validate_args: GQA excludes MLA

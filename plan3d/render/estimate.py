@@ -26,7 +26,10 @@ def memory_table(est) -> Table:
     table.add_column("category")
     table.add_column("GiB", justify="right")
     for key in MEMORY_TERMS:
-        table.add_row(MEMORY_LABELS[key], gib(est.memory_bytes[key]))
+        label = MEMORY_LABELS[key]
+        if key == "gradients" and est.grad_dtype:
+            label = f"{label} ({est.grad_dtype} buffer)" if "+" not in est.grad_dtype else f"{label} ({est.grad_dtype})"
+        table.add_row(label, gib(est.memory_bytes[key]))
     table.add_row("[bold]peak[/bold]", f"[bold]{gib(est.peak_memory_bytes)}[/bold]")
     table.add_row("usable capacity", gib(est.capacity_bytes))
     return table

@@ -6,6 +6,7 @@ the package as `plan3d/bundled/` (symbolic links in the source tree, copies in a
 from __future__ import annotations
 
 import difflib
+import math
 from functools import lru_cache
 from pathlib import Path
 from typing import TypeVar
@@ -13,6 +14,7 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from plan3d.errors import SpecError, SpecNotFound
+from plan3d.specs.base import MEMORY_GIB
 from plan3d.specs.cluster import GPU_BY_NAME, ClusterSpec
 from plan3d.specs.engine import EngineSpec
 from plan3d.specs.gpu import GPUSpec
@@ -107,6 +109,20 @@ def bundled_engine_or_none(name: str) -> EngineSpec | None:
         return load_engine(name) if "/" not in name and not name.endswith((".yaml", ".yml", ".json")) else None
     except (SpecError, SpecNotFound):
         return None
+
+
+def with_gpu_memory(cluster: ClusterSpec, gib: float | None) -> ClusterSpec:
+    """`cluster` with its GPUs' memory set to `gib` GiB (`--gpu-memory`: the 94 GB H100 NVL, the
+    96 GB GH200, the 141 GB H200 or 180/192 GB B200 on a cluster spec written for another size);
+    None leaves it. A value outside the GPU spec's memory range is one SpecError line."""
+    if gib is None:
+        return cluster
+    low, high = MEMORY_GIB["ge"], MEMORY_GIB["le"]
+    if not (isinstance(gib, (int, float)) and math.isfinite(gib) and low <= gib <= high):
+        raise SpecError("command line", [f"--gpu-memory {gib}: give the GPU's memory in GiB, a number from {low:g} "
+                                         f"to {high:g}, e.g. 94 for an H100 NVL"])
+    gpu = cluster.gpu.model_copy(update={"memory_gib": float(gib)})
+    return cluster.model_copy(update={"gpu": gpu})
 
 
 def require_positive(name: str, value: int | None) -> None:

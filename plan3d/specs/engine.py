@@ -28,6 +28,7 @@ from plan3d.errors import LayoutError
 from plan3d.specs.base import BYTES_PER_ELEMENT, EFFICIENCY, FRACTION, OVERHEAD_S, Name, SpecModel, Text, bounded
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.order import DEFAULT_ORDER, LayoutShape, parse_order
+from plan3d.specs.training import TrainingSpec
 
 Recompute = Literal["none", "selective", "full"]
 CpComm = Literal["p2p", "all_gather", "a2a"]
@@ -50,6 +51,11 @@ class CanRun(SpecModel):
     zero: list[Literal[0, 1, 2, 3]] = Field([0, 1, 2, 3], min_length=1,
                                            description="ZeRO stages it runs without pipeline parallelism.")
     zero_with_pp: list[Literal[0, 1, 2, 3]] = Field([0, 1], description="ZeRO stages it runs with pp > 1.")
+    zero_read_as_with_pp: dict[Literal["0", "1", "2", "3"], Literal[0, 1, 2, 3]] = Field(
+        default_factory=dict, description="With pp > 1, a ZeRO stage named for what the engine runs as another "
+        "(Megatron-Core {'2': 1}: papers call its distributed optimizer ZeRO-2, since it reduce-scatters gradients into "
+        "the optimizer shard, but it keeps the whole gradient buffer: ZeRO-1 memory); estimate and check accept the "
+        "name with a note instead of refusing it.")
     sequence_parallel: bool = True
     sequence_parallel_required: bool = Field(False, description="Tensor parallelism always shards the "
                                              "norms and dropout over the sequence (torchtitan).")
@@ -106,6 +112,31 @@ class OverlapConflict(SpecModel):
         return np.isin(zero, self.zero) & (generation in self.generations)
 
 
+GradDtype = Literal["fp32", "bf16", "fp16"]
+
+
+class GradientBuffer(SpecModel):
+    """The buffer an engine accumulates gradients in over the micro-batches of a step, by training
+    precision (fp8 keeps bf16 master gradients and reads `bf16`; fp32 training keeps fp32). The
+    buffer's dtype is also what the data-parallel reduction moves. A training spec's
+    `fp32_grad_accum` (true or false) overrides it."""
+
+    bf16: Literal["fp32", "bf16"] = Field("fp32", description="bf16 training: fp32 (Megatron-LM/-Core: bf16 "
+                                          "forces --accumulate-allreduce-grads-in-fp32 unless --grad-reduce-in-bf16; "
+                                          "FSDP2 MixedPrecisionPolicy(reduce_dtype=float32)) or bf16.")
+    fp16: Literal["fp32", "fp16"] = Field("fp16", description="fp16 training: fp16 (Megatron's default without "
+                                          "--accumulate-allreduce-grads-in-fp32; DeepSpeed's fp16 optimizers) or fp32.")
+    keeps_16bit_grads: bool = Field(False, description="Next to an fp32 buffer, the parameters' own 16-bit .grad "
+                                    "tensors stay allocated (2 more bytes per parameter): DeepSpeed's BF16_Optimizer "
+                                    "adds each bf16 grad into its fp32 flat buffer and zeroes it, never frees it; "
+                                    "Megatron writes the weight gradients straight into main_grad (no 16-bit copy).")
+
+    def dtype(self, precision: str) -> str:
+        if precision == "fp32":
+            return "fp32"
+        return self.fp16 if precision == "fp16" else self.bf16
+
+
 class RunsAs(SpecModel):
     """How the engine runs a layout, as the cost model needs it."""
 
@@ -147,6 +178,30 @@ class RunsAs(SpecModel):
     cp_ring_overlap: bool = Field(True, description="p2p: each K/V transfer of the ring overlaps the attention "
                                   "of the block before it (Transformer Engine's side streams); false: synchronous "
                                   "shifts, every transfer exposed.")
+    gradients: GradientBuffer = GradientBuffer()
+    reduce_bucket_elements: float = bounded(0.0, dict(ge=0, le=1e13), description="A flat buffer of this many "
+                                            "gradient elements (in the gradient dtype, at most the rank's gradients) "
+                                            "that the gradient reduction copies buckets into (DeepSpeed: the ZeRO "
+                                            "ipg buffer and the buffered all-reduce, reduce_bucket_size 5e8); 0: "
+                                            "the reduction runs in place on the gradient buffer (Megatron).")
+    logit_bytes: float = bounded(4.0, dict(ge=0, le=64), description="Bytes per logit element the last stage holds "
+                                 "at the loss's peak, for one micro-batch (its s*B*V/tp logits): 4, an fp32 copy "
+                                 "(plan3d's runtime); 6, the bf16 output plus the fp32 copy the loss saves (Megatron's "
+                                 "vocab_parallel_cross_entropy(logits.float()) keeps exp_logits); 10, plus an fp32 "
+                                 "log_softmax (torch's cross_entropy(pred.float()): torchtitan, Hugging Face models).")
+    fsdp_unsharded_with_pp: bool = Field(False, description="With pp > 1, FSDP (ZeRO 2/3) keeps the stage's parameters "
+                                         "gathered and its gradients unsharded in fp32 across the micro-batches, "
+                                         "reduce-scattering once after the last (torchtitan: reshard_after_forward = "
+                                         "not pp_enabled; torch.distributed.pipelining defers gradient sync to the last "
+                                         "backward and FSDP2 accumulates the unsharded grad in reduce_dtype).")
+    zero3_live_params: float = bounded(0.0, dict(ge=0, le=1e15), description="ZeRO-3: the most parameters held "
+                                       "gathered at once (DeepSpeed stage3_max_live_parameters, 1e9 by default: it "
+                                       "gathers module by module); 0: two whole layers (the one computing and the "
+                                       "one prefetched: FSDP2 units, Megatron-FSDP).")
+    pipeline_outputs_kept: bool = Field(False, description="Each pipeline stage keeps its output activation of "
+                                        "every micro-batch in flight until its backward (DeepSpeed PipelineEngine "
+                                        "pipe_buffers['outputs']); false: freed once sent (Megatron's "
+                                        "deallocate_output_tensor, Korthikanti et al. 2022 Appendix B).")
     fused: list[Text] = Field(default_factory=list, description="Fused kernels (documentation).")
 
 
@@ -158,6 +213,13 @@ class SoftwareEfficiency(SpecModel):
     layer_overhead_s: float | None = bounded(None, OVERHEAD_S)
     micro_batch_overhead_s: float | None = bounded(None, OVERHEAD_S)
     dp_overlap_fraction: float | None = bounded(None, FRACTION)
+    reserved_memory_gib: float | None = bounded(None, dict(ge=0, le=1e6), description="Memory no formula sees "
+                                                "under this engine (CUDA context, NCCL buffers, library workspaces); "
+                                                "empty: the GPU spec's reserved_memory_gib.")
+    allocator_overhead_fraction: float = bounded(0.0, dict(ge=0, le=10), description="What the caching allocator "
+                                                 "holds beyond the live activations and buffers at the peak (freed blocks "
+                                                 "kept cached, fragmentation), as a share of them; reported in the reserve "
+                                                 "row. Fitted on nvidia-smi peaks where the engine has some; 0: not fitted.")
     gemm_efficiency_scale: float = bounded(1.0, EFFICIENCY, description="The share of the GPU's GEMM ceiling "
                                          "(compute_efficiency.max_fraction) the engine's kernels reach: older "
                                          "PyTorch/cuBLAS, unfused bias adds and layout copies around its GEMMs.")
@@ -216,6 +278,10 @@ class EngineSpec(SpecModel):
         fixes += [f"tp in {{{', '.join(map(str, tps))}}} for cp={layout.cp}"] if tps else []
         return [f"--cp-comm a2a splits heads over cp: {heads} heads and {kv} KV heads per tp rank do not divide "
                 f"by cp={layout.cp}; use {' or '.join(fixes)}"]
+
+    def grad_dtype(self, training: TrainingSpec) -> str:
+        """The dtype the engine accumulates and reduces gradients in (`grad_dtype`)."""
+        return grad_dtype(training, self)
 
     def software_values(self) -> dict[str, float]:
         """The fitted values the engine sets (the rest come from the GPU spec)."""
@@ -308,11 +374,41 @@ class EngineSpec(SpecModel):
         return out
 
     def resolve_split(self, layout: LayoutShape, model: ModelSpec) -> LayoutShape:
-        """`layout` with the engine's own uneven split filled in where it makes one."""
+        """`layout` as the engine runs it: its own uneven split filled in where it makes one, and a
+        ZeRO stage it reads as another with pp > 1 (`zero_read_as`)."""
+        layout = self.zero_read_as(layout)
         if layout.pp_layers is not None:
             return layout
         split = self.default_split(model.layers, layout.pp, layout.vpp)
         return layout if split is None else layout.model_copy(update={"pp_layers": split})
+
+    def zero_read_as(self, layout: LayoutShape) -> LayoutShape:
+        """The layout with a ZeRO stage named for what the engine runs as another
+        (`can_run.zero_read_as_with_pp`, pp > 1 only)."""
+        stage = self.can_run.zero_read_as_with_pp.get(str(layout.zero)) if layout.pp > 1 else None
+        return layout if stage is None else layout.model_copy(update={"zero": stage})
+
+    def zero_note(self, layout: LayoutShape) -> str | None:
+        """The note for a ZeRO stage read as another (None where none is)."""
+        read = self.zero_read_as(layout)
+        if read.zero == layout.zero:
+            return None
+        return (f"ZeRO-{layout.zero} with pp > 1 read as {self.name}'s distributed optimizer, ZeRO-{read.zero} here: "
+                f"optimizer states sharded over dp*cp, gradients reduce-scattered into the shard (ZeRO-2-like traffic) "
+                f"but the whole gradient buffer kept (ZeRO-1 memory)")
+
+
+def grad_dtype(training: TrainingSpec, engine: EngineSpec | None) -> str:
+    """The gradient buffer's dtype: fp32 for fp32 training; where the training spec says
+    `fp32_grad_accum` (true/false), fp32 or the 16-bit dtype; else the engine's (no engine: the
+    GradientBuffer defaults, Megatron's: fp32 for bf16 and fp8, fp16 for fp16)."""
+    half = "fp16" if training.precision == "fp16" else "bf16"
+    if training.precision == "fp32":
+        return "fp32"
+    if training.fp32_grad_accum is not None:
+        return "fp32" if training.fp32_grad_accum else half
+    buffer = engine.runs_as.gradients if engine is not None else GradientBuffer()
+    return buffer.dtype(training.precision)
 
 
 def _fmt(values) -> str:

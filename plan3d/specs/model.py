@@ -72,6 +72,10 @@ class ModelSpec(SpecModel):
     vocab: PositiveInt = Field(le=1_000_000_000)
     seq_len: PositiveInt = Field(le=1_000_000_000)
     tied_embeddings: bool = False
+    dropout: float = Field(0.0, ge=0, lt=1, description="Hidden and attention dropout probability it trains "
+                           "with: each dropout keeps a 1-byte mask per element for the backward (Korthikanti et al. "
+                           "2022, Sec. 4.1). 0: none (Llama, Mixtral, DeepSeek); Megatron's default is 0.1 "
+                           "(GPT-3, BLOOM, OPT).")
     moe: MoESpec | None = None
     mla: MLASpec | None = Field(None, description="Multi-head latent attention replaces heads x head_dim "
                                 "Q/K/V projections (kv_heads and head_dim are then unused).")

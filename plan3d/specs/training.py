@@ -16,7 +16,10 @@ class TrainingSpec(SpecModel):
         "E4M3/E5M2, torchao float8) with bf16 attention, norms, embedding, output layer and master weights; "
         "needs a GPU with an fp8 peak (H100, H200, B200, MI300X; refused on A100, V100, CPUs).")
     optimizer: Literal["adam", "adamw", "sgd"] = "adam"
-    fp32_grad_accum: bool = Field(True, description="Gradients kept in fp32 (Megatron-LM's default).")
+    fp32_grad_accum: bool | None = Field(None, description="Gradients accumulated (and reduced) in fp32 (true) or in "
+                                         "the 16-bit training dtype (false); empty: as the engine does "
+                                         "(engine runs_as.gradients: Megatron, torchtitan and DeepSpeed bf16 keep "
+                                         "fp32, fp16 keeps fp16).")
     memory_headroom_fraction: float = Field(
         0.05, ge=0, lt=1, description="Fraction of device memory a layout must leave free to fit."
     )

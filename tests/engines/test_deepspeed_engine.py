@@ -200,7 +200,7 @@ def test_config_class_takes_the_plan_or_deepspeed_confirms_the_refusal(ds, case,
     assert parsed_config.bfloat16_config.enabled == (plan.training.precision in ("bf16", "fp8"))
     assert parsed_config.float16_config.enabled == (plan.training.precision == "fp16")
     assert parsed_config.tensor_parallel_config.autotp_size == (layout.tp if layout.tp > 1 else 0)
-    fp32_accum = plan.training.fp32_grad_accum and (layout.zero >= 1 or plan.training.precision == "fp32")
+    fp32_accum = plan.grad_dtype == "fp32" and (layout.zero >= 1 or plan.training.precision == "fp32")
     assert (parsed_config.grad_accum_dtype in ("fp32", "float32")) == fp32_accum
     if layout.tp > 1:  # given a data-parallel mpu instead, the same config gives the plan's batch
         with_mpu = parsed(ds, config, plan, monkeypatch, DataParallelMpu(layout.dp))

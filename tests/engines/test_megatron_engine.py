@@ -130,6 +130,9 @@ def assert_values_match(args, config, plan: Plan) -> None:
     assert (config.num_query_groups or config.num_attention_heads) == model.kv_heads_
     assert (config.ffn_hidden_size, config.kv_channels) == (model.ffn_hidden_, model.head_dim_)
     assert megatron_stage_layers(config) == layout.stage_layers(model.layers)
+    assert config.hidden_dropout == config.attention_dropout == model.dropout  # what the activations budget
+    if plan.training.precision in ("bf16", "fp16", "fp8"):  # the gradient buffer the memory budgets
+        assert args.accumulate_allreduce_grads_in_fp32 == (plan.grad_dtype == "fp32")
     for name in ("tp", "pp", "dp"):
         assert megatron_groups(args, name) == plan_groups(plan, name), f"{name} groups differ"
 
@@ -279,3 +282,17 @@ def test_moe_model_experts_reach_megatron(megatron):
     args = validated(megatron, argv, plan.layout.world_size, 9, env)
     assert (args.num_experts, args.moe_router_topk, args.expert_model_parallel_size) == (8, 2, 4)
     assert args.moe_layer_freq == 2 and args.moe_ffn_hidden_size == dense.ffn_hidden_
+
+
+@pytest.mark.parametrize("precision,fp32_grads", [("bf16", False), ("fp16", True), ("bf16", None), ("fp16", None)])
+def test_megatron_keeps_the_gradient_buffer_the_plan_budgets(megatron, precision, fp32_grads):
+    """--grad-reduce-in-bf16 / --accumulate-allreduce-grads-in-fp32 where the plan's gradient dtype
+    is not Megatron's default; validate_args then keeps (or drops) fp32 accumulation as budgeted."""
+    training = TrainingSpec(global_batch=64, precision=precision, fp32_grad_accum=fp32_grads)
+    plan = build_plan(load_cluster("dgx-h100", nodes=1), load_model("llama3-8b"), training,
+                      Layout(tp=2, dp=4, zero=1, sequence_parallel=True), engine=load_engine("megatron-core"))
+    env, _, argv = shell_parts(emit_megatron(plan, RUN).text)
+    args = validated(megatron, argv, plan.layout.world_size, arch=9, env=env)
+    assert args.accumulate_allreduce_grads_in_fp32 == (plan.grad_dtype == "fp32")
+    assert plan.grad_dtype == {("bf16", None): "fp32", ("fp16", None): "fp16"}.get((precision, fp32_grads),
+                                                                                 "fp32" if fp32_grads else "bf16")

@@ -1,0 +1,51 @@
+"""benchmarks/data/memory_runs.yaml and benchmarks/memory.py: every table cites a source with a
+location, every row becomes a case the cost model estimates, and the benchmark's verdicts on the
+published layouts hold (no false refusal, every measured peak estimated)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = REPO / "benchmarks" / "data" / "memory_runs.yaml"
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+
+@pytest.fixture(scope="module")
+def data() -> dict:
+    return yaml.safe_load(DATA.read_text())
+
+
+@pytest.fixture(scope="module")
+def memory():
+    import memory as module  # benchmarks/memory.py
+    return module
+
+
+def test_every_table_cites_a_source_with_a_location(data):
+    for table in data["tables"]:
+        assert table["source"]["ref"] in data["sources"], table["id"]
+        assert table["source"]["location"].strip(), table["id"]
+        for row in table["rows"]:
+            value = row.get("mem_gb", table["defaults"].get("mem_gb"))
+            assert value == "OOM" or (isinstance(value, (int, float)) and 0 < value <= 200), (table["id"], row)
+
+
+def test_every_row_is_a_case_with_the_layout_it_states(data, memory):
+    cases = memory.memory_runs_cases(DATA)
+    assert len(cases) == sum(len(t["rows"]) for t in data["tables"])
+    for case in cases:
+        assert case.layout.world_size == case.gpus
+        assert case.model.dropout == 0.1  # the tr11 README: Megatron-LM's dropout defaults inherited
+
+
+def test_the_benchmark_estimates_every_peak_and_refuses_no_published_layout(memory):
+    peaks = memory.peaks_report(memory.runs_yaml_cases() + memory.memory_runs_cases())
+    assert peaks["summary"]["not_estimated"] == 0
+    assert peaks["summary"]["peaks"] >= 81
+    runs, _ = memory.published_runs()
+    layouts = memory.layouts_report(runs)
+    assert layouts["counts"]["false_refusal"] == 0

@@ -78,6 +78,7 @@ class CostContext:
     step_grad_cast_bytes: int = 0  # fp32 copy of 16-bit gradients the optimizer step makes, per parameter it updates
     reduce_bucket_elements: float = 0.0  # flat bucket the gradient reduction copies into (DeepSpeed), in elements
     pipeline_outputs_kept: bool = False  # each stage keeps its output of every micro-batch in flight (DeepSpeed)
+    zero3_collectives_per_layer: float = 1.0  # ZeRO-3 gathers / reduce-scatters per layer and pass
     zero3_live_params: float = 0.0  # ZeRO-3: parameters gathered at once, at most (0: two whole layers)
     logit_bytes: float = 4.0  # bytes per logit element at the loss's peak (engine runs_as.logit_bytes)
     fsdp_unsharded_with_pp: bool = False  # pp > 1: FSDP keeps weights gathered and fp32 grads unsharded
@@ -208,6 +209,7 @@ def _model_fields(model: ModelSpec, training: TrainingSpec, engine: EngineSpec |
         reduce_bucket_elements=runs_as.reduce_bucket_elements if runs_as else 0.0,
         pipeline_outputs_kept=bool(runs_as and runs_as.pipeline_outputs_kept),
         zero3_live_params=runs_as.zero3_live_params if runs_as else 0.0,
+        zero3_collectives_per_layer=runs_as.zero3_collectives_per_layer if runs_as else 1.0,
         logit_bytes=runs_as.logit_bytes if runs_as else 4.0,
         fsdp_unsharded_with_pp=bool(runs_as and runs_as.fsdp_unsharded_with_pp),
         allocator_overhead_fraction=engine.efficiency.allocator_overhead_fraction if engine else 0.0,

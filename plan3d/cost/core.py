@@ -225,7 +225,7 @@ def _p2p_s(ctx: CostContext, la: LayoutArrays, links: Links, boundary_bytes):
 
 
 def stage_step_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, params, backward_s, compute_s,
-                 expert_params=0.0) -> dict:
+                 expert_params=0.0, layers=1.0) -> dict:
     """Per step work of one rank outside the pipeline: data-parallel gradient reduction (hidden
     behind `dp_overlap_fraction` of one backward), ZeRO-3 traffic (hidden behind the same share
     of the compute), the tied-embedding all-reduce between first and last stage, the optimizer.
@@ -240,14 +240,19 @@ def stage_step_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, para
     holds gradients of its share of the tokens, reduced with the data-parallel replicas
     (Megatron-Core DistributedDataParallel.dp_cp_group). The routed experts' parameters
     (`expert_params`, MoE models) are reduced and sharded the same way over the expert-data-
-    parallel group instead (`edp`, dp*cp/ep ranks), one after the other with the dense ones."""
+    parallel group instead (`edp`, dp*cp/ep ranks), one after the other with the dense ones.
+
+    ZeRO-3 moves a pass's weights as `zero3_collectives_per_layer` collectives per layer of the
+    stage (FSDP2: one per block; DeepSpeed: one per submodule's weight), each paying the ring's
+    n - 1 hops of latency: at 1024 ranks and 8 us a hop, 8 ms per gather."""
     grads = params * ctx.grad_bytes
     ranks = la.grad_ranks
     gather_weights = _collective_s(links, "dp_cp", "all_gather", params * ctx.weight_bytes, ranks)
     scatter_grads = _collective_s(links, "dp_cp", "reduce_scatter", grads, ranks)
     zero3_link = "dp_nic" if ctx.zero3_per_gpu_nic else "dp_cp"
-    zero3_gather = _collective_s(links, zero3_link, "all_gather", params * ctx.weight_bytes, ranks)
-    zero3_scatter = _collective_s(links, zero3_link, "reduce_scatter", grads, ranks)
+    pieces = np.maximum(ctx.zero3_collectives_per_layer * layers, 1.0)
+    zero3_gather = pieces * _collective_s(links, zero3_link, "all_gather", params * ctx.weight_bytes / pieces, ranks)
+    zero3_scatter = pieces * _collective_s(links, zero3_link, "reduce_scatter", grads / pieces, ranks)
     all_reduce = _collective_s(links, "dp_cp", "all_reduce", grads, ranks)
     optimizer_s = compute.optimizer_s(ctx, params, np.where(la.zero >= 1, ranks, 1.0))
     if ctx.moe_layers:
@@ -308,7 +313,7 @@ def _evaluate(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, layers,
     per_mb_total = sum(per_mb[k] for k in PER_MICRO_BATCH_TERMS)
     pipe, bubble = pipeline_s(per_mb_total, weights, la.m, la.vpp, core_share(ctx, la))
     extra = stage_step_s(ctx, la, links, pp_rank, mem["params"], per_mb["backward"],
-                         la.m * (per_mb["compute"] + per_mb["recompute"]), mem["expert_params"])
+                         la.m * (per_mb["compute"] + per_mb["recompute"]), mem["expert_params"], layers)
     slow = masked_argmax(per_mb_total, weights)
     pick = lambda a: np.take_along_axis(np.broadcast_to(a, per_mb_total.shape), slow[None], 0)[0]  # noqa: E731
     time = {k: la.m * pick(per_mb[k]) for k in PER_MICRO_BATCH_TERMS}

@@ -147,6 +147,11 @@ class RunsAs(SpecModel):
         "ring", description="ring: parameter gathers and gradient reduce-scatters of ZeRO-3 use the "
         "bandwidth of every NIC of a node (NCCL's rings, one per NIC); per-gpu-nic: each GPU gets only its "
         "own NIC share (one small collective per parameter, DeepSpeed ZeRO-3 of 2021).")
+    zero3_collectives_per_layer: float = bounded(
+        1.0, dict(ge=1, le=1000), description="ZeRO-3 parameter gathers (and gradient reduce-scatters) per "
+        "transformer layer and pass, each paying the ring's latency over the data-parallel group: 1 for FSDP2 "
+        "(one unit per block) and Megatron-FSDP; DeepSpeed fetches submodule by submodule, one gather per "
+        "weight above stage3_param_persistence_threshold (QKV, attention output, the MLP's two: 4).")
     zero3_overlap_fraction: float | None = bounded(
         None, FRACTION, description="Share of the compute that hides ZeRO-3 parameter gathers and gradient "
         "reduce-scatters (prefetch); empty: the data-parallel overlap fraction.")

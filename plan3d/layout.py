@@ -22,7 +22,7 @@ from plan3d.specs.model import ModelSpec
 from plan3d.specs.order import AXES, DEFAULT_ORDER, parse_order  # noqa: F401  (re-exported)
 from plan3d.specs.training import TrainingSpec
 
-Recompute = Literal["none", "selective", "full"]
+Recompute = Literal["none", "selective", "moe-act", "full"]
 
 
 def full_order(order: str) -> str:
@@ -360,15 +360,51 @@ def broken_rules(facts: RuleFacts) -> list[LayoutRule]:
     return broken
 
 
+@dataclass(frozen=True)
+class RecomputeRule:
+    """A recompute mode that a model or precision rules out: `fails(model, training)`, and the
+    sentence. The search drops the mode from its space (`recompute_modes`); a single layout gets
+    the sentence (`layout_problems`)."""
+
+    mode: str
+    fails: Callable[[ModelSpec, TrainingSpec], bool]
+    sentence: Callable[[ModelSpec, TrainingSpec], str]
+
+
+RECOMPUTE_RULES = (
+    RecomputeRule("moe-act", lambda m, t: m.moe is None,
+                  lambda m, t: f"recompute moe-act recomputes the routed experts' activation; {m.name} is dense: "
+                               "use none, selective or full"),
+    # TransformerConfig.__post_init__ (megatron-core 0.19): "Delayed scaling does not support moe_act
+    # and layernorm recompute for fp8", and emit megatron writes the delayed FP8 recipe
+    RecomputeRule("moe-act", lambda m, t: t.precision == "fp8",
+                  lambda m, t: "recompute moe-act with fp8: Megatron-Core refuses moe_act recompute under the delayed "
+                               "FP8 recipe that plan3d emits; use none, selective or full"),
+)
+
+
+def recompute_problems(mode: str, model: ModelSpec, training: TrainingSpec) -> list[str]:
+    """Why `mode` cannot recompute `model` trained as `training` (RECOMPUTE_RULES), if it cannot."""
+    return [rule.sentence(model, training) for rule in RECOMPUTE_RULES if rule.mode == mode and rule.fails(model, training)]
+
+
+def recompute_modes(modes: tuple[str, ...], model: ModelSpec, training: TrainingSpec) -> tuple[str, ...]:
+    """`modes` less those RECOMPUTE_RULES rule out for this model and precision."""
+    return tuple(m for m in modes if not recompute_problems(m, model, training))
+
+
 def layout_problems(layout: Layout, model: ModelSpec, training: TrainingSpec, world_size: int) -> list[str]:
-    """Every reason `layout` cannot run `model` with `training` on `world_size` GPUs (LAYOUT_RULES)."""
+    """Every reason `layout` cannot run `model` with `training` on `world_size` GPUs (LAYOUT_RULES,
+    RECOMPUTE_RULES)."""
     facts = RuleFacts.of(layout, model, training, world_size)
-    return [rule.sentence(facts) for rule in broken_rules(facts)]
+    return ([rule.sentence(facts) for rule in broken_rules(facts)]
+            + recompute_problems(layout.recompute, model, training))
 
 
 def problem_codes(layout: Layout, model: ModelSpec, training: TrainingSpec, world_size: int) -> list[int | None]:
     """The rule codes behind `layout_problems`, one per sentence (None: a rule the search has no code for)."""
-    return [rule.code for rule in broken_rules(RuleFacts.of(layout, model, training, world_size))]
+    return ([rule.code for rule in broken_rules(RuleFacts.of(layout, model, training, world_size))]
+            + [None] * len(recompute_problems(layout.recompute, model, training)))
 
 
 def check_layout(layout: Layout, model: ModelSpec, training: TrainingSpec, world_size: int) -> None:

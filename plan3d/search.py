@@ -52,6 +52,8 @@ from plan3d.layout import (
     RuleFacts,
     divisors,
     full_order,
+    recompute_modes,
+    recompute_problems,
     same_groups,
 )
 from plan3d.specs.cluster import MAX_NODES, ClusterSpec
@@ -424,6 +426,15 @@ def cp_heads_refuse(layouts: dict[str, np.ndarray], heads: int, kv_heads: int) -
     return (cp > 1) & (((heads // tp) % cp != 0) | ((kv_heads // tp) % cp != 0))
 
 
+def model_recompute_space(space: Space, model: ModelSpec, training: TrainingSpec) -> Space:
+    """`space` without the recompute modes this model and precision rule out (RECOMPUTE_RULES); a
+    LayoutError with the rule's sentence if none is left."""
+    modes = recompute_modes(space.recompute, model, training)
+    if not modes:
+        raise LayoutError("; ".join(recompute_problems(space.recompute[0], model, training)))
+    return replace(space, recompute=modes)
+
+
 # ---- the engine: only what it can run ----------------------------------------------------------
 def engine_space(space: Space, engine: EngineSpec) -> Space:
     """`space` narrowed to what `engine` can run; a knob the user fixed to something the engine
@@ -642,6 +653,7 @@ def search(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space
     start = time.perf_counter()
     if engine is not None:
         space = engine_space(space, engine)
+    space = model_recompute_space(space, model, training)
     if model.moe is None:  # the engine's MoE-only rules do not apply
         space = replace(space, sequence_parallel_with_moe=False, moe_bias_with_tp=True)
     elif not model.bias:

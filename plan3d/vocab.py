@@ -56,7 +56,10 @@ PHASES = ("forward_backward", "grad_reduce", "clip", "optimizer", "loss")
 # ---- recompute --------------------------------------------------------------------------------
 # Activation recomputation, least to most: the integer code of a mode (in the search's and the
 # cost model's arrays) is its position here, so `code >= RECOMPUTE_CODES["full"]` reads "full".
-RECOMPUTE_MODES = ("none", "selective", "full")
+# "moe-act": Megatron-Core's `--recompute-granularity selective --recompute-modules moe_act
+# layernorm` (output-discarding checkpoints of the routed experts' activation function and the
+# MoE layer's pre-MLP norm; TransformerConfig.recompute_modules), mixture-of-experts models only.
+RECOMPUTE_MODES = ("none", "selective", "moe-act", "full")
 RECOMPUTE_CODES = {mode: code for code, mode in enumerate(RECOMPUTE_MODES)}
 
 # ---- collectives ------------------------------------------------------------------------------

@@ -78,8 +78,9 @@ def test_recompute_codes_follow_the_modes_and_the_schemas_list_the_same_modes():
     from plan3d.layout import Recompute
     from plan3d.specs.engine import Recompute as EngineRecompute
 
-    assert [RECOMPUTE_CODES[m] for m in RECOMPUTE_MODES] == [0, 1, 2]
-    assert RECOMPUTE_CODES["full"] > RECOMPUTE_CODES["selective"] > RECOMPUTE_CODES["none"]  # `>= full` reads full
+    assert [RECOMPUTE_CODES[m] for m in RECOMPUTE_MODES] == list(range(len(RECOMPUTE_MODES)))
+    assert RECOMPUTE_MODES[-1] == "full"  # `>= full` reads full: nothing ranks above it
+    assert RECOMPUTE_CODES["full"] > RECOMPUTE_CODES["moe-act"] > RECOMPUTE_CODES["selective"] > RECOMPUTE_CODES["none"]
     assert typing.get_args(Recompute) == RECOMPUTE_MODES
     assert typing.get_args(EngineRecompute) == RECOMPUTE_MODES
 

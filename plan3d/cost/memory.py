@@ -234,6 +234,19 @@ def moe_layer_activation_bytes(ctx: CostContext, la: LayoutArrays):
             + attention_score_store_bytes(ctx, la) + cp_saved_kv_bytes(ctx, la))
 
 
+def moe_act_discarded_elements(ctx: CostContext, la: LayoutArrays):
+    """(activation, norm) elements per MoE layer and micro-batch that Megatron-Core's moe-act
+    recompute (`--recompute-modules moe_act layernorm`) does not keep: the routed experts'
+    activation output, the FC2 input (one of the `mlp_mats` FFN tensors of
+    `moe_layer_activation_bytes`; SwiGLU's product, GELU's output), and the pre-MLP norm's output
+    (one of the four h-wide tensors of `norm_mask_bytes`). Both are output-discarding checkpoints
+    (TransformerConfig.recompute_modules: CheckpointWithoutOutput frees the output once its consumer
+    has saved a reference and recomputes it in the backward). The attention's input norm is fused
+    into Transformer Engine's LayerNormLinear and is not a separate module, so it stays."""
+    sb = ctx.seq * la.mb_share
+    return routed_tokens(ctx, la) * ctx.expert_ffn / la.tp, sb * ctx.hidden / la.sp_div
+
+
 def in_flight(la: LayoutArrays, pp_rank):
     """Micro-batches whose activations rank `pp_rank` holds at its peak, in units of its full
     stage: p - r under 1F1B (Narayanan et al. 2021); with v chunks Megatron warms up
@@ -255,6 +268,9 @@ def stage_activation_bytes(ctx: CostContext, la: LayoutArrays, pp_rank, layers_o
     selective = la.recompute == RECOMPUTE_CODES["selective"]
     per_layer = layer_activation_bytes(ctx, la)
     per_moe = moe_layer_activation_bytes(ctx, la) if ctx.moe_layers else per_layer
+    if ctx.moe_layers:
+        per_moe = per_moe - np.where(la.recompute == RECOMPUTE_CODES["moe-act"],
+                                     sum(moe_act_discarded_elements(ctx, la)) * ctx.act_bytes, 0.0)
     checkpoint = 2 * ctx.seq * la.mb_share * ctx.hidden / la.sp_div * ctx.act_bytes / 2
     scores = np.where(selective, attention_score_store_bytes(ctx, la), 0.0)  # selective recomputes the scores
     stored = np.where(full, checkpoint, per_layer - scores)

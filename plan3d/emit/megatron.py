@@ -53,7 +53,7 @@ import shlex
 from dataclasses import dataclass
 
 from plan3d.emit.common import Emitted, same_groups, target_engine
-from plan3d.emit.megatron_moe import mla_args, mla_problems, moe_args, moe_notes, moe_problems
+from plan3d.emit.megatron_moe import GROUPED_GEMM_MIN_ARCH, mla_args, mla_problems, moe_args, moe_notes, moe_problems
 from plan3d.errors import InfeasibleError, SpecError
 from plan3d.layout import Layout
 from plan3d.plan import Plan
@@ -218,6 +218,8 @@ def _batch_args(plan: Plan) -> list[str]:
 def _recompute_args(layout: Layout) -> list[str]:
     if layout.recompute == "selective":
         return ["--recompute-granularity", "selective"]
+    if layout.recompute == "moe-act":  # output-discarding checkpoints; core_attn left out: flash attention saves nothing to drop
+        return ["--recompute-granularity", "selective", "--recompute-modules", "moe_act", "layernorm"]
     if layout.recompute == "full":
         return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     return []
@@ -282,6 +284,10 @@ def _model_args(plan: Plan) -> list[str]:
 def _moe_mla_args(plan: Plan) -> list[str]:
     """Experts and multi-latent attention (plan3d.emit.megatron_moe), after refusing what Megatron refuses."""
     problems = moe_problems(plan) + mla_problems(plan.model)
+    if plan.layout.recompute == "moe-act" and gpu_arch(plan) < GROUPED_GEMM_MIN_ARCH:
+        problems.append("recompute moe-act needs --moe-grouped-gemm (TransformerConfig: 'moe_act in recompute_modules "
+                        "is only supported with moe_grouped_gemm'), which needs compute capability >= 8; "
+                        "use selective or full recompute")
     if problems:
         raise InfeasibleError(f"{ENGINE} cannot run {plan.layout.short()} of {plan.model.name}: " + "; ".join(problems))
     return moe_args(plan, gpu_arch(plan)) + mla_args(plan.model)

@@ -77,6 +77,8 @@ MOE_CASES = [
     MoECase("mixtral-tp2-pp2-ep2-dp4", "mixtral", 2, dict(tp=2, pp=2, dp=4, ep=2, zero=1, sequence_parallel=True)),
     MoECase("mixtral-tp4-pp2-vpp2-ep2-dp2", "mixtral", 2, dict(tp=4, pp=2, vpp=2, dp=2, ep=2, zero=1,
                                                               sequence_parallel=True, recompute="selective")),
+    MoECase("mixtral-tp2-ep4-dp4-sp-moe-act", "mixtral", 1, dict(tp=2, dp=4, ep=4, zero=1, sequence_parallel=True,
+                                                                recompute="moe-act")),
     MoECase("mixtral-tp2-cp2-ep4-dp4", "mixtral", 2, dict(tp=2, cp=2, dp=4, ep=4, zero=1, sequence_parallel=True),
             seq_len=8192),
     MoECase("mixtral-ep4-dp8-zero3", "mixtral", 1, dict(dp=8, ep=4, zero=3)),
@@ -294,6 +296,17 @@ def test_megatron_runs_the_moe_plan_or_confirms_the_refusal(megatron, case: MoEC
     args = megatron_args(megatron, plan, argv, env)
     assert_moe_values(args, transformer_config(args), plan)
     assert megatron_process_groups(args) == plan_groups(plan)
+
+
+def test_megatron_recomputes_the_modules_moe_act_names(megatron):
+    """plan3d's moe-act is Megatron-Core's selective recompute of exactly the MoE activation and the
+    norms, as TransformerConfig reads the emitted arguments (grouped GEMM on, which moe_act needs)."""
+    case = next(c for c in MOE_CASES if c.name == "mixtral-tp2-ep4-dp4-sp-moe-act")
+    plan = build_moe(case)
+    env, _, argv = shell_parts(emit_megatron(plan, RUN).text)
+    config = transformer_config(megatron_args(megatron, plan, argv, env))
+    assert config.recompute_granularity == "selective"
+    assert config.recompute_modules == ["moe_act", "layernorm"] and config.moe_grouped_gemm
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "gpt-moe"])

@@ -1,0 +1,100 @@
+"""Megatron-Core's module recompute `moe-act` (`--recompute-granularity selective --recompute-modules
+moe_act layernorm`): what it frees, what it costs, where it may be searched and what emit writes
+(docs/cost-model.md, Memory)."""
+from __future__ import annotations
+
+import pytest
+
+from plan3d.cost.estimate import estimate
+from plan3d.emit.megatron import megatron_args
+from plan3d.errors import LayoutError
+from plan3d.layout import Layout, layout_problems, recompute_modes
+from plan3d.plan import build_plan
+from plan3d.search import Space, search
+from plan3d.specs.catalog import load_cluster, load_engine, load_model
+from plan3d.specs.training import TrainingSpec
+from plan3d.vocab import RECOMPUTE_MODES
+
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    return load_model("mixtral-8x7b")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    return load_cluster("dgx-h100", 8)  # 64 H100
+
+
+def _layout(recompute: str) -> Layout:
+    return Layout(tp=2, pp=4, dp=8, ep=8, micro_batch=1, zero=1, recompute=recompute, sequence_parallel=True)
+
+
+def _estimate(cluster, model, recompute, engine="megatron-core"):
+    training = TrainingSpec(global_batch=256)
+    return estimate(cluster, model, training, _layout(recompute), engine=load_engine(engine)).to_dict()
+
+
+def test_moe_act_frees_the_expert_activation_and_the_pre_mlp_norm_output_of_every_layer_in_flight(cluster, mixtral):
+    """By hand: Mixtral (SwiGLU, top-2 of 8 experts, expert FFN 14336, h 4096, 32 layers all MoE),
+    tp2 pp4 sp, micro-batch 1 of 4096 tokens, bf16. Per MoE layer and micro-batch moe-act drops the
+    activation output of the routed tokens' expert FFN, top_k * s * load * ffn / tp elements, and the
+    pre-MLP norm output, s * h / tp elements (sequence parallel), 2 bytes each. Pipeline rank 0 holds
+    8 layers of pp = 4 micro-batches in flight (1F1B)."""
+    none, act = _estimate(cluster, mixtral, "none"), _estimate(cluster, mixtral, "moe-act")
+    s, h, ffn, top_k, tp = 4096, mixtral.hidden, mixtral.moe.expert_ffn_hidden or mixtral.ffn_hidden_, 2, 2
+    load = 1.1  # the stated imbalance prior on the busiest rank (docs/cost-model.md, Mixture of experts)
+    per_layer = (top_k * s * load * ffn / tp + s * h / tp) * 2
+    layers, in_flight = mixtral.layers // 4, 4
+    freed = none["memory_bytes"]["activations"] - act["memory_bytes"]["activations"]
+    assert freed == pytest.approx(layers * in_flight * per_layer, rel=1e-6)
+    assert freed > 4 * GIB  # of the order that decides whether a layout fits (4.35 GiB here)
+
+
+def test_moe_act_costs_memory_bound_time_only(cluster, mixtral):
+    """Its recompute pass is element-wise (the SwiGLU product from its two inputs, the norm from its
+    input): more than nothing, far less than selective's attention core or a full forward; it adds
+    no FLOPs, so MFU and HFU stay those of no recompute."""
+    none, act = _estimate(cluster, mixtral, "none"), _estimate(cluster, mixtral, "moe-act")
+    full = _estimate(cluster, mixtral, "full")
+    assert 0 < act["time_s"]["recompute"] < 0.05 * full["time_s"]["recompute"]
+    assert act["step_time_s"] < full["step_time_s"]
+    for flops in ("hfu", "mfu"):  # utilisation x time: the FLOPs counted, the same without and with moe-act
+        assert act[flops] * act["step_time_s"] == pytest.approx(none[flops] * none["step_time_s"], rel=1e-9)
+    assert full["hfu"] * full["step_time_s"] > 1.2 * none["hfu"] * none["step_time_s"]  # full's pass is counted
+
+
+def test_moe_act_is_refused_for_a_dense_model_and_with_fp8():
+    gpt = load_model("gpt3-175b")
+    layout = Layout(tp=8, pp=8, dp=8, micro_batch=1, recompute="moe-act", sequence_parallel=True)
+    problems = layout_problems(layout, gpt, TrainingSpec(global_batch=1536), 512)
+    assert any("dense" in p and "moe-act" in p for p in problems)
+    mixtral = load_model("mixtral-8x7b")
+    problems = layout_problems(_layout("moe-act"), mixtral, TrainingSpec(global_batch=256, precision="fp8"), 64)
+    assert any("fp8" in p and "delayed" in p for p in problems)
+    assert "moe-act" not in recompute_modes(RECOMPUTE_MODES, gpt, TrainingSpec(global_batch=1536))
+
+
+def test_the_search_offers_moe_act_only_where_the_engine_runs_it_and_the_model_has_experts(cluster, mixtral):
+    training = TrainingSpec(global_batch=256)
+    space = Space(max_micro_batch=1, max_vpp=1)
+    moe = search(cluster, mixtral, training, space, engine=load_engine("megatron-core"))
+    assert "moe-act" in {moe.layout(i).recompute for i in range(moe.size)}
+    titan = search(cluster, mixtral, training, space, engine=load_engine("torchtitan"))
+    assert "moe-act" not in {titan.layout(i).recompute for i in range(titan.size)}
+    dense = search(cluster, load_model("llama3-8b"), TrainingSpec(global_batch=64), space,
+                   engine=load_engine("megatron-core"))
+    assert "moe-act" not in {dense.layout(i).recompute for i in range(dense.size)}
+    with pytest.raises(LayoutError, match="dense"):
+        search(cluster, load_model("llama3-8b"), TrainingSpec(global_batch=64), Space(recompute=("moe-act",)))
+
+
+def test_emit_megatron_writes_the_recompute_modules(cluster, mixtral):
+    plan = build_plan(cluster, mixtral, TrainingSpec(global_batch=256), _layout("moe-act"),
+                      engine=load_engine("megatron-core"))
+    args = megatron_args(plan)
+    at = args.index("--recompute-modules")
+    assert args[at - 2:at] == ["--recompute-granularity", "selective"]
+    assert args[at + 1:at + 3] == ["moe_act", "layernorm"] and "--moe-grouped-gemm" in args

@@ -22,7 +22,7 @@ from plan3d.specs.model import ModelSpec
 from plan3d.specs.order import AXES, DEFAULT_ORDER, parse_order  # noqa: F401  (re-exported)
 from plan3d.specs.training import TrainingSpec
 
-Recompute = Literal["none", "selective", "moe-act", "full"]
+Recompute = Literal["none", "selective", "moe-act", "partial", "full"]
 
 
 def full_order(order: str) -> str:

@@ -106,6 +106,7 @@ class Estimate(_Record):
     validated: bool | None = None
     region: dict[str, Any] = {}
     grad_dtype: Text = ""
+    recompute_layers: Annotated[int, Field(ge=0, le=10**6)] = 0  # partial recompute: layers per virtual chunk
 
 
 class RankMapRecord(_Record):

@@ -68,7 +68,7 @@ CP_AUTO_MIN_TOKENS = 8192  # default bound on cp: each rank keeps at least this 
 LAYOUT_KNOBS = SHAPE_KNOBS + ("uneven", "zero", "recompute", "order")
 
 # (code, short reason); code 0 is "valid". Codes 1-9 and 17-18 are the layout rules (LAYOUT_RULES, in
-# order), 10-12 the fit rules (FIT_RULES), 13-16 and 19-21 the search's own.
+# order), 10-12 the fit rules (FIT_RULES), 13-16 and 19-22 the search's own.
 REASONS = {
     **{rule.code: rule.reason for rule in SEARCHED_RULES},
     **{rule.code: rule.reason for rule in FIT_RULES},
@@ -79,11 +79,12 @@ REASONS = {
     19: "the engine needs sequence parallelism for MoE with tp > 1",
     20: "an engine rule on experts or rank order (ep with tp or ZeRO; pp-dp order needs ep = cp; expert biases with tp)",
     21: "a2a context parallelism splits heads over cp: heads / tp and kv_heads / tp must divide by cp",
+    22: "partial recompute with nothing to recompute (fits without: same as none)",
 }
 MEMORY_CODE, MFU_CODE, MEMORY_FRACTION_CODE = (rule.code for rule in FIT_RULES)
 SAME_ORDER_CODE, ZERO_DP1_CODE = 13, 14
 ENGINE_ZERO_PP_CODE, ENGINE_TP_PP_CODE, ENGINE_MOE_SP_CODE, ENGINE_EP_CODE = 15, 16, 19, 20
-CP_HEADS_CODE = 21
+CP_HEADS_CODE, IDLE_PARTIAL_CODE = 21, 22
 
 
 @dataclass(frozen=True)
@@ -627,7 +628,7 @@ def evaluate_scalar(cluster: ClusterSpec, model: ModelSpec, training: TrainingSp
 
 
 SCALAR_METRICS = ("step_time_s", "tokens_per_s", "peak_memory_bytes", "capacity_bytes", "fits", *UTILISATION,
-                  "model_tflops_per_gpu", "bubble_fraction")
+                  "model_tflops_per_gpu", "bubble_fraction", "recompute_layers")
 
 
 def evaluate_even(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec,
@@ -673,6 +674,7 @@ def search(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space
     layouts = drop_duplicates(layouts, space, rejected)
     require_within_budget(layouts, cluster)
     metrics = evaluate(cluster, model, training, layouts, space.orders, engine) if len(layouts["tp"]) else {}
+    layouts, metrics = drop_idle_partial(layouts, metrics, rejected)
     bands = search_bands(cluster, model, training, layouts, engine)
     if metrics:
         metrics["step_band_low_s"] = metrics["step_time_s"] / (1 + bands.high)
@@ -692,6 +694,18 @@ def search_bands(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec,
     n = len(layouts["tp"])
     return band_arrays(engine.name if engine else "", cluster.gpu.generation_name, layouts["zero"],
                        layouts.get("cp", np.ones(n)), model.moe is not None, training.precision, cluster.world_size)
+
+
+def drop_idle_partial(layouts: dict[str, np.ndarray], metrics: dict[str, np.ndarray],
+                      rejected: dict[int, int]) -> tuple[dict, dict]:
+    """Without the partial-recompute layouts that recompute no layer (every rank fits without:
+    `recompute_layers` 0, the same run as recompute none), counted in `rejected`."""
+    if not metrics:
+        return layouts, metrics
+    idle = (layouts["recompute"] == RECOMPUTE_CODES["partial"]) & (metrics["recompute_layers"] == 0)
+    if idle.any():
+        rejected[IDLE_PARTIAL_CODE] = int(idle.sum())
+    return {k: a[~idle] for k, a in layouts.items()}, {k: a[~idle] for k, a in metrics.items()}
 
 
 def fit_reasons(metrics: dict[str, np.ndarray], n: int, min_mfu: float | None,

@@ -133,7 +133,7 @@ def estimate_batch(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpe
     out = evaluate(ctx, la, _links(cluster, cands, orders), pp_rank, layers, weights, moe_layers)
     time = out["time_s"]
     result = {k: out[k] for k in ("step_time_s", "tokens_per_s", "peak_memory_bytes", "capacity_bytes",
-                                  *UTILISATION, "model_tflops_per_gpu", "bubble_fraction")}
+                                  *UTILISATION, "model_tflops_per_gpu", "bubble_fraction", "recompute_layers")}
     result["fits"] = out["peak_memory_bytes"] <= out["capacity_bytes"]
     result.update({f"{k}_s": time[k] for k in time})
     require_finite(result, cluster, model, training, engine)

@@ -62,7 +62,7 @@ def model_flops_per_step(ctx: CostContext, causal: bool = True) -> float:
     return 3.0 * (forward + logits_flops(ctx, tokens))
 
 
-def recompute_flops_per_step(ctx: CostContext, recompute):
+def recompute_flops_per_step(ctx: CostContext, recompute, partial_share=0.0):
     """FLOPs the recompute pass adds to a step (`recompute`: RECOMPUTE_CODES, scalar or array):
     full recompute repeats every layer's forward (not the output layer's), selective only the
     attention core (Korthikanti et al. 2022, section 5); the s^2 term in full, as hardware FLOPs
@@ -74,13 +74,14 @@ def recompute_flops_per_step(ctx: CostContext, recompute):
         layers += ctx.moe_layers * (moe_active_gemm_flops(ctx, tokens) - layer_gemm_flops(ctx, tokens))
     recompute = np.asarray(recompute)
     return np.where(recompute >= RECOMPUTE_CODES["full"], layers,
-                    np.where(recompute == RECOMPUTE_CODES["selective"], attention, 0.0))
+                    np.where(recompute == RECOMPUTE_CODES["selective"], attention,
+                             np.where(recompute == RECOMPUTE_CODES["partial"], partial_share * layers, 0.0)))
 
 
-def hardware_flops_per_step(ctx: CostContext, recompute):
+def hardware_flops_per_step(ctx: CostContext, recompute, partial_share=0.0):
     """Hardware FLOPs of one step: non-causal model FLOPs plus the recompute pass (what HFU counts,
     and what Narayanan et al. 2021 and BLOOM report as TFLOP/s per GPU)."""
-    return model_flops_per_step(ctx, causal=False) + recompute_flops_per_step(ctx, recompute)
+    return model_flops_per_step(ctx, causal=False) + recompute_flops_per_step(ctx, recompute, partial_share)
 
 
 def gemm_s(ctx: CostContext, flops, kernels):

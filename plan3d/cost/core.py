@@ -6,7 +6,7 @@ written once, in memory.py, compute.py, comm.py and pipeline.py; this module onl
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -18,6 +18,7 @@ from plan3d.cost.comm import LINK_GROUPS
 from plan3d.vocab import COLLECTIVE_KINDS, MEMORY_TERMS, PER_MICRO_BATCH_TERMS, RECOMPUTE_CODES, TIME_TERMS
 
 FULL, SELECTIVE, MOE_ACT = RECOMPUTE_CODES["full"], RECOMPUTE_CODES["selective"], RECOMPUTE_CODES["moe-act"]
+PARTIAL, NONE = RECOMPUTE_CODES["partial"], RECOMPUTE_CODES["none"]
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,7 @@ def _p2p_s(ctx: CostContext, la: LayoutArrays, links: Links, boundary_bytes):
 
 
 def stage_step_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, params, backward_s, compute_s,
-                 expert_params=0.0, layers=1.0) -> dict:
+                 expert_params=0.0, layers=1.0, recompute_share=0.0) -> dict:
     """Per step work of one rank outside the pipeline: data-parallel gradient reduction (hidden
     behind `dp_overlap_fraction` of one backward), ZeRO-3 traffic (hidden behind the same share
     of the compute), the tied-embedding all-reduce between first and last stage, the optimizer.
@@ -289,7 +290,7 @@ def stage_step_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, para
     replicated = np.maximum(all_reduce + tied_s - overlap * backward_s, 0.0)
     zero3_tied = np.maximum(tied_s - overlap * backward_s, 0.0)  # ZeRO-3 grads: per micro-batch, below
     dp = np.where(la.zero >= 3, zero3_tied, np.where(la.zero >= 1, sharded, replicated))
-    gathers = 2 + np.where(la.recompute >= FULL, 1, 0)
+    gathers = 2 + np.where(la.recompute >= FULL, 1.0, np.where(la.recompute == PARTIAL, recompute_share, 0.0))
     per_micro_batch = gathers * zero3_gather + zero3_scatter  # and this micro-batch's grads reduce-scattered
     zero3 = np.where(la.zero >= 3, la.m * per_micro_batch, 0.0)
     zero3_overlap = overlap if ctx.zero3_overlap_fraction is None else ctx.zero3_overlap_fraction
@@ -317,22 +318,38 @@ def evaluate(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, layers, 
         return _evaluate(ctx, la, links, pp_rank, layers, weights, moe_layers)
 
 
+def micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, layers, moe_layers, recompute_share) -> dict:
+    """`stage_micro_batch_s`; a partial-recompute rank (`memory.partial_recompute_layers`) is its
+    share of the layers under full recompute and the rest without."""
+    partial = la.recompute == PARTIAL
+    if not np.any(partial):
+        return stage_micro_batch_s(ctx, la, links, pp_rank, layers, moe_layers)
+    plain = stage_micro_batch_s(ctx, replace(la, recompute=np.where(partial, NONE, la.recompute)), links, pp_rank,
+                                layers, moe_layers)
+    full = stage_micro_batch_s(ctx, replace(la, recompute=np.where(partial, FULL, la.recompute)), links, pp_rank,
+                               layers, moe_layers)
+    share = np.where(partial, recompute_share, 0.0)
+    return {k: (1 - share) * plain[k] + share * full[k] for k in plain}
+
+
 def _evaluate(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, layers, weights, moe_layers) -> dict:
     mem = memory.stage_memory(ctx, la, pp_rank, layers, moe_layers)
-    per_mb = stage_micro_batch_s(ctx, la, links, pp_rank, layers, moe_layers)
+    per_mb = micro_batch_s(ctx, la, links, pp_rank, layers, moe_layers, mem["recompute_share"])
     per_mb_total = sum(per_mb[k] for k in PER_MICRO_BATCH_TERMS)
     pipe, bubble = pipeline_s(per_mb_total, weights, la.m, la.vpp, core_share(ctx, la))
     extra = stage_step_s(ctx, la, links, pp_rank, mem["params"], per_mb["backward"],
-                         la.m * (per_mb["compute"] + per_mb["recompute"]), mem["expert_params"], layers)
+                         la.m * (per_mb["compute"] + per_mb["recompute"]), mem["expert_params"], layers,
+                         mem["recompute_share"])
     slow = masked_argmax(per_mb_total, weights)
     pick = lambda a: np.take_along_axis(np.broadcast_to(a, per_mb_total.shape), slow[None], 0)[0]  # noqa: E731
     time = {k: la.m * pick(per_mb[k]) for k in PER_MICRO_BATCH_TERMS}
     time["bubble"] = bubble
     time.update({k: masked_max(np.broadcast_to(v, per_mb_total.shape), weights) for k, v in extra.items()})
-    return _summary(ctx, la, mem, time, weights)
+    recomputed = np.sum(np.broadcast_to(mem["recompute_share"] * layers, weights.shape) * weights, axis=0)
+    return _summary(ctx, la, mem, time, weights, recomputed / ctx.layers)
 
 
-def _summary(ctx: CostContext, la: LayoutArrays, mem: dict, time: dict, weights) -> dict:
+def _summary(ctx: CostContext, la: LayoutArrays, mem: dict, time: dict, weights, recompute_share=0.0) -> dict:
     step = sum(time[k] for k in TIME_TERMS)
     shape = np.broadcast_shapes(*(np.shape(v) for v in mem.values()))
     totals = np.broadcast_to(mem["total"], shape)
@@ -344,7 +361,8 @@ def _summary(ctx: CostContext, la: LayoutArrays, mem: dict, time: dict, weights)
         "step_time_s": step, "tokens_per_s": ctx.global_batch * ctx.seq / step,
         "model_tflops_per_gpu": achieved / 1e12, "mfu": achieved / ctx.peak_flops,
         "mfu_noncausal": compute.model_flops_per_step(ctx, causal=False) / per_gpu_s,
-        "hfu": compute.hardware_flops_per_step(ctx, la.recompute) / per_gpu_s,
+        "hfu": compute.hardware_flops_per_step(ctx, la.recompute, recompute_share) / per_gpu_s,
+        "recompute_layers": np.max(np.broadcast_to(mem["recompute_layers"], totals.shape), axis=0),
         "peak_memory_bytes": masked_max(totals, weights), "worst_stage": masked_argmax(totals, weights),
         "capacity_bytes": np.full_like(step, ctx.capacity_bytes),
         "bubble_fraction": time["bubble"] / step,

@@ -52,6 +52,7 @@ class Estimate:
     validated: bool = False  # inside a region of measured runs (no feature extrapolated)
     region: dict = field(default_factory=dict)  # the band's region, runs, sources and what is extrapolated
     grad_dtype: str = ""  # the gradients budgeted: fp32, bf16, fp16, or "fp32 + bf16 .grad" (context.gradient_extras)
+    recompute_layers: int = 0  # partial recompute: layers per virtual chunk recomputed (--recompute-num-layers)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -137,7 +138,7 @@ def _to_estimate(out: dict, layout: Layout, tiers: dict, warnings: list[str]) ->
         stage_memory_bytes=[float(v) for v in stage["total"][:, 0]],
         time_s={k: scalar(out["time_s"][k]) for k in TIME_TERMS},
         tiers=tiers, worst_pp_rank=worst, warnings=warnings,
-        layout=layout.model_dump(mode="json"),
+        layout=layout.model_dump(mode="json"), recompute_layers=int(scalar(out["recompute_layers"])),
     )
 
 

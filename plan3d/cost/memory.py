@@ -8,6 +8,8 @@ with numpy arithmetic so that `estimate()` and `estimate_batch()` share it.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from plan3d.cost.arrays import LayoutArrays, layout_arrays
@@ -256,15 +258,20 @@ def in_flight(la: LayoutArrays, pp_rank):
     return np.minimum(np.where(la.vpp > 1, interleaved, plain), la.m)
 
 
-def stage_activation_bytes(ctx: CostContext, la: LayoutArrays, pp_rank, layers_on_rank, moe_on_rank=0.0):
+def stage_activation_bytes(ctx: CostContext, la: LayoutArrays, pp_rank, layers_on_rank, moe_on_rank=0.0,
+                           recompute_share=0.0):
     """Activations at the peak of rank `pp_rank`: in-flight micro-batches times its layers
     (full recompute keeps only each layer's input, 2*s*B*h, plus one layer's working set: the
     larger of a dense and an MoE layer where it has both), and the fp32 logits of one micro-batch
     on the last stage (its seq / cp tokens with context parallelism), at the engine's `logit_bytes` per
     element (the bf16 output, the loss's fp32 copy and what it saves). The logits and the
     recompute working set are never live together: the loss's backward frees what it saved before
-    the first layer is recomputed, so the rank holds the larger of the two, not their sum."""
+    the first layer is recomputed, so the rank holds the larger of the two, not their sum.
+    Partial recompute keeps `recompute_share` of the rank's layers as full recompute does and the
+    rest as without recompute (`partial_recompute_layers`)."""
     full = la.recompute >= RECOMPUTE_CODES["full"]
+    partial = (la.recompute == RECOMPUTE_CODES["partial"]) & (np.asarray(recompute_share) > 0)
+    share = np.where(partial, recompute_share, 0.0)
     selective = la.recompute == RECOMPUTE_CODES["selective"]
     per_layer = layer_activation_bytes(ctx, la)
     per_moe = moe_layer_activation_bytes(ctx, la) if ctx.moe_layers else per_layer
@@ -273,14 +280,54 @@ def stage_activation_bytes(ctx: CostContext, la: LayoutArrays, pp_rank, layers_o
                                      sum(moe_act_discarded_elements(ctx, la)) * ctx.act_bytes, 0.0)
     checkpoint = 2 * ctx.seq * la.mb_share * ctx.hidden / la.sp_div * ctx.act_bytes / 2
     scores = np.where(selective, attention_score_store_bytes(ctx, la), 0.0)  # selective recomputes the scores
-    stored = np.where(full, checkpoint, per_layer - scores)
-    stored_moe = np.where(full, checkpoint, per_moe - scores)
+    stored = np.where(full, checkpoint, (1 - share) * (per_layer - scores) + share * checkpoint)
+    stored_moe = np.where(full, checkpoint, (1 - share) * (per_moe - scores) + share * checkpoint)
     largest = np.where(moe_on_rank > 0, np.maximum(per_layer, per_moe), per_layer)
-    working = np.where(full, largest, 0.0)
+    working = np.where(full | partial, largest, 0.0)
     kept = in_flight(la, pp_rank) * ((layers_on_rank - moe_on_rank) * stored + moe_on_rank * stored_moe)
     logits = np.where(pp_rank == la.pp - 1, ctx.seq * la.mb_share * padded_vocab(ctx, la.tp) / la.tp
                       * ctx.logit_bytes, 0.0)
     return kept + np.maximum(working, logits) + pipeline_output_bytes(ctx, la, pp_rank)
+
+
+def partial_recompute_layers(ctx: CostContext, la: LayoutArrays, pp_rank, layers_on_rank, moe_on_rank, fixed_bytes):
+    """Partial recompute (Megatron-Core `--recompute-method block --recompute-num-layers N`): the
+    first N layers of every virtual chunk of every pipeline rank are fully recomputed, N the fewest
+    that bring the most-loaded rank within `capacity_bytes` (one N for all ranks, as the argument
+    is global), at least 1 and at most one fewer than a chunk's layers; 0 where every rank fits
+    without recompute (the layout then runs as recompute none). Returns (share, N): each rank's
+    share of its layers recomputed and N, per candidate.
+
+    A rank's total is linear in the layers it recomputes: `fixed_bytes` (model states, buffers, the
+    reserve's fixed part) plus (1 + allocator overhead) x activations, and each recomputed layer
+    keeps only its input (2sBh, /tp under SP) instead of its activations, for every micro-batch in
+    flight, while one layer's working set is live in the backward (in place of the logits where
+    they are larger)."""
+    partial = la.recompute == RECOMPUTE_CODES["partial"]
+    none = replace(la, recompute=np.where(partial, RECOMPUTE_CODES["none"], la.recompute))
+    act_none = stage_activation_bytes(ctx, none, pp_rank, layers_on_rank, moe_on_rank)
+    full = replace(la, recompute=np.where(partial, RECOMPUTE_CODES["full"], la.recompute))
+    act_full = stage_activation_bytes(ctx, full, pp_rank, layers_on_rank, moe_on_rank)
+    grow = 1 + ctx.allocator_overhead_fraction
+    # full recompute = none - every layer's savings + the working set (over the logits): per layer
+    # recomputed the rank saves (act_none - act_full + working extra) / layers
+    dense = layer_activation_bytes(ctx, la)
+    per_layer = np.where(moe_on_rank > 0, np.maximum(dense, moe_layer_activation_bytes(ctx, la)), dense) \
+        if ctx.moe_layers else dense  # the working set stage_activation_bytes holds
+    logits = np.where(pp_rank == la.pp - 1, ctx.seq * la.mb_share * padded_vocab(ctx, la.tp) / la.tp * ctx.logit_bytes, 0.0)
+    working_extra = np.maximum(per_layer, logits) - logits
+    layers = np.maximum(layers_on_rank, 1.0)
+    saved_per_layer = np.maximum((act_none + working_extra - act_full) / layers, 1.0)
+    fits_without = fixed_bytes + grow * act_none <= ctx.capacity_bytes  # then nothing is recomputed, no working set
+    excess = fixed_bytes + grow * (act_none + working_extra) - ctx.capacity_bytes
+    needed = np.where((layers_on_rank > 0) & ~fits_without,
+                      np.maximum(np.ceil(np.maximum(excess, 0.0) / (grow * saved_per_layer) / la.vpp), 1.0), 0.0)
+    chunk = np.where(layers_on_rank > 0, np.floor(layers_on_rank / la.vpp), np.inf)
+    most = np.maximum(np.min(chunk, axis=0, keepdims=True) - 1, 1.0)
+    wanted = np.max(needed, axis=0, keepdims=True)
+    n = np.where(partial & (wanted > 0), np.clip(wanted, 1.0, most), 0.0)
+    share = np.where(layers_on_rank > 0, np.minimum(n * la.vpp, layers_on_rank) / layers, 0.0)
+    return share, n
 
 
 def pipeline_output_bytes(ctx: CostContext, la: LayoutArrays, pp_rank):
@@ -384,13 +431,20 @@ def stage_memory(ctx: CostContext, la: LayoutArrays, pp_rank, layers_on_rank, mo
     params = stage_params(ctx, la.tp, la.pp, pp_rank, layers_on_rank, moe_on_rank)
     experts = moe_on_rank * expert_rank_params(ctx, la.expert_tp, la.ep) if ctx.moe_layers else 0.0 * params
     out = model_states(ctx, params, la.grad_ranks, la.zero, experts, la.expert_grad_ranks, la.pp)
-    out["activations"] = stage_activation_bytes(ctx, la, pp_rank, layers_on_rank, moe_on_rank)
     out["buffers"] = (buffer_bytes(ctx, la) + fp8_weight_cache_bytes(ctx, la, layers_on_rank, moe_on_rank)
                       + gradient_work_bytes(ctx, la, params, experts) + 0.0 * pp_rank)
+    share, n = 0.0 * pp_rank, 0.0 * la.tp
+    if np.any(la.recompute == RECOMPUTE_CODES["partial"]):
+        fixed = (out["weights"] + out["gradients"] + out["optimizer"] + out["buffers"]
+                 + reserve_row_bytes(ctx, 0.0, out["buffers"]))
+        share, n = partial_recompute_layers(ctx, la, pp_rank, layers_on_rank, moe_on_rank, fixed)
+    out["activations"] = stage_activation_bytes(ctx, la, pp_rank, layers_on_rank, moe_on_rank, share)
     out["reserve"] = reserve_row_bytes(ctx, out["activations"], out["buffers"])
     out["total"] = sum(out[k] for k in ("weights", "gradients", "optimizer", "activations", "buffers", "reserve"))
     out["params"] = params
     out["expert_params"] = experts
+    out["recompute_share"] = share  # partial recompute: the share of the rank's layers recomputed
+    out["recompute_layers"] = n  # ... and N, layers per virtual chunk (0 unless partial)
     return out
 
 

@@ -115,7 +115,7 @@ def megatron_args(plan: Plan, engine: EngineSpec | None = None) -> list[str]:
         engine, _ = target_engine(plan, PROFILE, VERSIONS)
     layout = plan.layout
     return (_parallel_args(layout) + _cp_comm_args(layout, engine) + _order_args(layout) + _pipeline_split_args(plan) + _zero_args(layout)
-            + _overlap_args(plan, engine) + _batch_args(plan) + _recompute_args(layout) + _precision_args(plan)
+            + _overlap_args(plan, engine) + _batch_args(plan) + _recompute_args(plan) + _precision_args(plan)
             + _model_args(plan))
 
 
@@ -215,7 +215,11 @@ def _batch_args(plan: Plan) -> list[str]:
             "--seq-length", str(seq), "--max-position-embeddings", str(max(seq, plan.model.seq_len))]
 
 
-def _recompute_args(layout: Layout) -> list[str]:
+def _recompute_args(plan: Plan) -> list[str]:
+    layout = plan.layout
+    if layout.recompute == "partial":  # TransformerBlock: the first N layers of each (virtual) chunk checkpointed
+        return ["--recompute-granularity", "full", "--recompute-method", "block",
+                "--recompute-num-layers", str(partial_recompute_layers(plan))]
     if layout.recompute == "selective":
         return ["--recompute-granularity", "selective"]
     if layout.recompute == "moe-act":  # output-discarding checkpoints; core_attn left out: flash attention saves nothing to drop
@@ -223,6 +227,19 @@ def _recompute_args(layout: Layout) -> list[str]:
     if layout.recompute == "full":
         return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     return []
+
+
+def partial_recompute_layers(plan: Plan) -> int:
+    """N of partial recompute: the plan's estimate chose it (the fewest layers per virtual chunk that
+    make the most-loaded rank fit, plan3d.cost.memory.partial_recompute_layers)."""
+    if plan.estimate is None:
+        raise InfeasibleError("recompute partial needs the number of layers to recompute, which the plan's estimate "
+                              "chooses: make the plan with `plan3d recommend --out`, which estimates it")
+    layers = plan.estimate.recompute_layers
+    if layers < 1:
+        raise InfeasibleError(f"recompute partial: {plan.layout.short()} fits without recomputing any layer; "
+                              "use recompute none")
+    return layers
 
 
 def _precision_args(plan: Plan) -> list[str]:

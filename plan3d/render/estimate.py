@@ -52,7 +52,7 @@ def summary_lines(est, cluster, model, training) -> list[str]:
     fits = "[green]fits[/green]" if est.fits else "[red]does NOT fit[/red]"
     stages = ", ".join(f"{b / 2**30:.1f}" for b in est.stage_memory_bytes)
     return [
-        printable(f"{model.name} on {cluster.name}: {_layout_text(est.layout, est.cp_comm)}, global batch {training.global_batch}"),
+        printable(f"{model.name} on {cluster.name}: {_layout_text(est.layout, est.cp_comm, est.recompute_layers)}, global batch {training.global_batch}"),
         "groups span: " + ", ".join(f"{group.replace('_', 'x')} {tier}" for group, tier in est.tiers.items()),
         f"step {ms(est.step_time_s)}{band_text(est)}, {est.tokens_per_s:,.0f} tokens/s, "
         f"{est.model_tflops_per_gpu:.1f} model TFLOP/s per GPU, bubble {est.bubble_fraction:.1%}",
@@ -84,13 +84,17 @@ def region_lines(est) -> list[str]:
     return lines
 
 
-def _layout_text(layout: dict, cp_comm: str = "") -> str:
+def _layout_text(layout: dict, cp_comm: str = "", recompute_layers: int = 0) -> str:
     cp = [f"cp {layout['cp']}" + (f" ({cp_comm} K/V exchange)" if cp_comm else "")] if layout.get("cp", 1) > 1 else []
     ep = [f"ep {layout['ep']}"] if layout.get("ep", 1) > 1 else []
     parts = [f"tp {layout['tp']}", f"pp {layout['pp']}", f"dp {layout['dp']}", *cp, *ep, f"micro-batch {layout['micro_batch']}"]
     if layout["vpp"] > 1:
         parts.append(f"vpp {layout['vpp']}")
-    parts += [f"ZeRO {layout['zero']}", f"recompute {layout['recompute']}"]
+    recompute = f"recompute {layout['recompute']}"
+    if layout["recompute"] == "partial":
+        recompute += (f" (the first {recompute_layers} layer{'s' if recompute_layers != 1 else ''} of each virtual chunk)"
+                      if recompute_layers else " (nothing to recompute: fits without, runs as none)")
+    parts += [f"ZeRO {layout['zero']}", recompute]
     if layout["sequence_parallel"]:
         parts.append("sequence parallel")
     return ", ".join(parts) + f", order {layout['order']}"

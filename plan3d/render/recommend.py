@@ -252,7 +252,15 @@ def layout_cells(result: SearchResult, row: int) -> list[str]:
     cp = [str(lay.cp)] if shows_cp(result) else []
     ep = [str(lay.ep)] if shows_ep(result) else []
     return [str(lay.tp), pp, str(lay.dp), *cp, *ep, str(lay.micro_batch), str(lay.vpp), str(lay.zero),
-            lay.recompute, "y" if lay.sequence_parallel else "", order]
+            recompute_cell(lay.recompute, result.metrics.get("recompute_layers"), row),
+            "y" if lay.sequence_parallel else "", order]
+
+
+def recompute_cell(recompute: str, layers, row: int) -> str:
+    """'partial 3' (the first 3 layers of each virtual chunk recomputed), else the mode."""
+    if recompute != "partial" or layers is None:
+        return recompute
+    return f"partial {int(layers[row])}"
 
 
 def shows_cp(result: SearchResult) -> bool:

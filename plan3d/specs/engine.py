@@ -30,7 +30,7 @@ from plan3d.specs.model import ModelSpec
 from plan3d.specs.order import DEFAULT_ORDER, LayoutShape, parse_order
 from plan3d.specs.training import TrainingSpec
 
-Recompute = Literal["none", "selective", "moe-act", "full"]
+Recompute = Literal["none", "selective", "moe-act", "partial", "full"]
 CpComm = Literal["p2p", "all_gather", "a2a"]
 CP_COMM_HELP = ("p2p: K/V chunks passed round a ring, each transfer overlapped with one block of attention; "
                 "all_gather: the whole sequence's K/V gathered before attention (blocking), dK/dV reduce-scattered "

@@ -296,3 +296,24 @@ def test_megatron_keeps_the_gradient_buffer_the_plan_budgets(megatron, precision
     assert args.accumulate_allreduce_grads_in_fp32 == (plan.grad_dtype == "fp32")
     assert plan.grad_dtype == {("bf16", None): "fp32", ("fp16", None): "fp16"}.get((precision, fp32_grads),
                                                                                  "fp32" if fp32_grads else "bf16")
+
+
+def test_partial_recompute_reaches_the_transformer_config(megatron):
+    """Partial recompute of a plan made by `recommend --out` (its estimate chose N): validate_args
+    and TransformerConfig take full granularity, the block method and the estimate's N, which
+    TransformerBlock applies to the first N layers of each (virtual) chunk."""
+    from plan3d.cost.estimate import estimate
+
+    cluster, model = load_cluster("dgx-a100-80g", 64), load_model("gpt3-175b")
+    training = TrainingSpec(global_batch=1536)
+    layout = Layout(tp=8, pp=8, dp=8, vpp=2, micro_batch=2, zero=1, recompute="partial")
+    engine = load_engine("megatron-core")
+    est = estimate(cluster, model, training, layout, engine=engine).to_dict()
+    assert est["recompute_layers"] >= 1
+    plan = build_plan(cluster, model, training, layout, est, engine)
+    env, _, argv = shell_parts(emit_megatron(plan, RUN).text)
+    args = validated(megatron, argv, layout.world_size, gpu_arch(plan), env)
+    config = transformer_config(args)
+    assert (config.recompute_granularity, config.recompute_method) == ("full", "block")
+    assert config.recompute_num_layers == est["recompute_layers"]
+    assert megatron_stage_layers(config) == layout.stage_layers(model.layers)

@@ -61,7 +61,7 @@ def load_job(path_str: str, engine: EngineSpec | None = None) -> Job:
     model = load_model(_relative(base, spec.model)) if isinstance(spec.model, str) else spec.model
     if engine is None:
         engine = spec.engine if isinstance(spec.engine, EngineSpec) else \
-            engine_for(spec.engine and _relative(base, spec.engine), cluster)
+            engine_for(spec.engine and _relative(base, spec.engine), cluster, model)
     engine = engine.with_cp_comm(spec.cp_comm)
     return Job(cluster=cluster, model=model, training=spec.training, layout=spec.layout, engine=engine)
 

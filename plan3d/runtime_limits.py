@@ -3,6 +3,7 @@ apply before starting (torch-free, and free of prediction code, so the runtime m
 from __future__ import annotations
 
 from plan3d.plan import Plan
+from plan3d.specs.catalog import RUNTIME_ENGINE, load_engine
 
 RUNTIME_CP_COMM = ("all_gather", "p2p")  # plan3d.runtime.cp: gather_sequence, ring_attention
 
@@ -17,8 +18,7 @@ def runtime_problems(plan: Plan) -> list[str]:
     if layout.cp > 1 and plan.cp_comm not in RUNTIME_CP_COMM:
         problems.append(f"the bundled runtime exchanges K/V by {' or '.join(RUNTIME_CP_COMM)}, not {plan.cp_comm}; "
                         f"re-plan with --cp-comm {RUNTIME_CP_COMM[0]}")
-    if model.position == "alibi":
-        problems.append("the bundled runtime has no ALiBi; use position: learned or rope")
+    problems += load_engine(RUNTIME_ENGINE).model_problems(model)  # what its model code builds: can_run.models
     if model.vocab % layout.tp:
         problems.append(f"tp={layout.tp} does not divide vocab={model.vocab} (vocabulary-parallel output)")
     return problems
@@ -28,8 +28,6 @@ def moe_problems(plan: Plan) -> list[str]:
     """What the bundled runtime's MoE layers and expert parallelism (runtime/moe.py) cannot run."""
     layout, model, moe = plan.layout, plan.model, plan.model.moe
     problems = []
-    if model.mla is not None:
-        problems.append("the bundled runtime has no multi-head latent attention (MLA); remove mla from the model spec")
     if layout.etp is not None:
         problems.append(f"the bundled runtime splits experts over tp: drop etp={layout.etp}")
     if moe is None:

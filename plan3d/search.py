@@ -646,6 +646,13 @@ def evaluate_even(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec
                           moe_layers_per_rank)
 
 
+def refuse_model(engine: EngineSpec, model: ModelSpec) -> None:
+    """No layout of a model the engine's code cannot build is searched (`can_run.models`)."""
+    problems = engine.model_problems(model)
+    if problems:
+        raise LayoutError(problems[0])
+
+
 def search(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space: Space = Space(),
            min_mfu: float | None = None, max_memory_fraction: float | None = None,
            engine: EngineSpec | None = None) -> SearchResult:
@@ -653,6 +660,7 @@ def search(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space
     every layout, predicted with the cluster's values alone), with every rejection counted."""
     start = time.perf_counter()
     if engine is not None:
+        refuse_model(engine, model)
         space = engine_space(space, engine)
     space = model_recompute_space(space, model, training)
     if model.moe is None:  # the engine's MoE-only rules do not apply

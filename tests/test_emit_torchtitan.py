@@ -93,7 +93,7 @@ def test_torchtitan_custom_llama_shapes_use_its_builder():
     ("llama3-8b", dict(tp=2, pp=2, dp=8, zero=3, sequence_parallel=True, order="tp-cp-ep-pp-dp"), "bf16",
      "places ranks only"),
     ("llama3-8b", dict(dp=32, zero=3), "fp16", "bf16 or fp32"),
-    ("gpt3-175b", dict(tp=8, dp=4, zero=3, sequence_parallel=True), "bf16", "no decoder for gpt3-175b"),
+    ("gpt3-175b", dict(tp=8, dp=4, zero=3, sequence_parallel=True), "bf16", "torchtitan cannot build gpt3-175b: activation gelu"),
 ])
 def test_torchtitan_refusals_say_what_to_change(model, layout, precision, words):
     with pytest.raises(InfeasibleError, match=words) as err:

@@ -47,6 +47,23 @@ def test_estimate_refuses_a_layout_the_engine_cannot_run(capsys):
     assert ok_json(capsys, "estimate", *GPT3, *SEED, "--zero", "1", "--engine", "megatron-core")["fits"]
 
 
+@pytest.mark.parametrize("command", ["estimate", "recommend"])
+def test_a_model_the_engine_cannot_build_is_refused_before_planning(capsys, command):
+    """The profile's can_run.models, read by the search and the estimate as by the emitter."""
+    knobs = SEED if command == "estimate" else ["--top", "1"]
+    line = one_error_line(capsys, command, *GPT3, *knobs, "--engine", "torchtitan")
+    assert "torchtitan cannot build gpt3-175b: activation gelu (it has swiglu)" in line and "emit megatron" in line
+    line = one_error_line(capsys, command, "-c", "dgx-a100-80g", "-m", "bloom-176b", *knobs, "--engine",
+                          "megatron-core")
+    assert "megatron-core cannot build bloom-176b: position alibi (it has learned, rope)" in line
+
+
+def test_the_default_engine_is_one_that_builds_the_model(capsys):
+    assert ok_json(capsys, "recommend", *GPT3, "--top", "1")["engine"] == DEFAULT_ENGINE
+    bloom = ok_json(capsys, "recommend", "-c", "dgx-a100-80g", "-m", "bloom-176b", "--top", "1")
+    assert bloom["engine"] == "megatron-deepspeed" and bloom["top"]  # BLOOM's ALiBi: its own engine
+
+
 def test_explain_refuses_a_layout_the_engine_cannot_run(capsys):
     line = one_error_line(capsys, "explain", *SMALL, "--tp", "2", "--pp", "2", "--vpp", "2",
                           "--engine", "megatron-deepspeed")
@@ -64,9 +81,10 @@ def test_an_unknown_engine_is_one_line_with_a_hint(capsys, command):
 def test_estimate_json_names_the_engine_and_its_default_by_cluster(capsys):
     core = ok_json(capsys, "estimate", *GPT3, *SEED)
     assert core["engine"] == DEFAULT_ENGINE and core["provenance"]
-    titan = ok_json(capsys, "estimate", *GPT3, *SEED, "--sequence-parallel", "--engine", "torchtitan")
+    llama = ["-c", "dgx-a100-80g", "-m", "llama3-70b"]  # torchtitan 0.3 builds Llama-shaped models only
+    titan = ok_json(capsys, "estimate", *llama, *SEED, "--sequence-parallel", "--engine", "torchtitan")
     assert titan["engine"] == "torchtitan"
-    sp_core = ok_json(capsys, "estimate", *GPT3, *SEED, "--sequence-parallel")
+    sp_core = ok_json(capsys, "estimate", *llama, *SEED, "--sequence-parallel")
     assert titan["step_time_s"] != pytest.approx(sp_core["step_time_s"], rel=1e-6)  # the engine changes the time
     assert ok_json(capsys, "estimate", *CPU, "--dp", "8")["engine"] == RUNTIME_ENGINE
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from plan3d.cost.estimate import estimate
+from plan3d.errors import LayoutError
 from plan3d.search import ENGINE_ZERO_PP_CODE, REASONS, Space, engine_space, search
 from plan3d.vocab import RECOMPUTE_CODES
 from plan3d.specs.catalog import bundled_names, load_cluster, load_engine, load_model
@@ -185,5 +186,5 @@ def test_megatron_deepspeed_searches_its_own_uneven_splits():
     result = search(cluster, bloom, training, space, engine=load_engine("megatron-deepspeed"))
     best = result.layout(ranking.rank(result)[0])
     assert best.pp == 12 and best.pp_layers == load_engine("megatron-deepspeed").default_split(70, 12, 1)
-    core = search(cluster, bloom, training, space, engine=load_engine("megatron-core"))
-    assert core.feasible_count == 0  # Megatron-Core needs --uneven (an explicit split) for this
+    with pytest.raises(LayoutError, match="megatron-core cannot build bloom-176b: position alibi"):
+        search(cluster, bloom, training, space, engine=load_engine("megatron-core"))  # no ALiBi in Megatron-Core

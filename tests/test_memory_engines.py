@@ -18,13 +18,20 @@ from plan3d.specs.training import TrainingSpec
 from plan3d.vocab import RECOMPUTE_CODES
 
 GPT = ModelSpec(name="gpt", layers=4, hidden=64, heads=4, vocab=128, seq_len=32, dropout=0.1)
+LLAMA = GPT.model_copy(update={"name": "llama", "activation": "swiglu", "norm": "rmsnorm", "position": "rope",
+                               "bias": False})  # torchtitan 0.3 builds Llama-shaped models only
+
+
+def model_for(spec):
+    return LLAMA if spec.model_problems(GPT) else GPT
 LAYER_PARAMS = 12 * 64 * 64 + 13 * 64
 CLUSTER = load_cluster("dgx-a100-80g", nodes=2)
 GIB = 2**30
 
 
-def run(engine, layout, precision="bf16", fp32_grads=None, model=GPT, global_batch=64, **runs_as):
+def run(engine, layout, precision="bf16", fp32_grads=None, model=None, global_batch=64, **runs_as):
     spec = load_engine(engine)
+    model = model or model_for(spec)
     if runs_as:
         spec = spec.model_copy(update={"runs_as": spec.runs_as.model_copy(update=runs_as)})
     training = TrainingSpec(global_batch=global_batch, precision=precision, fp32_grad_accum=fp32_grads)
@@ -150,20 +157,21 @@ def test_megatron_reads_zero2_with_a_pipeline_as_its_distributed_optimizer():
 def test_batch_equals_scalar_for_each_engines_memory(engine):
     """estimate_batch() and estimate() share every engine term (pipeline outputs, buckets, FSDP under pp)."""
     spec = load_engine(engine)
+    model = model_for(spec)
     training = TrainingSpec(global_batch=64)
     layouts = []
     for tp, pp, zero, recompute, mb in [(1, 2, 1, "full", 2), (2, 2, 0, "none", 1), (1, 4, 1, "full", 1),
                                         (2, 1, 3, "full", 2), (1, 2, 3, "none", 1), (1, 1, 2, "none", 4)]:
         layout = Layout(tp=tp, pp=pp, dp=16 // (tp * pp), zero=zero, recompute=recompute, micro_batch=mb)
-        if not spec.layout_problems(layout, GPT):
+        if not spec.layout_problems(layout, model):
             layouts.append(layout)
     col = lambda f: np.array([f(x) for x in layouts])  # noqa: E731
     cands = Candidates(col(lambda x: x.tp), col(lambda x: x.pp), col(lambda x: x.dp), col(lambda x: x.micro_batch),
                        col(lambda x: x.vpp), col(lambda x: x.zero), col(lambda x: RECOMPUTE_CODES[x.recompute]),
                        col(lambda x: x.sequence_parallel), col(lambda x: 0))
-    result = estimate_batch(CLUSTER, GPT, training, cands, ("tp-cp-ep-dp-pp",), spec)
+    result = estimate_batch(CLUSTER, model, training, cands, ("tp-cp-ep-dp-pp",), spec)
     for i, layout in enumerate(layouts):
-        est = estimate(CLUSTER, GPT, training, layout, spec)
+        est = estimate(CLUSTER, model, training, layout, spec)
         assert result["peak_memory_bytes"][i] == pytest.approx(est.peak_memory_bytes, rel=1e-9), layout
 
 

@@ -90,7 +90,7 @@ def test_the_search_offers_partial_only_where_it_recomputes_something_and_the_en
     partial = [i for i in range(mc.size) if mc.layout(i).recompute == "partial"]
     assert partial and all(mc.metrics["recompute_layers"][i] >= 1 for i in partial)
     assert mc.rejected[22] > 0  # partial layouts that fit without recompute: dropped, same as none
-    for name in ("torchtitan", "deepspeed"):
+    for name in ("megatron-deepspeed", "deepspeed-0.19"):
         other = search(cluster, gpt3, TRAINING, space, engine=load_engine(name))
         assert "partial" not in {other.layout(i).recompute for i in range(other.size)}
 

@@ -49,10 +49,10 @@ def load_specs(cluster: str, model: str, nodes: int | None, gpus_per_node: int |
     return cluster_spec, model_spec, training
 
 
-def load_engine_opt(engine: str | None, cluster: ClusterSpec, cp_comm: str | None = None):
-    """The --engine spec, or the default engine for `cluster` (catalog.engine_for), running
-    context parallelism's K/V exchange as --cp-comm where given (EngineSpec.with_cp_comm)."""
-    return engine_for(engine, cluster).with_cp_comm(cp_comm)
+def load_engine_opt(engine: str | None, cluster: ClusterSpec, cp_comm: str | None = None, model=None):
+    """The --engine spec, or the default engine for `cluster` and `model` (catalog.engine_for),
+    running context parallelism's K/V exchange as --cp-comm where given (EngineSpec.with_cp_comm)."""
+    return engine_for(engine, cluster, model).with_cp_comm(cp_comm)
 
 
 def make_training(**fields) -> TrainingSpec:

@@ -52,7 +52,7 @@ def estimate_command(
     """Predict the memory of every rank and the time of one training step for one layout, as an engine runs it."""
     cluster_spec, model_spec, training = load_specs(cluster, model, nodes, gpus_per_node, global_batch,
                                                     seq_len, precision, gpu_memory)
-    engine_spec = load_engine_opt(engine, cluster_spec, cp_comm)
+    engine_spec = load_engine_opt(engine, cluster_spec, cp_comm, model_spec)
     flags = dict(tp=tp, pp=pp, cp=cp, micro_batch=micro_batch, vpp=vpp, zero=zero, recompute=recompute,
                  sequence_parallel=sequence_parallel, order=order)
     if dp is None:

@@ -94,7 +94,7 @@ def recommend(
 
     space = space_from_flags(locals())
     specs = load_specs(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision, gpu_memory)
-    engine_spec = load_engine_opt(engine, specs[0], cp_comm)
+    engine_spec = load_engine_opt(engine, specs[0], cp_comm, specs[1])
     space = search.engine_space(space, engine_spec)  # a knob the engine cannot run fails here, before the search
     thresholds = dict(_thresholds(min_mfu, max_memory_fraction), engine=engine_spec)
     if tokens is not None and not 0 < tokens <= MAX_TOKENS:  # nan and inf fail this too
@@ -282,7 +282,7 @@ def explain_cmd(
     from plan3d.render import recommend as render
 
     specs = load_specs(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision, gpu_memory)
-    engine_spec = load_engine_opt(engine, specs[0], cp_comm)
+    engine_spec = load_engine_opt(engine, specs[0], cp_comm, specs[1])
     world = specs[0].world_size
     if dp is None:  # a tp or pp below 1 is left for make_layout to reject
         dp = max(1, world // max(tp * pp * cp, 1))

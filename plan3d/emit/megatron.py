@@ -36,9 +36,10 @@ and the engines tier (tests/engines/test_megatron_engine.py) feeds the output to
   for MoE layouts (ep not dividing the experts, tp > 1 without sequence parallelism, expert biases
   with tp > 1, the pp-dp order with pp > 1 and ep != cp).
 
-What no Megatron-Core flag expresses is refused here, naming the release range: a plain-ReLU MLP
-(its activations are gelu, `--swiglu`, `--squared-relu`, `--quick-geglu`), ALiBi
-(`--position-embedding-type` choices), a rank order other than its two, a non-integer rope base
+What no Megatron-Core flag expresses is refused, naming the release range: a plain-ReLU MLP
+(its activations are gelu, `--swiglu`, `--squared-relu`, `--quick-geglu`) and ALiBi
+(`--position-embedding-type` choices) by the profile's `can_run.models`, read by `target_engine`
+as by `recommend --engine`; here a rank order other than its two and a non-integer rope base
 (`--rotary-base` is `type=int`).
 
 Data, tokenizer and schedule are not part of a plan: the caller passes them (`MegatronRun`) or the
@@ -265,13 +266,7 @@ def _grad_dtype_args(plan: Plan) -> list[str]:
 
 
 def _model_args(plan: Plan) -> list[str]:
-    model = plan.model
-    if model.activation == "relu":
-        raise InfeasibleError(f"{ENGINE} has no plain-ReLU MLP (gelu, --swiglu, --squared-relu, --quick-geglu); "
-                              "change the model spec's activation")
-    if model.position == "alibi":
-        raise InfeasibleError(f"{ENGINE} has no ALiBi (--position-embedding-type learned_absolute, rope, yarn, "
-                              "mrope, relative, none); change the model spec's position")
+    model = plan.model  # what its model code cannot build was refused by target_engine (can_run.models)
     args = ["--num-layers", str(model.layers), "--hidden-size", str(model.hidden),
             "--num-attention-heads", str(model.heads), "--ffn-hidden-size", str(model.ffn_hidden_),
             "--vocab-size", str(model.vocab),

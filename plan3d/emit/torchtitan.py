@@ -49,9 +49,10 @@ distributed/fsdp.py, distributed/pipeline_parallel.py):
 The model is a registered llama3 flavor when the shapes are one (models/llama3/__init__.py),
 otherwise the same builder with the plan's layers, width, heads, KV heads, FFN and vocabulary.
 Refused (InfeasibleError, exit 1) with what to change: what the profile cannot run
-(`target_engine`), a model that is not Llama-shaped (torchtitan 0.3 has no LayerNorm/GELU/learned
-position decoder), tied embeddings with pp > 1 and fp16 (0.3 raises on both), a head dimension
-other than hidden / heads. MoE plans: a DeepSeek-V3-shaped model (MLA, shared experts, first dense
+(`target_engine`, which reads the profile's `can_run.models` as `recommend --engine` does: a
+model that is not Llama-shaped, torchtitan 0.3 having no LayerNorm/GELU/learned-position decoder,
+and a dense model's head dimension other than hidden / heads), tied embeddings with pp > 1 and
+fp16 (0.3 raises on both). MoE plans: a DeepSeek-V3-shaped model (MLA, shared experts, first dense
 layers) through torchtitan's deepseek_v3 builder with `expert_parallel_degree`, where plan3d's
 expert placement maps (plan3d/emit/torchtitan_moe.py); the rest is refused naming what is missing.
 """
@@ -134,19 +135,9 @@ def rope_theta(model: ModelSpec) -> float:
 
 
 def _check_expressible(plan: Plan) -> None:
-    model, layout = plan.model, plan.layout
-    llama_parts = {"activation": (model.activation, "swiglu"), "norm": (model.norm, "rmsnorm"),
-                   "position": (model.position, "rope"), "bias": (model.bias or model.qkv_bias_, False)}
-    unlike = [f"{key} {have}" for key, (have, want) in llama_parts.items() if have != want]
-    if unlike:
-        raise InfeasibleError(
-            f"torchtitan {VERSIONS} has no decoder for {model.name} ({', '.join(unlike)}): its llama3 builder is "
-            "SwiGLU / RMSNorm / RoPE without biases; emit megatron or deepspeed for this model")
+    model, layout = plan.model, plan.layout  # its decoders' parts: can_run.models, refused by target_engine
     if model.moe is not None or layout.ep > 1 or model.mla is not None:
         _check_moe(plan)
-    elif model.head_dim_ * model.heads != model.hidden:
-        raise InfeasibleError(f"torchtitan {VERSIONS}'s llama3 builder sets head dim = hidden / heads; "
-                              f"{model.name} has {model.head_dim_} x {model.heads} != {model.hidden}")
     if model.tied_embeddings and layout.pp > 1:  # models/common/decoder.py update_from_config raises
         raise InfeasibleError(f"torchtitan {VERSIONS} does not tie embeddings with pipeline parallelism "
                               "('Weight tying is not supported with Pipeline Parallel'); re-plan with pp=1")

@@ -24,6 +24,7 @@ from plan3d.specs.model import ModelSpec
 BUNDLED = Path(__file__).resolve().parent.parent / "bundled"
 KINDS = {"gpu": "cluster_specs/gpus", "cluster": "cluster_specs", "model": "model_specs", "engine": "engine_specs"}
 DEFAULT_ENGINE = "megatron-core"  # what most large runs use today; CPU clusters: plan3d's runtime
+GPU_ENGINES = (DEFAULT_ENGINE, "megatron-deepspeed", "deepspeed-0.19")  # the default, then for models it cannot build
 RUNTIME_ENGINE = "plan3d-runtime"  # what `plan3d launch` trains with (and the only engine on CPU clusters)
 SUFFIXES = (".yaml", ".yml", ".json")
 M = TypeVar("M", bound=BaseModel)
@@ -94,13 +95,18 @@ def load_engine(name_or_path: str) -> EngineSpec:
     return load_spec("engine", EngineSpec, name_or_path)
 
 
-def engine_for(name_or_path: str | None, cluster: ClusterSpec) -> EngineSpec:
-    """The engine named, or the default: Megatron-Core on GPUs, plan3d's runtime where the
-    "GPU" is a CPU process (no other engine trains there)."""
+def engine_for(name_or_path: str | None, cluster: ClusterSpec, model: ModelSpec | None = None) -> EngineSpec:
+    """The engine named, or the default: on GPUs the first of GPU_ENGINES whose model code builds
+    `model` (Megatron-Core; BLOOM's ALiBi: Megatron-DeepSpeed, its own engine), plan3d's runtime
+    where the "GPU" is a CPU process (no other engine trains there). Where none builds it, the
+    first, whose refusal then says why."""
     if name_or_path:
         return load_engine(name_or_path)
-    cpu = not cluster.gpu.compute_efficiency.host_overlap
-    return load_engine(RUNTIME_ENGINE if cpu else DEFAULT_ENGINE)
+    if not cluster.gpu.compute_efficiency.host_overlap:
+        return load_engine(RUNTIME_ENGINE)
+    engines = [load_engine(name) for name in GPU_ENGINES]
+    builds = [engine for engine in engines if model is None or not engine.model_problems(model)]
+    return (builds or engines)[0]
 
 
 def bundled_engine_or_none(name: str) -> EngineSpec | None:

@@ -41,6 +41,50 @@ SOFTWARE_KEYS = ("elementwise_bytes", "attention_score_bytes", "layer_overhead_s
                  "dp_overlap_fraction")
 
 
+ACTIVATIONS = get_args(ModelSpec.model_fields["activation"].annotation)
+NORMS = get_args(ModelSpec.model_fields["norm"].annotation)
+POSITIONS = get_args(ModelSpec.model_fields["position"].annotation)
+
+
+class ModelSupport(SpecModel):
+    """The model architectures the engine builds (its model code, not plan3d's preferences): a
+    model spec outside them is refused by `recommend --engine`, `estimate --engine`, `check` and
+    the engine's emitter, with the same sentence."""
+
+    activations: list[Literal[ACTIVATIONS]] = Field(list(ACTIVATIONS), min_length=1,
+                                                     description="MLP activations its layers have.")
+    norms: list[Literal[NORMS]] = Field(list(NORMS), min_length=1, description="Norms its layers have.")
+    positions: list[Literal[POSITIONS]] = Field(list(POSITIONS), min_length=1,
+                                                description="Position encodings it has (ALiBi: bloom).")
+    linear_bias: bool = Field(True, description="Linear layers with biases (GPT-2/3, BLOOM).")
+    qkv_bias: bool = Field(True, description="Q/K/V projections with biases where the others have none (Qwen2).")
+    mla: bool = Field(True, description="Multi-head latent attention (DeepSeek-V2/V3).")
+    free_head_dim: bool = Field(True, description="A head dim other than hidden / heads (a dense model's).")
+    builder: Text = Field("", description="What its model code builds, named in the refusal.")
+    instead: Text = Field("", description="Where to go for a model it cannot build, named in the refusal.")
+
+    def problems(self, engine: str, model: ModelSpec) -> list[str]:
+        """Each way `model` is outside what `engine` builds, one sentence naming what to change."""
+        unlike = [f"{what} {have} (it has {', '.join(allowed)})" for what, have, allowed in (
+            ("activation", model.activation, self.activations), ("norm", model.norm, self.norms),
+            ("position", model.position, self.positions)) if have not in allowed]
+        if model.bias and not self.linear_bias:
+            unlike.append("linear biases (it has none)")
+        elif model.qkv_bias_ and not model.bias and not self.qkv_bias:
+            unlike.append("Q/K/V biases (it has none)")
+        if model.mla is not None and not self.mla:
+            unlike.append("multi-head latent attention")
+        if model.mla is None and model.moe is None and not self.free_head_dim and \
+                model.head_dim_ * model.heads != model.hidden:
+            unlike.append(f"head dim {model.head_dim_} x {model.heads} heads != hidden {model.hidden} "
+                          "(it sets head dim = hidden / heads)")
+        if not unlike:
+            return []
+        built = f" (its model code builds {self.builder})" if self.builder else ""
+        to = f"; {self.instead}" if self.instead else "; change the model spec or use another --engine"
+        return [f"{engine} cannot build {model.name}: {'; '.join(unlike)}{built}{to}"]
+
+
 class CanRun(SpecModel):
     """The layouts the engine accepts (its own argument validation, not plan3d's preferences)."""
 
@@ -87,6 +131,7 @@ class CanRun(SpecModel):
                                          "(etp: MoE Parallel Folding, Megatron-Core --expert-tensor-parallel-size).")
     moe_bias_with_tp: bool = Field(True, description="An MoE model whose experts carry biases with an expert tp > 1 "
                                    "(Megatron-Core 0.19: expert biases need expert tensor parallel 1; false).")
+    models: ModelSupport = ModelSupport()
 
     @field_validator("orders")
     @classmethod
@@ -313,10 +358,15 @@ class EngineSpec(SpecModel):
         split[-1] -= 1
         return tuple(split) if min(split) >= 1 else None
 
+    def model_problems(self, model: ModelSpec) -> list[str]:
+        """Every way the engine's model code cannot build `model` (`can_run.models`)."""
+        return self.can_run.models.problems(self.name, model)
+
     def layout_problems(self, layout: LayoutShape, model: ModelSpec | None = None) -> list[str]:
         """Every reason the engine cannot run `layout` (of `model`, where given), each a sentence that
         says what to change."""
-        can, name, out = self.can_run, self.name, []
+        can, name = self.can_run, self.name
+        out = self.model_problems(model) if model is not None else []
         if layout.tp > 1 and not can.tensor_parallel:
             out.append(f"{name} has no tensor parallelism: use tp=1")
         if layout.pp > 1 and not can.pipeline_parallel:

@@ -204,7 +204,7 @@ def check_pipeline(plan: Plan, config, dims, titan) -> None:
 def confirm_refusal(message: str, plan: Plan, titan, load_job) -> None:
     confirmations = {"ZeRO-1": confirm_no_zero1, "places ranks only": confirm_fixed_mesh_order,
                      "bf16 or fp32": confirm_no_fp16, "tie embeddings": confirm_no_tying_with_pp,
-                     "no decoder for": confirm_llama_blocks_only}
+                     "cannot build": confirm_llama_blocks_only}
     matched = [check for words, check in confirmations.items() if words in message]
     assert matched, f"a refusal no torchtitan check confirms: {message}"
     assert "0.3" in message

@@ -13,8 +13,9 @@ from plan3d.specs.training import TrainingSpec
 
 
 def make_plan(model="llama3-8b", global_batch=64, precision="bf16", **layout):
+    """`model`: a bundled name or a ModelSpec."""
     cluster = load_cluster("dgx-h100", nodes=4)
-    return build_plan(cluster, load_model(model), TrainingSpec(global_batch=global_batch, precision=precision),
+    return build_plan(cluster, load_model(model) if isinstance(model, str) else model, TrainingSpec(global_batch=global_batch, precision=precision),
                       Layout(**layout))
 
 def parse_megatron(text: str) -> dict[str, str | bool]:

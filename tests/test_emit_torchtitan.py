@@ -6,13 +6,19 @@ torchtitan's own ConfigManager and ParallelDims.
 from __future__ import annotations
 
 import ast
+import re
 
 import pytest
 from emit_helpers import make_plan
 
 from plan3d.emit.torchtitan import emit_torchtitan
 from plan3d.errors import InfeasibleError
-from plan3d.specs.catalog import load_engine
+from plan3d.specs.catalog import load_engine, load_model
+from plan3d.specs.model import RopeScaling
+
+# Llama 3.1 8B: Llama 3 8B's shapes with the llama3 RoPE scaling every torchtitan llama3 flavor has
+LLAMA31_8B = load_model("llama3-8b").model_copy(update={"name": "llama3.1-8b",
+                                                       "rope_scaling": RopeScaling(type="llama3", factor=8)})
 
 
 def job_settings(text: str) -> dict:
@@ -41,7 +47,7 @@ def job_settings(text: str) -> dict:
     (4, 2, 4, 1, 1, 0, "none", False),
 ])
 def test_torchtitan_values(tp, pp, dp, vpp, mb, zero, recompute, sp):
-    plan = make_plan(tp=tp, pp=pp, dp=dp, vpp=vpp, micro_batch=mb, zero=zero, recompute=recompute,
+    plan = make_plan(LLAMA31_8B, tp=tp, pp=pp, dp=dp, vpp=vpp, micro_batch=mb, zero=zero, recompute=recompute,
                      sequence_parallel=sp)
     job = job_settings(emit_torchtitan(plan).text)
     par, train = job["ParallelismConfig"], job["training"]
@@ -78,6 +84,29 @@ def test_torchtitan_compile_follows_the_plan_engine_or_the_flag():
     assert job_settings(emit_torchtitan(compiled).text)["CompileConfig"] == {"enable": True}
     assert job_settings(emit_torchtitan(plan, compile=True).text)["CompileConfig"] == {"enable": True}
     assert job_settings(emit_torchtitan(compiled, compile=False).text)["CompileConfig"] == {"enable": False}
+
+
+def test_torchtitan_flavor_only_for_the_rope_scaling_it_builds():
+    """torchtitan's 8B flavor is Llama 3.1 (RoPE scaled by 8): Llama 3 (unscaled) and another
+    factor build through the llama3 builder with the spec's RoPE."""
+    unscaled = emit_torchtitan(make_plan(dp=32, zero=3))
+    assert job_settings(unscaled.text)["flavor"] is None and 'scaling="none"' in unscaled.text
+    assert job_settings(emit_torchtitan(make_plan(LLAMA31_8B, dp=32, zero=3)).text)["flavor"] == "8B"
+    factor4 = LLAMA31_8B.model_copy(update={"rope_scaling": RopeScaling(type="llama3", factor=4)})
+    emitted = emit_torchtitan(make_plan(factor4, dp=32, zero=3))
+    assert job_settings(emitted.text)["flavor"] is None
+    assert 'scaling="llama", scaling_factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0' in emitted.text
+
+
+@pytest.mark.parametrize("update, words", [
+    ({"norm_eps": 1e-6}, "norm epsilon 1e-06 (it has 1e-05)"),
+    ({"qk_norm": True}, "per-head q/k norms"),
+    ({"rope_scaling": RopeScaling(type="yarn", factor=4)}, "rope scaling yarn (it has llama3)"),
+])
+def test_torchtitan_refuses_model_details_its_builder_cannot_set(update, words):
+    plan = make_plan(LLAMA31_8B.model_copy(update=update), dp=32, zero=3)
+    with pytest.raises(InfeasibleError, match=re.escape(words)):
+        emit_torchtitan(plan)
 
 
 def test_torchtitan_custom_llama_shapes_use_its_builder():

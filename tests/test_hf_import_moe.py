@@ -322,10 +322,9 @@ def test_llama4_interleaved_moe_layers_keep_the_count(tmp_path):
 
 # ---- what the spec cannot hold is named, never dropped ---------------------------------------------
 @pytest.mark.parametrize("name, fragments", [
-    ("deepseek-v3", ["num_nextn_predict_layers 1", "e_score_correction_bias", "n_group 8", "norm_topk_prob true",
-                     "routed_scaling_factor 2.5"]),
+    ("deepseek-v3", ["num_nextn_predict_layers 1", "e_score_correction_bias", "topk_method"]),
     ("gpt-oss-20b", ["sliding_window 128 on 12 of 24 layers", f"{64 * 24:,} parameters", "swiglu_limit 7.0"]),
-    ("qwen3-30b-a3b", ["q_norm/k_norm", "norm_topk_prob true"]),
+    ("qwen3-30b-a3b", ["q_norm/k_norm"]),
     ("llama-4-scout", ["no_rope_layers: 12 of 48"]),
 ])
 def test_unmodelled_fields_are_warned_by_name(tmp_path, name, fragments):
@@ -420,3 +419,32 @@ def test_specs_list_and_show_give_active_parameters_for_moe(capsys):
     rows = {row["name"]: row for row in json.loads(out) if row["kind"] == "model"}
     assert "37.55B active" in rows["deepseek-v3"]["summary"] and "671.03B params" in rows["deepseek-v3"]["summary"]
     assert "active" not in rows["llama3-8b"]["summary"]
+
+
+# ---- routing, norms and RoPE scaling the engines build ------------------------------------------
+@pytest.mark.parametrize("name, normalize, scaling, groups", [
+    ("deepseek-v3", True, 2.5, (8, 4)),  # norm_topk_prob true, routed_scaling_factor 2.5, n_group 8 / topk_group 4
+    ("deepseek-v2-lite", False, None, None),  # norm_topk_prob false, scale 1.0, n_group 1
+    ("qwen3-30b-a3b", True, None, None),  # norm_topk_prob true
+    ("mixtral-8x7b", True, None, None),  # no norm_topk_prob: Mixtral's modeling code renormalises
+])
+def test_routing_weights_are_imported(tmp_path, name, normalize, scaling, groups):
+    moe = imported(tmp_path, name).spec.moe
+    assert moe.normalize_top_k is normalize and moe.top_k_scaling == scaling
+    assert (None if moe.router_groups is None else (moe.router_groups, moe.router_group_top_k)) == groups
+
+
+def test_deepseek_v3_keeps_its_epsilon_latent_norms_and_yarn(tmp_path):
+    spec = imported(tmp_path, "deepseek-v3").spec
+    assert spec.norm_eps == 1e-6 and spec.qk_norm  # rms_norm_eps; q_a_layernorm / kv_a_layernorm
+    scaling = spec.rope_scaling
+    assert scaling.type == "yarn" and scaling.parameters() == {
+        "factor": 40.0, "original_max_position": 4096, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+        "mscale_all_dim": 1.0}
+
+
+def test_bundled_deepseek_v3_agrees_with_its_config(tmp_path):
+    """The bundled spec holds what import-hf reads from the config (the fields engines build from)."""
+    spec, bundled = imported(tmp_path, "deepseek-v3").spec, load_model("deepseek-v3")
+    for field in ("norm_eps", "qk_norm", "rope_scaling", "rope_theta", "moe", "mla", "layers", "hidden", "vocab"):
+        assert getattr(spec, field) == getattr(bundled, field), field

@@ -22,7 +22,7 @@ def import_hf_cmd(
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the model YAML here (default: print it).")] = None,
     name: Annotated[Optional[str], typer.Option("--name", help="Spec name (default: from the config or its folder).")] = None,
     seq_len: Annotated[Optional[int], typer.Option(
-        "--seq-len", help="Training sequence length (default: min(max_position_embeddings, 4096); the config's "
+        "--seq-len", help="Training sequence length (default: min(max_position_embeddings, 8192); the config's "
         "maximum context is usually longer than what a model is trained at).")] = None,
 ) -> None:
     """Convert a Hugging Face config.json (Llama, Mistral, Qwen2, GPT-2, GPT-NeoX, OPT, BLOOM...) to a model spec."""

@@ -30,7 +30,8 @@ and the engines tier (tests/engines/test_megatron_engine.py) feeds the output to
   `--pipeline-model-parallel-layout` (any other per-stage counts, with or without interleaving;
   its first stage holds the embedding `E`, its last the loss `L`); `--use-tp-pp-dp-mapping` for
   rank order tp-cp-ep-pp-dp.
-- Model: `--rotary-base` from the model spec's rope_theta (Megatron's default 10000 otherwise).
+- Model: every field of the spec that changes what Megatron builds (dropout, norm and epsilon,
+  qk-norm, RoPE base and scaling, biases, vocabulary padding): plan3d/emit/megatron_model.py.
 - Experts (`--num-experts`, ..., `--expert-model-parallel-size`, `--expert-tensor-parallel-size` = etp, by default tp)
   and multi-latent attention: plan3d/emit/megatron_moe.py, which also names what Megatron refuses
   for MoE layouts (ep not dividing the experts, tp > 1 without sequence parallelism, expert biases
@@ -54,6 +55,7 @@ import shlex
 from dataclasses import dataclass
 
 from plan3d.emit.common import Emitted, same_groups, target_engine
+from plan3d.emit.megatron_model import model_args, vocab_notes
 from plan3d.emit.megatron_moe import GROUPED_GEMM_MIN_ARCH, mla_args, mla_problems, moe_args, moe_notes, moe_problems
 from plan3d.errors import InfeasibleError, SpecError
 from plan3d.layout import Layout
@@ -65,7 +67,6 @@ VERSIONS = "0.17-0.19"
 ENGINE = f"{PROFILE} {VERSIONS}"
 MEGATRON_ORDERS = {"tp-cp-ep-dp-pp": (), "tp-cp-ep-pp-dp": ("--use-tp-pp-dp-mapping",)}
 FSDP_STRATEGY = {2: "optim_grads", 3: "optim_grads_params"}  # --data-parallel-sharding-strategy
-ROTARY_BASE_DEFAULT = 10000  # megatron/training/arguments.py --rotary-base default
 # CUDA compute capability major by GPU spec name (the part before the first '-'): Megatron's
 # get_device_arch_version(). Blackwell is 10; unknown GPUs are treated as before Blackwell.
 ARCH_BY_GPU = {"v100": 7, "a100": 8, "a10": 8, "l40s": 8, "h100": 9, "h200": 9, "gh200": 9, "h800": 9,
@@ -266,31 +267,8 @@ def _grad_dtype_args(plan: Plan) -> list[str]:
 
 
 def _model_args(plan: Plan) -> list[str]:
-    model = plan.model  # what its model code cannot build was refused by target_engine (can_run.models)
-    args = ["--num-layers", str(model.layers), "--hidden-size", str(model.hidden),
-            "--num-attention-heads", str(model.heads), "--ffn-hidden-size", str(model.ffn_hidden_),
-            "--vocab-size", str(model.vocab),
-            # the model's dropout (TransformerConfig defaults to 0.1 for both), which the memory budgets
-            "--hidden-dropout", repr(float(model.dropout)), "--attention-dropout", repr(float(model.dropout))]
-    if model.head_dim is not None and model.mla is None:  # MLA: --qk-head-dim / --v-head-dim instead
-        args += ["--kv-channels", str(model.head_dim)]
-    if model.kv_heads_ != model.heads and model.mla is None:  # validate_args: GQA excludes MLA
-        args += ["--group-query-attention", "--num-query-groups", str(model.kv_heads_)]
-    if model.activation == "swiglu":
-        args.append("--swiglu")
-    if model.norm == "rmsnorm":
-        args += ["--normalization", "RMSNorm"]
-    if not model.bias:
-        args.append("--disable-bias-linear")
-        if model.qkv_bias_:
-            args.append("--add-qkv-bias")  # Megatron's flag for Qwen2-style Q/K/V biases
-    if model.position == "rope":
-        args += ["--position-embedding-type", "rope", "--rotary-base", _rotary_base(model.rope_theta)]
-    else:
-        args += ["--position-embedding-type", "learned_absolute"]
-    if not model.tied_embeddings:
-        args.append("--untie-embeddings-and-output-weights")
-    return args + _moe_mla_args(plan)
+    """The model as its spec defines it (plan3d.emit.megatron_model), then experts and MLA."""
+    return model_args(plan) + _moe_mla_args(plan)
 
 
 def _moe_mla_args(plan: Plan) -> list[str]:
@@ -303,14 +281,6 @@ def _moe_mla_args(plan: Plan) -> list[str]:
     if problems:
         raise InfeasibleError(f"{ENGINE} cannot run {plan.layout.short()} of {plan.model.name}: " + "; ".join(problems))
     return moe_args(plan, gpu_arch(plan)) + mla_args(plan.model)
-
-
-def _rotary_base(theta: float | None) -> str:
-    if theta is None:
-        return str(ROTARY_BASE_DEFAULT)
-    if theta != int(theta):
-        raise InfeasibleError(f"{ENGINE} takes an integer --rotary-base; the model spec's rope_theta is {theta}")
-    return str(int(theta))
 
 
 def run_args(run: MegatronRun, model_vocab: int) -> tuple[list[str], list[str]]:
@@ -368,7 +338,7 @@ def plan_notes(plan: Plan, engine: EngineSpec) -> list[str]:
                else "its tensor-parallel group spans nodes (Transformer Engine userbuffers are intra-node)")
         notes.append(f"the prediction hides {engine.runs_as.tp_overlap_fraction:.0%} of the tensor-parallel "
                      f"communication, but --tp-comm-overlap is off: {why}; expect a slower step")
-    notes += moe_notes(plan, gpu_arch(plan))
+    notes += moe_notes(plan, gpu_arch(plan)) + vocab_notes(plan)
     if engine.runs_as.attention == "flash" and plan.training.precision == "fp32":
         notes.append("the prediction assumes flash attention; Transformer Engine's flash and fused attention "
                      "need bf16/fp16, so fp32 runs unfused attention (slower, more memory)")

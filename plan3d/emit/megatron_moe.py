@@ -29,10 +29,18 @@ What a plan's MoE spec becomes:
 - `--expert-tensor-parallel-size`: the layout's etp (MoE Parallel Folding), by default tp, each expert
   split like the dense MLP.
 
+- the routing weights: `--moe-router-pre-softmax` for a softmax router whose top-k weights are not
+  renormalised (Qwen2-MoE, DeepSeek-V2 `norm_topk_prob: false`; without it Megatron takes the
+  softmax over the top-k logits, which sums to 1), `--moe-router-topk-scaling-factor` (DeepSeek
+  `routed_scaling_factor`), `--moe-router-num-groups --moe-router-group-topk` (group-limited
+  routing, DeepSeek `n_group` / `topk_group`); a sigmoid router is always renormalised
+  (moe_utils.py), so the profile refuses one that is not.
+
 MLA: `--multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim (no-position part)
---qk-pos-emb-head-dim (RoPE part) --v-head-dim`, and `--rope-type rope` (MLATransformerConfig
-defaults to YaRN with scaling factor 40; the model spec has plain RoPE at rope_theta). No
-`--group-query-attention` / `--kv-channels` with MLA (validate_args: mutually exclusive).
+--qk-pos-emb-head-dim (RoPE part) --v-head-dim`; its RoPE type (`--rope-type`, MLATransformerConfig
+defaults to YaRN with scaling factor 40) follows the model spec's rope_scaling
+(plan3d/emit/megatron_model.py). No `--group-query-attention` / `--kv-channels` with MLA
+(validate_args: mutually exclusive).
 """
 from __future__ import annotations
 
@@ -111,12 +119,20 @@ def _shared_expert_args(model: ModelSpec) -> list[str]:
 
 
 def _router_args(model: ModelSpec) -> list[str]:
-    if model.moe.router == "sigmoid":
+    moe = model.moe
+    if moe.router == "sigmoid":
         balance, coeff = SIGMOID_SEQ_AUX_LOSS
-        return ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
-                "--moe-router-load-balancing-type", balance, "--moe-aux-loss-coeff", coeff]
-    balance, coeff = SOFTMAX_AUX_LOSS
-    return ["--moe-router-load-balancing-type", balance, "--moe-aux-loss-coeff", coeff]
+        args = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
+    else:
+        balance, coeff = SOFTMAX_AUX_LOSS
+        args = [] if moe.normalize_top_k or moe.top_k == 1 else ["--moe-router-pre-softmax"]
+    args += ["--moe-router-load-balancing-type", balance, "--moe-aux-loss-coeff", coeff]
+    if moe.top_k_scaling not in (None, 1):
+        args += ["--moe-router-topk-scaling-factor", repr(float(moe.top_k_scaling))]
+    if moe.group_limited:
+        args += ["--moe-router-num-groups", str(moe.router_groups), "--moe-router-group-topk",
+                 str(moe.router_group_top_k)]
+    return args
 
 
 def _capacity_args(model: ModelSpec) -> list[str]:
@@ -144,8 +160,7 @@ def mla_args(model: ModelSpec) -> list[str]:
     if mla.q_lora_rank is not None:
         args += ["--q-lora-rank", str(mla.q_lora_rank)]
     return args + ["--kv-lora-rank", str(mla.kv_lora_rank), "--qk-head-dim", str(mla.qk_nope_head_dim),
-                   "--qk-pos-emb-head-dim", str(mla.qk_rope_head_dim), "--v-head-dim", str(mla.v_head_dim),
-                   "--rope-type", "rope"]
+                   "--qk-pos-emb-head-dim", str(mla.qk_rope_head_dim), "--v-head-dim", str(mla.v_head_dim)]
 
 
 def moe_notes(plan: Plan, gpu_arch: int) -> list[str]:

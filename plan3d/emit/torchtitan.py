@@ -72,6 +72,8 @@ CONFIG_FUNCTION = "plan3d_job"
 DEFAULT_MODULE = "plan3d_job"
 ROPE_THETA = 500000  # every torchtitan 0.3 llama3 flavor (models/llama3/__init__.py); used when the spec has none
 ROPE_MAX_SEQ_LEN = 131072  # the flavors' RoPE cache length
+# Every llama3 flavor is Llama 3.1's: ComplexRoPE scaling "llama" at RoPE.Config's defaults (models/common/rope.py)
+FLAVOR_ROPE_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position": 8192}
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,8 @@ def matching_flavor(model: ModelSpec) -> Flavor | None:
               model.tied_embeddings)
     if rope_theta(model) != ROPE_THETA or model.moe is not None or model.mla is not None:
         return None
+    if model.rope_scaling is None or model.rope_scaling.parameters() != FLAVOR_ROPE_SCALING:
+        return None  # Llama 3 (no scaling) or another scaling: the builder with the spec's RoPE
     for flavor in FLAVORS:
         if shapes == (flavor.layers, flavor.hidden, flavor.heads, flavor.kv_heads, flavor.ffn_hidden,
                       flavor.vocab, flavor.tied):
@@ -179,8 +183,11 @@ def _check_schedule(plan: Plan) -> None:
 def _notes(plan: Plan, flavor: Flavor | None) -> list[str]:
     notes = torchtitan_moe.moe_notes(plan)
     if flavor is None and plan.model.moe is None:
+        scaling = plan.model.rope_scaling
+        rope = f"RoPE theta {rope_theta(plan.model):g}, " + (f"{scaling.type} scaling x{scaling.factor:g}" if scaling
+                                                              else "no scaling (the flavors are Llama 3.1's, scaled x8)")
         notes.append(f"{plan.model.name} is no registered torchtitan llama3 flavor: the job builds it with "
-                     f"torchtitan's llama3 builder (RoPE theta {rope_theta(plan.model):g}); point "
+                     f"torchtitan's llama3 builder ({rope}); point "
                      f"hf_assets_path at a tokenizer with {plan.model.vocab} tokens")
     if plan.training.precision == "fp8":
         notes.append("fp8: torchao float8 (Float8LinearConverter, recipe 'rowwise') on the layers' Linear modules, "
@@ -295,13 +302,24 @@ def _custom_model(plan: Plan, converter: str | None = None) -> list[str]:
         f"        n_layers={model.layers}, dim={dim}, n_heads={model.heads}, n_kv_heads={model.kv_heads_},",
         f"        hidden_dim={model.ffn_hidden_}, fuse_qkv=True, attn_backend=\"flex\",",
         (f"        rope=ComplexRoPE.Config(dim={model.head_dim_}, max_seq_len={seq}, "
-         f'theta={rope_theta(model)!r}, scaling="llama"),'),
+         f"theta={rope_theta(model)!r}, {rope_scaling_args(model)}),"),
         "    ),",
         ")",
         *([f"model = {converter}.build().convert(model)  # what model_registry(converters=...) does"]
           if converter else []),
         f'config.model_spec = dataclasses.replace(llama3.model_registry("8B"), flavor="{model.name}", model=model)',
     ]
+
+
+def rope_scaling_args(model: ModelSpec) -> str:
+    """ComplexRoPE.Config's scaling keywords for the spec's RoPE: none, or Llama 3.1's "llama"
+    with its four parameters (the profile refuses the rest)."""
+    scaling = model.rope_scaling
+    if scaling is None:
+        return 'scaling="none"'
+    return (f'scaling="llama", scaling_factor={scaling.factor!r}, low_freq_factor={scaling.value("low_freq_factor")!r}, '
+            f'high_freq_factor={scaling.value("high_freq_factor")!r}, '
+            f'original_max_position_embeddings={int(scaling.value("original_max_position"))}')
 
 
 def _rope_cache_len(plan: Plan) -> int:

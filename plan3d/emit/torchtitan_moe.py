@@ -6,7 +6,8 @@ attention), gpt_oss (attention sinks, biases). A plan3d model spec with MLA, Swi
 RMSNorm, RoPE and no biases is exactly what `deepseek_v3._build_dsv3_layers` (its
 `build_mla_moe_layers` with DeepSeek-V3's initialisers) builds: the first `first_dense_layers`
 layers dense, every later layer MoE, `num_shared_experts` shared experts of the routed expert's
-width, a softmax or sigmoid top-k router. The job builds that model with the plan's shapes and
+width, a softmax or sigmoid top-k router (its weights renormalised, scaled and group-limited as the spec's
+`normalize_top_k`, `top_k_scaling` and `router_groups` say). The job builds that model with the plan's shapes and
 plain RoPE at the spec's rope_theta (`ComplexRoPE` scaling "none"; the recipes' YaRN is a
 context-extension choice the spec does not make).
 
@@ -89,6 +90,7 @@ def model_lines(plan: Plan, max_seq_len: int) -> list[str]:
         f"        dense_hidden_dim={model.ffn_hidden_}, moe_hidden_dim={width}, num_experts={moe.experts},",
         (f"        num_shared_experts={moe.shared_ffn_hidden // width}, router_top_k={moe.top_k}, "
          f'router_score_func="{moe.router}",'),
+        f"        {router_args(moe)},",
         '        attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,',
         (f"        rope=ComplexRoPE.Config(dim={mla.qk_rope_head_dim}, max_seq_len={max_seq_len}, "
          f'theta={model.rope_theta or ROPE_THETA!r}, scaling="none"),'),
@@ -101,6 +103,14 @@ def model_lines(plan: Plan, max_seq_len: int) -> list[str]:
                   "        layer.moe.shared_experts = None"]
     return lines + [f'config.model_spec = dataclasses.replace(deepseek_v3.model_registry("debugmodel"), '
                     f'flavor="{model.name}", model=model)']
+
+
+def router_args(moe) -> str:
+    """The router's weights as the spec routes: renormalised top-k (route_norm; the builder's
+    default is off), scaled (route_scale), group-limited (num_expert_groups / num_limited_groups)."""
+    groups = (f"router_num_expert_groups={moe.router_groups}, router_num_limited_groups={moe.router_group_top_k}, "
+              if moe.group_limited else "")
+    return f"{groups}router_route_scale={float(moe.top_k_scaling or 1)!r}, router_route_norm={moe.normalize_top_k!r}"
 
 
 def moe_notes(plan: Plan) -> list[str]:

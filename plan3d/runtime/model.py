@@ -38,7 +38,8 @@ TIED = "embed.tok.weight"
 
 
 def _norm(model: ModelSpec) -> nn.Module:
-    norm = nn.LayerNorm(model.hidden) if model.norm == "layernorm" else nn.RMSNorm(model.hidden, eps=1e-5)
+    eps = model.norm_eps_  # the spec's epsilon (default 1e-5)
+    norm = nn.LayerNorm(model.hidden, eps=eps) if model.norm == "layernorm" else nn.RMSNorm(model.hidden, eps=eps)
     for name, p in norm.named_parameters():
         tag_param(p, None, "ones" if name == "weight" else "zeros")
     return norm
@@ -61,6 +62,7 @@ class Attention(nn.Module):
         super().__init__()
         self.cp = cp
         self.d, self.rope = model.head_dim_, model.position == "rope"
+        self.theta = model.rope_theta or 10000.0  # the spec's RoPE base (default 10000, as Megatron-Core's)
         self.heads, self.kv = model.heads // tp.size, model.kv_heads_ // tp.size
         self.recompute = selective_recompute
         self.q = ColLinear(model.hidden, model.heads * self.d, tp, model.qkv_bias_)
@@ -70,7 +72,7 @@ class Attention(nn.Module):
 
     def _core(self, q, k, v):
         if self.rope:
-            q, k = rope(q), rope(k)
+            q, k = rope(q, self.theta), rope(k, self.theta)
         if self.kv < self.heads:
             k, v = (t.repeat_interleave(self.heads // self.kv, dim=1) for t in (k, v))
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -96,7 +98,7 @@ class Attention(nn.Module):
         seq = q.shape[-2] * self.cp.size
         mine = cpx.positions(seq, self.cp.size, self.cp.rank, q.device)
         if self.rope:
-            q, k = rope(q, positions=mine), rope(k, positions=mine)
+            q, k = rope(q, self.theta, mine), rope(k, self.theta, mine)
         if self.cp.comm == "p2p":
             return cpx.ring_attention(q, k, v, self.cp, mine, self._ring_block)
         k, v = (cpx.gather_sequence(t, self.cp, dim=2) for t in (k, v))

@@ -60,6 +60,18 @@ class ModelSupport(SpecModel):
     qkv_bias: bool = Field(True, description="Q/K/V projections with biases where the others have none (Qwen2).")
     mla: bool = Field(True, description="Multi-head latent attention (DeepSeek-V2/V3).")
     free_head_dim: bool = Field(True, description="A head dim other than hidden / heads (a dense model's).")
+    norm_eps: list[float] | None = Field(None, description="The norm epsilons its model code can set; None: any.")
+    qk_norm: bool = Field(True, description="Per-head query/key norms (Qwen3, OLMo 2) on a model without MLA.")
+    rope_scalings: list[Literal["llama3", "yarn"]] = Field(["llama3", "yarn"], description="RoPE scalings it has.")
+    rope_scaling_fixed: dict[Literal["llama3", "yarn"], dict[str, float]] = Field(
+        default_factory=dict, description="Scaling parameters its code hardcodes, by scaling type (Megatron-Core: "
+        "llama3's low/high frequency factors and original context); a model with other values is refused.")
+    group_limited_routing: bool = Field(True, description="MoE routing limited to the best expert groups "
+                                        "(DeepSeek n_group / topk_group).")
+    top_k_scaling: bool = Field(True, description="Routing weights scaled by a factor (routed_scaling_factor).")
+    unnormalized_top_k: list[Literal["softmax", "sigmoid"]] = Field(
+        ["softmax", "sigmoid"], description="Routers whose top-k weights it can leave unnormalised "
+        "(norm_topk_prob false).")
     builder: Text = Field("", description="What its model code builds, named in the refusal.")
     instead: Text = Field("", description="Where to go for a model it cannot build, named in the refusal.")
 
@@ -78,11 +90,41 @@ class ModelSupport(SpecModel):
                 model.head_dim_ * model.heads != model.hidden:
             unlike.append(f"head dim {model.head_dim_} x {model.heads} heads != hidden {model.hidden} "
                           "(it sets head dim = hidden / heads)")
+        unlike += self._detail_problems(model)
         if not unlike:
             return []
         built = f" (its model code builds {self.builder})" if self.builder else ""
         to = f"; {self.instead}" if self.instead else "; change the model spec or use another --engine"
         return [f"{engine} cannot build {model.name}: {'; '.join(unlike)}{built}{to}"]
+
+
+    def _detail_problems(self, model: ModelSpec) -> list[str]:
+        """Norm epsilon, qk-norm, RoPE scaling and router details outside what it builds."""
+        out = []
+        if self.norm_eps is not None and model.norm_eps_ not in self.norm_eps:
+            out.append(f"norm epsilon {model.norm_eps_:g} (it has {', '.join(f'{e:g}' for e in self.norm_eps)})")
+        if model.qk_norm and model.mla is None and not self.qk_norm:
+            out.append("per-head q/k norms (it has none)")
+        out += self._rope_scaling_problems(model.rope_scaling)
+        moe = model.moe
+        if moe is not None:
+            if moe.group_limited and not self.group_limited_routing:
+                out.append(f"group-limited routing ({moe.router_groups} groups, top {moe.router_group_top_k}; it has none)")
+            if moe.top_k_scaling not in (None, 1) and not self.top_k_scaling:
+                out.append(f"routing weights scaled by {moe.top_k_scaling:g} (it does not scale them)")
+            if not moe.normalize_top_k and moe.top_k > 1 and moe.router not in self.unnormalized_top_k:
+                out.append(f"unnormalised top-k weights of a {moe.router} router (it renormalises them)")
+        return out
+
+    def _rope_scaling_problems(self, scaling) -> list[str]:
+        if scaling is None:
+            return []
+        if scaling.type not in self.rope_scalings:
+            return [f"rope scaling {scaling.type} (it has {', '.join(self.rope_scalings) or 'none'})"]
+        fixed = self.rope_scaling_fixed.get(scaling.type, {})
+        differ = [f"{name} {scaling.value(name):g} (it fixes {value:g})" for name, value in fixed.items()
+                  if scaling.value(name) != value]
+        return [f"{scaling.type} rope scaling with " + ", ".join(differ)] if differ else []
 
 
 class CanRun(SpecModel):

@@ -12,8 +12,9 @@ names that were looked for. A rotary model keeps its base (`rope_theta`, GPT-Neo
 The training sequence length is a choice, not a config fact: `max_position_embeddings` is the
 longest context a model accepts (131,072 for Llama-3.1, reached by long-context extension), not
 the length it is trained at. Without `--seq-len` the import takes min(max_position_embeddings,
-4096): 4096 is Llama-2's pretraining length, between GPT-3's 2048 and Llama-3's 8192, so a plan
-starts from a common pretraining shape; a config that states a shorter context keeps it. The
+8192): 8192 is Llama 3's pretraining length and the bundled Llama specs' (GPT-3 and BLOOM state
+2048 and keep it; Qwen2.5 and DeepSeek-V3 pretrained at 4096: pass --seq-len 4096), so an
+imported Llama plans as the bundled one does; a config that states a shorter context keeps it. The
 import says which it chose (`read_hf` returns the notes) and how to change it.
 
 Mixture-of-experts models (Mixtral, Qwen2/Qwen3-MoE, DeepSeek-V2/V3, gpt-oss, Llama 4) import their
@@ -38,6 +39,7 @@ import yaml
 
 from plan3d.errors import SpecError, SpecNotFound
 from plan3d.specs.base import printable
+from plan3d.specs.hf_details import detail_fields
 from plan3d.specs.hf_moe import mla_fields, moe_fields
 from plan3d.specs.hf_unmodelled import unmodelled
 from plan3d.specs.loader import read_mapping, validate
@@ -71,7 +73,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "bloom": {"norm": "layernorm", "bias": True, "position": "alibi", "tied_embeddings": True,
               "activation": "gelu", "seq_len": 2048},
 }
-DEFAULT_SEQ_LEN = 4096  # Llama-2's pretraining length; see the module docstring
+DEFAULT_SEQ_LEN = 8192  # Llama 3's pretraining length, as the bundled Llama specs; see the module docstring
 QKV_BIAS_ONLY = ("qwen2", "qwen2_moe")  # HF Qwen2Attention: bias on q/k/v_proj, none on o_proj or the MLP
 ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "relu": "relu", "gelu": "gelu", "gelu_new": "gelu",
                "gelu_fast": "gelu", "gelu_pytorch_tanh": "gelu", "gelu_python": "gelu", "quick_gelu": "gelu"}
@@ -126,6 +128,7 @@ def spec_fields(config: dict, source: str, name: str, seq_len: int | None = None
     config = _text_config(config)
     model_type = str(config.get("model_type", "unknown"))
     defaults = FAMILIES.get(model_type) or _generic_hints(config)
+    _check_context(config, source)
     found = {field: _first(config, field) for field in ALIASES}
     found["seq_len"] = seq_len or _default_seq_len(config, defaults)
     missing = [f for f in REQUIRED if found[f] is None]
@@ -146,6 +149,7 @@ def spec_fields(config: dict, source: str, name: str, seq_len: int | None = None
     fields |= mla_fields(config, source)
     if "mla" in fields:
         fields.pop("head_dim", None)  # latent attention has its own head widths; head_dim would mean nothing
+    fields |= detail_fields(config, model_type, fields.get("position") == "rope", "mla" in fields)
     return {"name": name, **fields, "source": f"Hugging Face config.json, model_type {printable(model_type)[:100]}"}
 
 
@@ -155,6 +159,15 @@ def _context_limit(config: dict, defaults: dict) -> tuple[int | None, str]:
         if isinstance(config.get(key), int) and not isinstance(config[key], bool) and config[key] > 0:
             return config[key], key
     return defaults.get("seq_len"), "published training length"
+
+
+def _check_context(config: dict, source: str) -> None:
+    """A stated context of zero or fewer tokens is a broken config, not a missing field."""
+    bad = [f"{key} {config[key]}: a model's context must be a positive number of tokens; fix the config"
+           for key in ALIASES["seq_len"]
+           if isinstance(config.get(key), int) and not isinstance(config[key], bool) and config[key] <= 0]
+    if bad:
+        raise SpecError(source, bad)
 
 
 def _default_seq_len(config: dict, defaults: dict) -> int:

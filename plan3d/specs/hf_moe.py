@@ -39,16 +39,19 @@ EXPERTS_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
 TOP_K_FIELDS = ("num_experts_per_tok", "experts_per_token")
 MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")  # q_lora_rank may be null
 
-# model_type -> how its MoE is written: which layers route ("rule"), the shared experts ("shared")
-MOE_FAMILIES: dict[str, dict[str, str]] = {
-    "mixtral": {"rule": "every", "shared": "none"},
-    "gpt_oss": {"rule": "every", "shared": "none"},
-    "qwen2_moe": {"rule": "qwen", "shared": "qwen"},
-    "qwen3_moe": {"rule": "qwen", "shared": "none"},
-    "deepseek_v2": {"rule": "deepseek", "shared": "deepseek"},
-    "deepseek_v3": {"rule": "deepseek", "shared": "deepseek"},
-    "llama4": {"rule": "llama4", "shared": "llama4"},
-    "llama4_text": {"rule": "llama4", "shared": "llama4"},
+# model_type -> how its MoE is written: which layers route ("rule"), the shared experts ("shared"),
+# whether the top-k weights are renormalised when the config has no `norm_topk_prob` ("norm": the
+# Hugging Face config class's default, or what its modeling code always does: Mixtral and gpt-oss
+# renormalise, Llama 4 routes one expert through a sigmoid)
+MOE_FAMILIES: dict[str, dict[str, Any]] = {
+    "mixtral": {"rule": "every", "shared": "none", "norm": True},
+    "gpt_oss": {"rule": "every", "shared": "none", "norm": True},
+    "qwen2_moe": {"rule": "qwen", "shared": "qwen", "norm": False},
+    "qwen3_moe": {"rule": "qwen", "shared": "none", "norm": False},
+    "deepseek_v2": {"rule": "deepseek", "shared": "deepseek", "norm": False},
+    "deepseek_v3": {"rule": "deepseek", "shared": "deepseek", "norm": True},
+    "llama4": {"rule": "llama4", "shared": "llama4", "norm": False},
+    "llama4_text": {"rule": "llama4", "shared": "llama4", "norm": False},
 }
 RULE_FIELDS = {"every": "every layer", "qwen": "decoder_sparse_step / mlp_only_layers",
                "deepseek": "first_k_dense_replace / moe_layer_freq",
@@ -84,7 +87,7 @@ def _whole(config: dict, name: str, source: str, default: int | None = None, lea
     return value
 
 
-def family(config: dict) -> dict[str, str]:
+def family(config: dict) -> dict[str, Any]:
     """The family's way of writing its MoE; an unknown model_type is read from the fields it has."""
     known = MOE_FAMILIES.get(str(config.get("model_type")))
     if known:
@@ -209,7 +212,27 @@ def moe_fields(config: dict, model_type: str, layers: Any, dense_width: Any, sou
            "every": every, "first_dense_layers": first_dense, "router": _router(config, model_type, source)}
     if expert_width is not None and expert_width != dense_width:
         moe["expert_ffn_hidden"] = expert_width
-    return fields | {"moe": {k: v for k, v in moe.items() if v or k in ("experts", "top_k")}}
+    moe = {k: v for k, v in moe.items() if v or k in ("experts", "top_k")}
+    return fields | {"moe": moe | routing_fields(config, kind, top_k[1])}
+
+
+def routing_fields(config: dict, kind: dict, top_k: Any) -> dict[str, Any]:
+    """The routing weights: renormalised (`norm_topk_prob`, else the family's default), scaled
+    (`routed_scaling_factor`), group-limited (`n_group` > 1 with `topk_group`). Values of the wrong
+    type are passed on for validation to name."""
+    out: dict[str, Any] = {}
+    normalized = config.get("norm_topk_prob", kind.get("norm", True))
+    if normalized is False and top_k != 1:  # one expert: nothing to renormalise
+        out["normalize_top_k"] = False
+    elif normalized is not True and normalized is not False:
+        out["normalize_top_k"] = normalized
+    scale = config.get("routed_scaling_factor")
+    if scale is not None and scale != 1:
+        out["top_k_scaling"] = scale
+    groups = config.get("n_group")
+    if groups not in (None, 1):
+        out["router_groups"], out["router_group_top_k"] = groups, config.get("topk_group")
+    return out
 
 
 def mla_fields(config: dict, source: str) -> dict[str, Any]:

@@ -7,11 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 from plan3d.specs.base import printable
+from plan3d.specs.hf_details import QK_NORM_FAMILIES, rope_warning
 from plan3d.specs.hf_moe import EXPERTS_FIELDS, MOE_FAMILIES, RULE_FIELDS, family, hf_moe_layers, is_moe, shown
 from plan3d.specs.model import ModelSpec
 
-ROUTING_DETAILS = ("norm_topk_prob", "routed_scaling_factor", "topk_method", "n_group", "topk_group")
-QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")  # q_norm / k_norm RMSNorm(head_dim) weights in every layer
+ROUTING_DETAILS = ("topk_method",)  # norm_topk_prob, routed_scaling_factor, n_group, topk_group: MoESpec holds them
 
 
 def _positive_int(value: Any) -> bool:
@@ -80,8 +80,8 @@ def parameter_warnings(config: dict, spec: ModelSpec) -> list[str]:
                      f"= {sinks:,} parameters) are not counted")
     if model_type in QK_NORM_FAMILIES:
         per_layer = 2 * spec.head_dim_
-        found.append(f"q_norm/k_norm (Qwen3's qk-norm: {per_layer} weights per layer, {per_layer * spec.layers:,} "
-                     "in all) are not counted")
+        found.append(f"q_norm/k_norm weights (qk_norm: true; {per_layer} per layer, {per_layer * spec.layers:,} "
+                     "in all) are not in the parameter count")
     if config.get("topk_method") == "noaux_tc" and spec.moe is not None:
         bias = spec.moe.experts * spec.moe_layers
         found.append(f"topk_method 'noaux_tc': the expert bias of auxiliary-loss-free balancing "
@@ -93,9 +93,7 @@ def behaviour_warnings(config: dict, spec: ModelSpec) -> list[str]:
     """Routing and activation details without parameters that the spec does not hold."""
     found = []
     if spec.moe is not None:
-        grouped = config.get("n_group") not in (None, 1)  # n_group 1: no group-limited routing to mention
-        details = [f"{k} {shown(config[k])}" for k in ROUTING_DETAILS
-                   if config.get(k) is not None and (grouped or k not in ("n_group", "topk_group"))]
+        details = [f"{k} {shown(config[k])}" for k in ROUTING_DETAILS if config.get(k) is not None]
         if details:
             found.append(f"routing details the spec does not hold (no parameters; the cost model spreads tokens "
                          f"evenly over the experts): {', '.join(details)}")
@@ -117,6 +115,6 @@ def family_warning(config: dict) -> str | None:
 
 def unmodelled(config: dict, spec: ModelSpec) -> list[str]:
     """Every warning for what the config holds and the spec does not."""
-    single = [family_warning(config), layer_rule_warning(config, spec), mtp_warning(config)]
+    single = [family_warning(config), layer_rule_warning(config, spec), mtp_warning(config), rope_warning(config)]
     return ([w for w in single if w] + window_warnings(config, spec) + parameter_warnings(config, spec)
             + behaviour_warnings(config, spec))

@@ -31,12 +31,39 @@ class MoESpec(SpecModel):
     capacity_factor: float | None = Field(None, gt=0, le=1000, allow_inf_nan=False,
                                           description="Tokens an expert takes, as a multiple of its even share; "
                                           "None: dropless (every routed token is computed).")
+    normalize_top_k: bool = Field(True, description="The top-k routing weights are renormalised to sum to 1 "
+                                  "(Hugging Face `norm_topk_prob`; Mixtral, DeepSeek-V3: yes; Qwen2-MoE, "
+                                  "DeepSeek-V2: no, Megatron `--moe-router-pre-softmax`).")
+    top_k_scaling: float | None = Field(None, gt=0, le=1000, allow_inf_nan=False,
+                                        description="The routing weights are multiplied by this (DeepSeek "
+                                        "`routed_scaling_factor`, Megatron `--moe-router-topk-scaling-factor`); "
+                                        "None: 1.")
+    router_groups: PositiveInt | None = Field(None, le=1_000_000, description="Group-limited routing: the "
+                                              "experts form this many groups (DeepSeek `n_group`, Megatron "
+                                              "`--moe-router-num-groups`); None: no groups.")
+    router_group_top_k: PositiveInt | None = Field(None, le=1_000_000, description="A token routes only into "
+                                                   "its best this-many groups (DeepSeek `topk_group`, Megatron "
+                                                   "`--moe-router-group-topk`).")
 
     @model_validator(mode="after")
     def _top_k_fits(self) -> "MoESpec":
         if self.top_k > self.experts:
             raise ValueError(f"top_k={self.top_k} exceeds experts={self.experts}")
+        if (self.router_groups is None) != (self.router_group_top_k is None):
+            raise ValueError("router_groups and router_group_top_k go together (group-limited routing): set both "
+                             "or neither")
+        if self.router_groups is not None:
+            if self.experts % self.router_groups:
+                raise ValueError(f"router_groups={self.router_groups} does not divide experts={self.experts}")
+            if self.router_group_top_k > self.router_groups:
+                raise ValueError(f"router_group_top_k={self.router_group_top_k} exceeds "
+                                 f"router_groups={self.router_groups}")
         return self
+
+    @property
+    def group_limited(self) -> bool:
+        """Tokens route within their best groups only (router_groups > 1)."""
+        return self.router_groups is not None and self.router_groups > 1
 
 
 class MLASpec(SpecModel):
@@ -51,6 +78,53 @@ class MLASpec(SpecModel):
     v_head_dim: PositiveInt = Field(le=100_000)
 
 
+ROPE_SCALING_DEFAULTS = {  # Hugging Face modeling_rope_utils defaults, used when a config leaves one out
+    "llama3": {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position": 8192},
+    "yarn": {"original_max_position": 4096, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+             "mscale_all_dim": 0.0},
+}
+
+
+class RopeScaling(SpecModel):
+    """RoPE frequency scaling (Hugging Face `rope_scaling`): Llama 3.1's `llama3` (low frequencies
+    divided by `factor`, a smooth ramp between `low_freq_factor` and `high_freq_factor` wavelengths
+    of the original context) or YaRN (Peng et al. 2023, arXiv 2309.00071: ramp between `beta_slow`
+    and `beta_fast` rotations, attention scaled by `mscale`; DeepSeek-V2/V3). Fields that do not
+    belong to the type stay unset; unset fields take ROPE_SCALING_DEFAULTS."""
+
+    type: Literal["llama3", "yarn"]
+    factor: float = Field(gt=0, le=1e6, allow_inf_nan=False)
+    original_max_position: PositiveInt | None = Field(None, le=1_000_000_000)
+    low_freq_factor: float | None = Field(None, gt=0, le=1e6, allow_inf_nan=False)
+    high_freq_factor: float | None = Field(None, gt=0, le=1e6, allow_inf_nan=False)
+    beta_fast: float | None = Field(None, gt=0, le=1e6, allow_inf_nan=False)
+    beta_slow: float | None = Field(None, gt=0, le=1e6, allow_inf_nan=False)
+    mscale: float | None = Field(None, ge=0, le=1e6, allow_inf_nan=False)
+    mscale_all_dim: float | None = Field(None, ge=0, le=1e6, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _fields_of_its_type(self) -> "RopeScaling":
+        own = ROPE_SCALING_DEFAULTS[self.type]
+        stray = [name for name in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale",
+                                   "mscale_all_dim") if getattr(self, name) is not None and name not in own]
+        if stray:
+            raise ValueError(f"{', '.join(stray)} {'is' if len(stray) == 1 else 'are'} not a field of "
+                             f"{self.type} scaling (it has factor, {', '.join(own)})")
+        return self
+
+    def value(self, name: str) -> float:
+        """A parameter of this scaling, its default when unset."""
+        given = getattr(self, name)
+        return ROPE_SCALING_DEFAULTS[self.type][name] if given is None else given
+
+    def parameters(self) -> dict[str, float]:
+        """Every parameter of its type, defaults filled in (factor first)."""
+        return {"factor": self.factor} | {name: self.value(name) for name in ROPE_SCALING_DEFAULTS[self.type]}
+
+
+NORM_EPS_DEFAULT = 1e-5  # Megatron-Core TransformerConfig.layernorm_epsilon, HF LlamaConfig.rms_norm_eps
+
+
 class ModelSpec(SpecModel):
     name: Name
     layers: PositiveInt = Field(le=100_000)  # the bounds stop typos (1e30) long before real models
@@ -62,6 +136,12 @@ class ModelSpec(SpecModel):
                                            description="Default 4*hidden (gelu), 8/3*hidden (swiglu).")
     activation: Literal["gelu", "relu", "swiglu"] = "gelu"
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm_eps: float | None = Field(None, gt=0, lt=1, allow_inf_nan=False,
+                                   description="The norms' epsilon (HF `rms_norm_eps` / `layer_norm_epsilon`, "
+                                   "Megatron `--norm-epsilon`); default 1e-5. Qwen2.5, DeepSeek-V3: 1e-6.")
+    qk_norm: bool = Field(False, description="RMSNorm on each head's query and key (Qwen3, OLMo 2; Megatron "
+                          "`--qk-layernorm`); with MLA, on the query and key/value latents (DeepSeek-V2/V3 "
+                          "`q_a_layernorm`, `kv_a_layernorm`).")
     bias: bool = Field(True, description="Linear layers carry biases (GPT-2/3: yes, Llama: no).")
     qkv_bias: bool | None = Field(None, description="The Q/K/V projections carry biases; default = bias "
                                   "(Qwen2: qkv_bias true with bias false).")
@@ -69,6 +149,8 @@ class ModelSpec(SpecModel):
     rope_theta: float | None = Field(None, gt=0, le=1e12, allow_inf_nan=False,
                                      description="RoPE base (Hugging Face `rope_theta`, Megatron `--rotary-base`); "
                                      "default 10000 (Megatron-Core's default). Llama 3: 500000.")
+    rope_scaling: RopeScaling | None = Field(None, description="RoPE frequency scaling (Llama 3.1: llama3 "
+                                             "factor 8; DeepSeek-V3: yarn factor 40); None: plain RoPE.")
     vocab: PositiveInt = Field(le=1_000_000_000)
     seq_len: PositiveInt = Field(le=1_000_000_000)
     tied_embeddings: bool = False
@@ -90,7 +172,13 @@ class ModelSpec(SpecModel):
             raise ValueError(f"heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
         if self.head_dim is None and self.hidden % self.heads:
             raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads}; set head_dim")
+        if self.rope_scaling is not None and self.position != "rope":
+            raise ValueError(f"rope_scaling needs position rope (the model has {self.position}); remove it")
         return self
+
+    @property
+    def norm_eps_(self) -> float:
+        return NORM_EPS_DEFAULT if self.norm_eps is None else self.norm_eps
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer `index` (0-based) routes to experts (MoESpec's rule)."""

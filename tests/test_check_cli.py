@@ -56,7 +56,9 @@ def test_github_format_annotates_each_error(capsys):
     assert code == 1
     errors = [line for line in out.splitlines() if line.startswith("::error file=")]
     assert len(errors) >= 2
-    assert all("gpt3-175b-bad-layout.yaml,title=plan3d check::" in line and "\n" not in line for line in errors)
+    line = next(n for n, text in enumerate((JOBS / "gpt3-175b-bad-layout.yaml").read_text().splitlines(), 1)
+                if text.startswith("layout:"))  # a flow mapping: every layout field is on that line
+    assert all(f"gpt3-175b-bad-layout.yaml,line={line},title=plan3d check%3A layout" in e for e in errors)
 
 
 def test_github_format_for_an_invalid_file(capsys):

@@ -1,5 +1,8 @@
 """`plan3d check JOB.yaml`: the CI gate. Exit 0 valid and fits, 1 would not fit / violates a
-constraint, 2 the file itself is invalid (issue 5)."""
+constraint, 2 the file itself is invalid (issue 5).
+
+Every problem of an invalid file is reported in one run, each once, with its field and line
+(`plan3d.job.read_job`; issue 30); the layout and fit checks run once the file is valid."""
 from __future__ import annotations
 
 from typing import Annotated
@@ -9,14 +12,15 @@ import typer
 from plan3d.cli.app import app
 from plan3d.cli.common import EngineOpt, GpuMemoryOpt
 from plan3d.cli.recommend_cmd import MaxMemFracOpt, MinMfuOpt, _thresholds
-from plan3d.errors import EXIT_FAILED, Plan3dError, SpecError
-from plan3d.job import load_job
+from plan3d.errors import EXIT_BAD_INPUT, EXIT_FAILED, Plan3dError, SpecError
+from plan3d.job import JobProblem, read_job
 from plan3d.ranking import Finding, check_job
 from plan3d.render import check as render
 from plan3d.render.units import json_text
 from plan3d.specs.catalog import load_cluster, load_engine, with_gpu_memory
 
 FORMATS = ("text", "github")
+UNCHECKED = "the layout and its fit are checked once the file is valid"
 
 
 @app.command("check")
@@ -43,24 +47,25 @@ def check(
     thresholds = _thresholds(min_mfu, max_memory_fraction)
     override = load_engine(engine) if engine else None  # a bad --engine is not the job file's fault
     with_gpu_memory(load_cluster("dgx-h100"), gpu_memory)  # a bad --gpu-memory neither
-    try:
-        job = load_job(job_file, override)
-    except Plan3dError as err:
-        render.print_invalid(job_file, err.lines(), fmt, json_out)
-        raise
-    job = job.model_copy(update={"cluster": with_gpu_memory(job.cluster, gpu_memory)})
+    reading = read_job(job_file, override)  # every problem of the file at once
+    if reading.problems:
+        render.print_invalid(job_file, reading.problems, fmt, json_out, UNCHECKED)
+        raise typer.Exit(EXIT_BAD_INPUT)
+    job = reading.job.model_copy(update={"cluster": with_gpu_memory(reading.job.cluster, gpu_memory)})
+    layout_line = reading.line_of("layout") if job.layout is not None else None
     try:  # a prediction that is not finite, or a search over budget, fails the gate with its reason
         report = check_job(job.cluster, job.model, job.training, job.layout, **thresholds, engine=job.engine,
                            strict=strict, conservative=conservative)
     except Plan3dError as err:
-        render.print_invalid(job_file, err.lines(), fmt, json_out)
-        raise
-    note = job.engine.zero_note(job.layout) if job.engine is not None and job.layout is not None else None
+        render.print_invalid(job_file, [JobProblem("", line, layout_line) for line in err.lines()], fmt, json_out)
+        raise typer.Exit(err.exit_code) from err
+    note = job.engine.zero_note(job.layout) if job.layout is not None else None
     if note:  # a ZeRO stage checked as the engine runs it (EngineSpec.zero_read_as)
         report.findings.insert(0, Finding("notice", note))
+    places = [reading.finding_place(f.message) for f in report.findings]
     if json_out:
-        print(json_text(render.check_dict(job_file, job, report)))
+        print(json_text(render.check_dict(job_file, job, report, places)))
     else:
-        render.print_check(job_file, job, report, fmt)
+        render.print_check(job_file, job, report, fmt, places)
     if not report.ok:
         raise typer.Exit(EXIT_FAILED)

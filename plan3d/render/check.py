@@ -1,6 +1,9 @@
-"""Output of `plan3d check`: plain text, GitHub workflow annotations, JSON."""
+"""Output of `plan3d check`: plain text, GitHub workflow annotations (each at the line of its field), JSON."""
 from __future__ import annotations
 
+import sys
+
+from plan3d.job import JobProblem
 from plan3d.ranking import CheckReport, Finding
 from plan3d.render.engine import engine_text
 from plan3d.render.recommend import duration
@@ -20,11 +23,20 @@ def _escape_property(text: str) -> str:
     return _escape_data(text).replace(":", "%3A").replace(",", "%2C")
 
 
-def annotation(path: str, finding: Finding) -> str:
-    """`::error file=PATH,title=plan3d check::message (fix: ...)`."""
+def annotation(path: str, level: str, message: str, field: str = "", line: int | None = None) -> str:
+    """`::error file=PATH,line=N,title=plan3d check: FIELD::message` (line= where known)."""
+    where = f",line={line}" if line else ""
+    title = f"plan3d check: {field}" if field else "plan3d check"
+    return (f"::{GITHUB_LEVELS[level]} file={_escape_property(path)}{where},title={_escape_property(title)}::"
+            f"{_escape_data(message)}")
+
+
+Place = tuple[str, int | None]  # (dotted field, line) a finding points at (plan3d.job.JobReading.finding_place)
+
+
+def finding_annotation(path: str, finding: Finding, place: Place) -> str:
     body = finding.message + (f". Fix: {finding.fix}" if finding.fix else "")
-    return (f"::{GITHUB_LEVELS[finding.level]} file={_escape_property(path)},title=plan3d check::"
-            f"{_escape_data(body)}")
+    return annotation(path, finding.level, body, *place)
 
 
 def summary(report: CheckReport) -> str | None:
@@ -44,31 +56,59 @@ def verdict_line(path: str, job, report: CheckReport) -> str:
     return f"{status} {path}: {job.model.name} on {job.cluster.world_size} {job.cluster.gpu.name}, {what}"
 
 
-def print_check(path: str, job, report: CheckReport, fmt: str) -> None:
-    lines = [verdict_line(path, job, report), f"  engine: {engine_text(job.engine)}"]
+def print_check(path: str, job, report: CheckReport, fmt: str, places: list[Place] | None = None) -> None:
+    """The verdict: text (a line per finding with its fix), or github (one verdict line, then an
+    annotation per finding at its place in the job file, `places[i]` for `report.findings[i]`)."""
+    places = places or [("", None)] * len(report.findings)
     if fmt == "github":
-        lines += [annotation(path, f) for f in report.findings]
+        head = f"{verdict_line(path, job, report)}; engine {job.engine.name}"
+        lines = [head + (f"; {summary(report)}" if summary(report) else "")]
+        lines += [finding_annotation(path, f, place) for f, place in zip(report.findings, places)]
     else:
+        lines = [verdict_line(path, job, report), f"  engine: {engine_text(job.engine)}"]
         for f in report.findings:
             lines.append(f"  {f.level}: {f.message}")
             if f.fix:
                 lines.append(f"      fix: {f.fix}")
-    if summary(report):
-        lines.append(f"  {summary(report)}")
+        if summary(report):
+            lines.append(f"  {summary(report)}")
     print("\n".join(printable(line) for line in lines))
 
 
-def print_invalid(path: str, problems: list[str], fmt: str, json_out: bool) -> None:
-    """An invalid job file (exit 2): the annotations or JSON go to stdout, the CLI adds `error:` lines."""
-    findings = [Finding("error", p, "fix the job file; `plan3d specs schema job` shows its schema") for p in problems]
+def print_invalid(path: str, problems: list[JobProblem], fmt: str, json_out: bool, unchecked: str = "") -> None:
+    """A job that cannot be checked (exit 2): each problem once. Text: an `error:` line per problem
+    on stderr; github: an annotation per problem on stdout; --json: the problems as JSON. Then, on
+    stderr, at most one summary line; `unchecked` says what was skipped for them."""
     if json_out:
         print(json_text({"schema_version": SCHEMA_VERSION, "file": path, "valid": False, "ok": False,
-                          "findings": [vars(f) for f in findings]}))
+                         "findings": [problem_dict(p) for p in problems]}))
     elif fmt == "github":
-        print("\n".join(printable(annotation(path, f)) for f in findings))
+        print("\n".join(printable(annotation(path, "error", p.message, p.field, p.line)) for p in problems))
+    lines = [p.located(path) for p in problems] if fmt == "text" and not json_out else []
+    if len(problems) > 1 or not lines:
+        lines.append(invalid_summary(path, problems, "the JSON" if json_out else fmt, unchecked))
+    print("\n".join(printable(f"error: {line}") for line in lines), file=sys.stderr)
 
 
-def check_dict(path: str, job, report: CheckReport) -> dict:
+def invalid_summary(path: str, problems: list[JobProblem], shown_in: str, unchecked: str = "") -> str:
+    """'job.yaml: 3 problems (annotated above); ...'; one problem in JSON: that problem's line."""
+    if len(problems) == 1 and shown_in == "the JSON":
+        return problems[0].located(path)
+    where = {"github": "annotated above", "text": "listed above"}.get(shown_in, f"listed in {shown_in}")
+    count = f"{len(problems)} problem{'s' if len(problems) != 1 else ''}"
+    return f"{path}: {count} ({where})" + (f"; {unchecked}" if unchecked else "")
+
+
+def problem_dict(p: JobProblem) -> dict:
+    return {"level": "error", "message": p.text(), "fix": "", "field": p.field, "line": p.line}
+
+
+def finding_dict(f: Finding, place: Place) -> dict:
+    return {**vars(f), "field": place[0], "line": place[1]}
+
+
+def check_dict(path: str, job, report: CheckReport, places: list[Place] | None = None) -> dict:
+    places = places or [("", None)] * len(report.findings)
     est = report.estimate
     keep = ("step_time_s", "step_time_s_band", "validated", "region", "tokens_per_s", "model_tflops_per_gpu",
             *UTILISATION, "peak_memory_bytes", "capacity_bytes", "fits", "bubble_fraction")
@@ -76,6 +116,7 @@ def check_dict(path: str, job, report: CheckReport) -> dict:
             "engine": job.engine.name, "cluster": job.cluster.name, "gpus": job.cluster.world_size,
             "model": job.model.name,
             "layout": job.layout.model_dump(mode="json") if job.layout is not None else None,
-            "findings": [vars(f) for f in report.findings], "conservative": report.conservative,
+            "findings": [finding_dict(f, place) for f, place in zip(report.findings, places)],
+            "conservative": report.conservative,
             "estimate": {k: est[k] for k in keep if k in est} if est else None,
             "recommended": report.recommended}

@@ -82,6 +82,7 @@ def _refuse_leading_zero(loader: yaml.SafeLoader, node) -> None:
 
 
 _LEADING_ZERO = "tag:plan3d,2024:leading-zero-int"
+_MERGE = "tag:yaml.org,2002:merge"
 _SpecLoader.yaml_implicit_resolvers = {}  # YAML 1.2 core schema only (drops 1.1's yes/no, 1:30, dates, 010)
 for _tag, _pattern, _first in (
     ("tag:yaml.org,2002:null", r"^(?:~|null|Null|NULL|)$", ["~", "n", "N", ""]),
@@ -120,6 +121,58 @@ def read_mapping(path: Path, max_bytes: int = MAX_SPEC_BYTES) -> dict:
     if not path.exists():
         raise SpecNotFound(f"{path}: no such file; give a path to a spec file or a bundled name (plan3d specs list)")
     return parse_mapping(read_text(path, max_bytes), str(path), json_only=path.suffix == ".json")
+
+
+def read_mapping_with_lines(path: Path, max_bytes: int = MAX_SPEC_BYTES) -> tuple[dict, dict[str, int]]:
+    """`read_mapping`, and where each key is written: `key_lines` of the same text."""
+    if not path.exists():
+        raise SpecNotFound(f"{path}: no such file; give a path to a spec file or a bundled name (plan3d specs list)")
+    text = read_text(path, max_bytes)
+    return parse_mapping(text, str(path), json_only=path.suffix == ".json"), key_lines(text)
+
+
+def key_lines(text: str) -> dict[str, int]:
+    """The 1-based line of every key of a YAML (or JSON, a subset) text by its dotted path, as
+    `validation_items` names fields: {'training': 4, 'training.global_batch': 5, 'network.0': 9}
+    (a list item: the line it starts on). The text is composed once with the reading loader and
+    its node tree walked, each node once (an alias is not followed again); a key merged in with
+    `<<` is at the line of that `<<`. {} for a text that does not compose."""
+    try:
+        root = yaml.compose(text, Loader=_SpecLoader)  # noqa: S506 (a SafeLoader; composing builds no objects)
+    except (yaml.YAMLError, RecursionError, ValueError):
+        return {}
+    found: dict[str, int] = {}
+    _walk_lines(root, (), found, set())
+    return found
+
+
+def _walk_lines(node, path: tuple, found: dict[str, int], seen: set) -> None:
+    if id(node) in seen or len(path) > MAX_DEPTH:
+        return
+    seen.add(id(node))
+    for key, (key_node, value) in _node_children(node, {}).items():
+        child_path = (*path, key)
+        found.setdefault(_dotted(child_path), key_node.start_mark.line + 1)
+        _walk_lines(value, child_path, found, seen)
+
+
+def _node_children(node, memo: dict) -> dict:
+    """{key: (the node whose line is the key's, value node)} of a mapping (its own keys first, then
+    the merged ones, each merged mapping read once) or a list (an item's line is its own)."""
+    if isinstance(node, yaml.SequenceNode):
+        return {i: (item, item) for i, item in enumerate(node.value)}
+    if not isinstance(node, yaml.MappingNode):
+        return {}
+    if id(node) not in memo:
+        memo[id(node)] = {}  # a merge that reaches its own mapping again adds nothing
+        children = {k.value: (k, v) for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.tag != _MERGE}
+        for merge_key, merged in ((k, v) for k, v in node.value if k.tag == _MERGE):
+            for part in merged.value if isinstance(merged, yaml.SequenceNode) else [merged]:
+                items = _node_children(part, memo).items() if isinstance(part, yaml.MappingNode) else ()
+                for key, (_, value) in items:
+                    children.setdefault(key, (merge_key, value))
+        memo[id(node)] = children
+    return memo[id(node)]
 
 
 def read_text(path: Path, max_bytes: int = MAX_SPEC_BYTES, errors: str = "strict") -> str:
@@ -273,7 +326,14 @@ def _dotted(path: tuple) -> str:
 
 def validation_problems(err: ValidationError, prefix: str = "") -> list[str]:
     """One readable line per bad field: 'network.0.latency_us: Input should be ...'."""
-    lines = []
+    return [f"{path}: {message}" if path else message  # model-level checks name their fields
+            for path, message in validation_items(err, prefix)]
+
+
+def validation_items(err: ValidationError, prefix: str = "") -> list[tuple[str, str]]:
+    """(dotted field path, readable message) per bad field: ('network.0.latency_us', 'Input should be ...');
+    the path is '' (or `prefix`) for a model-level check, whose message names its fields."""
+    items = []
     for item in err.errors():
         path = ".".join(str(p) for p in (prefix, *item["loc"]) if p != "" and not _internal_loc(p))
         message = item["msg"].removeprefix("Value error, ")
@@ -283,8 +343,8 @@ def validation_problems(err: ValidationError, prefix: str = "") -> list[str]:
             message = "unknown field (misspelled?)" + _closest_hint(item, err)
         elif item["type"] in STRICT_TYPE_ERRORS:
             message += f", got {_short(item['input'])}"
-        lines.append(f"{path}: {message}" if path else message)  # model-level checks name their fields
-    return lines
+        items.append((path, message))
+    return items
 
 
 def _huge_float_for_an_int(item: dict) -> bool:
@@ -341,9 +401,33 @@ def validate(model: type[M], data: dict, source: str, context: dict[str, Any] | 
     if problem:
         raise SpecError(source, [problem])
     try:
-        return model.model_validate_json(json.dumps(_whole_floats_as_ints(data)), strict=True, context=context)
+        return _validate_json(model, data, context)
     except ValidationError as err:
-        err._plan3d_model = model  # for 'did you mean'
         raise SpecError(source, validation_problems(err)) from err
     except (SpecNotFound, SpecError) as err:  # raised by nested catalog look-ups
         raise SpecError(source, err.lines()) from err
+
+
+def check_model(model: type[M], data, context: dict[str, Any] | None = None,
+                prefix: str = "") -> tuple[M | None, list[tuple[str, str]]]:
+    """`validate` that raises nothing: (the model, []) or (None, its `validation_items`), each
+    path under `prefix` (a part of a larger file, e.g. a job's 'training'). For a reader that
+    reports every part of a file at once (`plan3d check`)."""
+    problem = json_data_problem(data)
+    if problem:
+        return None, [(prefix, problem)]
+    try:
+        return _validate_json(model, data, context), []
+    except ValidationError as err:
+        return None, validation_items(err, prefix)
+    except (SpecNotFound, SpecError) as err:  # raised by nested catalog look-ups
+        return None, [(prefix, line) for line in err.lines()]
+
+
+def _validate_json(model: type[M], data, context: dict[str, Any] | None) -> M:
+    """Strict JSON validation; a ValidationError remembers `model` (for 'did you mean')."""
+    try:
+        return model.model_validate_json(json.dumps(_whole_floats_as_ints(data)), strict=True, context=context)
+    except ValidationError as err:
+        err._plan3d_model = model
+        raise

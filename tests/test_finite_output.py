@@ -107,7 +107,8 @@ def test_check_output_cannot_start_a_workflow_command_from_a_name(capsys, tmp_pa
 def _refused_name(code: int, out: str, err: str) -> None:
     """A name with a newline is refused where the spec is read (plan3d.specs.base.Name): one escaped
     error line, and no output line of its own."""
-    assert code == 2 and err.startswith("error: ") and "name" in err and "\\n::error::owned" in err, err
+    # in github format the problem is the annotation (stdout), printed once; stderr keeps the verdict
+    assert code == 2 and err.startswith("error: ") and "name" in out + err and "\\n::error::owned" in out + err, err
     assert not any(line.strip().startswith("::error::owned") for line in (out + err).splitlines())
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +22,8 @@ from plan3d.render.units import json_text, nonfinite_path, printable
 from plan3d.search import SearchBudgetError, Space, nodes_to_fit, search
 from plan3d.specs.catalog import load_cluster, load_model
 from plan3d.specs.cluster import MAX_NODES, ClusterSpec
+
+REPO = Path(__file__).resolve().parents[1]
 
 SEED = Layout(tp=8, pp=8, dp=8, micro_batch=1, zero=1, recompute="selective", sequence_parallel=True)
 
@@ -88,7 +91,7 @@ def test_printable_keeps_a_name_on_one_line():
 def _evil_model(tmp_path):
     import yaml
 
-    spec = yaml.safe_load(open("model_specs/gpt3-175b.yaml"))
+    spec = yaml.safe_load((REPO / "model_specs" / "gpt3-175b.yaml").read_text())  # wherever pytest runs from
     spec["name"] = "gpt3\n::error::owned"
     path = tmp_path / "evil.yaml"
     path.write_text(yaml.safe_dump(spec))

@@ -134,10 +134,10 @@ def extreme_latency(monkeypatch):
 
 
 def test_check_never_passes_on_a_non_finite_prediction(capsys, extreme_latency):
-    code, out, err = run_cli(capsys, "check", "examples/jobs/gpt3-175b-seed.yaml", "--json")
+    code, out, err = run_cli(capsys, "check", str(REPO / "examples" / "jobs" / "gpt3-175b-seed.yaml"), "--json")
     assert code == 2 and json.loads(out)["ok"] is False
     assert len(err.strip().splitlines()) == 1 and "latency" in err
-    code, out, _ = run_cli(capsys, "check", "examples/jobs/gpt3-175b-seed.yaml", "--format", "github")
+    code, out, _ = run_cli(capsys, "check", str(REPO / "examples" / "jobs" / "gpt3-175b-seed.yaml"), "--format", "github")
     assert code == 2 and out.startswith("::error file=") and "PASS" not in out
 
 

@@ -304,6 +304,16 @@ def layout_suggestions(cluster, model, training, base, orders: tuple[str, ...] =
     return out
 
 
+def layout_warnings(result: SearchResult, row: int) -> list[str]:
+    """What `plan3d estimate` warns of for a searched layout (a group spanning a slower tier, a
+    ZeRO stage or GPU no calibration run had, ...): its scalar estimate's warnings, so that
+    `recommend` and `explain` say what `estimate` would say of the same layout."""
+    try:
+        return estimate(result.cluster, result.model, result.training, result.layout(row), result.engine).warnings
+    except LayoutError as err:  # the search ran it: a scalar refusal is a disagreement, said as such
+        return [f"plan3d estimate refuses this layout: {err}"]
+
+
 # ---- the verdict on one layout (plan3d check) -------------------------------------------------
 @dataclass(frozen=True)
 class Finding:

@@ -8,15 +8,17 @@ import typer
 from plan3d.cli.app import app
 from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, CpCommOpt, CpOpt, EngineOpt, EpOpt, EtpOpt, GlobalBatchOpt, GpnOpt,
                                GpuMemoryOpt, JsonOpt, MicroBatchOpt,
-                               ModelOpt, NodesOpt, OrderOpt, PlotOpt, PpOpt, PrecisionOpt, RecomputeOpt,
+                               ModelOpt, NodesOpt, OrderOpt, PlotOpt, PpOpt, RecomputeOpt,
                                SeqLenOpt, SeqParallelOpt, TpOpt, VppOpt, ZeroOpt, load_engine_opt, load_specs,
                                make_layout)
+from plan3d.cli.recommend_cmd import PrecisionOpt
 from plan3d.cost.estimate import estimate
 from plan3d.errors import LayoutError
 from plan3d.layout import check_layout
 from plan3d.render.estimate import print_estimate
 from plan3d.render.plots import plot_step_breakdown  # imports matplotlib only when it draws
 from plan3d.render.units import json_text
+from plan3d.specs.training import with_precision
 
 SCHEMA_VERSION = 1  # of the --json output
 DpOptional = Annotated[Optional[int], typer.Option("--dp", help="Data-parallel degree (default: fill the cluster).")]
@@ -43,7 +45,7 @@ def estimate_command(
     nodes: NodesOpt = None,
     gpus_per_node: GpnOpt = None,
     gpu_memory: GpuMemoryOpt = None,
-    precision: PrecisionOpt = "bf16",
+    precision: PrecisionOpt = None,
     engine: EngineOpt = None,
     cp_comm: CpCommOpt = None,
     json_out: JsonOpt = False,
@@ -52,6 +54,7 @@ def estimate_command(
     """Predict the memory of every rank and the time of one training step for one layout, as an engine runs it."""
     cluster_spec, model_spec, training = load_specs(cluster, model, nodes, gpus_per_node, global_batch,
                                                     seq_len, precision, gpu_memory)
+    training = with_precision(training, cluster_spec.gpu, precision)
     engine_spec = load_engine_opt(engine, cluster_spec, cp_comm, model_spec)
     flags = dict(tp=tp, pp=pp, cp=cp, micro_batch=micro_batch, vpp=vpp, zero=zero, recompute=recompute,
                  sequence_parallel=sequence_parallel, order=order)

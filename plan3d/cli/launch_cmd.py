@@ -29,18 +29,16 @@ def _plan_from_flags(cluster, model, nodes, gpus_per_node, global_batch, seq_len
     from plan3d.layout import check_layout
     from plan3d.plan import build_plan
     from plan3d.specs.catalog import RUNTIME_ENGINE, load_engine
+    from plan3d.specs.training import with_precision
 
     cluster_spec, model_spec, training = load_specs(cluster, model, nodes, gpus_per_node, global_batch,
-                                                    seq_len, precision or _default_precision(cluster))
+                                                    seq_len, precision)
+    training = with_precision(training, cluster_spec.gpu, precision)
     layout = make_layout(**layout_flags)
     check_layout(layout, model_spec, training, cluster_spec.world_size)
     engine = load_engine(RUNTIME_ENGINE).with_cp_comm(cp_comm)
     return build_plan(cluster_spec, model_spec, training, layout,
                       estimate(cluster_spec, model_spec, training, layout, engine).to_dict(), engine)
-
-
-def _default_precision(cluster: str) -> str:
-    return "fp32" if "cpu" in cluster else "bf16"
 
 
 def _default_run_dir(plan, nnodes: int) -> str:

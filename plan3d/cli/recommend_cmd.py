@@ -10,11 +10,16 @@ import typer
 from plan3d.cli.app import app
 from plan3d.render.units import json_text
 from plan3d.cli.common import (ClusterOpt, CpCommOpt, CpOpt, EngineOpt, GlobalBatchOpt, GpnOpt, GpuMemoryOpt, JsonOpt, ModelOpt,
-                               NodesOpt, PlotOpt,
-                               PrecisionOpt, SeqLenOpt, load_engine_opt, load_specs, make_layout)
+                               NodesOpt, PlotOpt, SeqLenOpt, load_engine_opt, load_specs, make_layout)
 from plan3d.errors import InfeasibleError, LayoutError
+from plan3d.specs.training import with_precision
 
 IntOpt = Optional[int]
+# --precision of the planning commands (recommend, explain, estimate): the default follows the
+# cluster's GPU (plan3d.specs.training.default_precision), so a plan predicts what launch trains
+PrecisionOpt = Annotated[Optional[str], typer.Option(
+    "--precision", help="bf16, fp16, fp8 or fp32; default fp32 on a cluster of CPU processes (plan3d's runtime "
+    "trains fp32 there), else bf16.")]
 MinMfuOpt = Annotated[Optional[float], typer.Option("--min-mfu", help="Reject layouts predicted below this MFU (0-1).")]
 MaxMemFracOpt = Annotated[Optional[float], typer.Option(
     "--max-memory-fraction", help="Reject layouts whose peak memory exceeds this fraction of the GPU's memory.")]
@@ -41,7 +46,7 @@ def recommend(
     gpu_memory: GpuMemoryOpt = None,
     global_batch: GlobalBatchOpt = None,
     seq_len: SeqLenOpt = None,
-    precision: PrecisionOpt = "bf16",
+    precision: PrecisionOpt = None,
     engine: EngineOpt = None,
     cp_comm: CpCommOpt = None,
     top: Annotated[int, _opt("--top", "How many layouts to show.")] = 10,
@@ -94,6 +99,7 @@ def recommend(
 
     space = space_from_flags(locals())
     specs = load_specs(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision, gpu_memory)
+    specs = (*specs[:2], with_precision(specs[2], specs[0].gpu, precision))
     engine_spec = load_engine_opt(engine, specs[0], cp_comm, specs[1])
     space = search.engine_space(space, engine_spec)  # a knob the engine cannot run fails here, before the search
     thresholds = dict(_thresholds(min_mfu, max_memory_fraction), engine=engine_spec)
@@ -269,7 +275,7 @@ def explain_cmd(
     gpu_memory: GpuMemoryOpt = None,
     global_batch: GlobalBatchOpt = None,
     seq_len: SeqLenOpt = None,
-    precision: PrecisionOpt = "bf16",
+    precision: PrecisionOpt = None,
     engine: EngineOpt = None,
     cp_comm: CpCommOpt = None,
     objective: ObjectiveOpt = "throughput",
@@ -282,6 +288,7 @@ def explain_cmd(
     from plan3d.render import recommend as render
 
     specs = load_specs(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision, gpu_memory)
+    specs = (*specs[:2], with_precision(specs[2], specs[0].gpu, precision))
     engine_spec = load_engine_opt(engine, specs[0], cp_comm, specs[1])
     world = specs[0].world_size
     if dp is None:  # a tp or pp below 1 is left for make_layout to reject

@@ -20,7 +20,7 @@ with no feature let go of is *validated*. The band is asymmetric: the measured s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from functools import lru_cache
 from itertools import combinations
 from pathlib import Path
@@ -35,6 +35,7 @@ from plan3d.specs.loader import read_mapping, validation_problems
 
 BAND_FILE = Path(__file__).resolve().parent.parent / "bundled" / "validation" / "error_bands.yaml"
 QUANTILES = (0.10, 0.90)  # the central 80% of left-out errors
+PERCENTILES = "10th-90th"  # QUANTILES, as the bands' sentences name them
 MIN_RUNS = 5  # runs a region needs before its own errors set its band
 NOISE = 0.03  # the sources' rerun noise (2-4%, shared/data/published/README.md), added to every band
 SCALE_FACTOR = 2.0  # a prediction for more than this many times the GPUs of the largest run is extrapolated
@@ -148,6 +149,8 @@ class Band:
     sources: tuple[str, ...]
     relaxed: tuple[str, ...] = ()
     extrapolated: tuple[str, ...] = ()  # one sentence per relaxed feature
+    pool: str = ""  # the region whose runs' errors set it: its own, or the nearest one it borrows from
+    spread: tuple[float, float] = (0.0, 0.0)  # those runs' errors (e) at QUANTILES, before any widening
 
     @property
     def validated(self) -> bool:
@@ -166,11 +169,40 @@ class Band:
         """The band as per cent of the prediction: (fast end, slow end), e.g. (-7.0, +23.0)."""
         return 100 * (1 / (1 + self.high) - 1), 100 * (1 / (1 + self.low) - 1)
 
+    def makeup(self) -> str:
+        """What the band is made of, in the convention it is computed in (e = predicted / measured
+        - 1; the factors 1 + e multiply): 'prediction error -29%/+17%: 14 left-out runs of
+        megatron-core on hopper, ... (sources) at -19%/+4% (10th-90th percentile), compounded with
+        the rerun noise -3%/+3% and the stated prior -10%/+10% (fewer than 5 runs of megatron-core
+        on ampere)'."""
+        total = f"prediction error (predicted / measured - 1) {_pct_pair(self.low, self.high)}"
+        priors = [f"the prior of what is extrapolated: {'; '.join(self.extrapolated)}"] if self.extrapolated else []
+        if not self.runs:
+            return f"{total}: no measured run, only " + (priors[0] if priors else "no prior")
+        lo, hi = self.spread
+        held = "" if lo <= 0 <= hi else ", stretched to hold 0"
+        runs = (f"{self.runs} left-out runs of {self.pool} ({', '.join(self.sources)}) at {_pct_pair(lo, hi)} "
+                f"({PERCENTILES} percentile{held})")
+        return f"{total}: {runs}, compounded with " + " and ".join([f"the rerun noise {_pct_pair(-NOISE, NOISE)}"] + priors)
+
     def summary(self) -> dict:
         """Plain data for JSON (plan.json, --json)."""
         return {"name": self.region.name, "validated": self.validated, "runs": self.runs,
                 "sources": list(self.sources), "error_pct": [100 * self.low, 100 * self.high],
-                "extrapolated": list(self.extrapolated)}
+                "extrapolated": list(self.extrapolated), "pool": self.pool, "parts": self.parts(),
+                "made_of": self.makeup()}
+
+    def parts(self) -> list[dict]:
+        """What compounds to `error_pct` (the factors 1 + e multiply): the runs' spread, the rerun
+        noise (both absent without runs) and the stated prior of each feature let go of."""
+        measured = [{"part": "runs", "error_pct": [100 * self.spread[0], 100 * self.spread[1]]},
+                    {"part": "noise", "error_pct": [-100 * NOISE, 100 * NOISE]}] if self.runs else []
+        return measured + [{"part": n, "error_pct": list(AXIS_BY_NAME[n].prior_pct)} for n in self.relaxed]
+
+
+def _pct_pair(low: float, high: float) -> str:
+    """'-19%/+4%' from errors (e)."""
+    return f"{100 * low:+.0f}%/{100 * high:+.0f}%"
 
 
 # A feature the region has (ZeRO-3, cp, MoE, fp8) is let go of by borrowing the errors of the
@@ -213,13 +245,31 @@ def _band_of(region: Region, gpus: int, runs: tuple[MeasuredRun, ...]) -> Band:
     largest = max((r.gpus for r in pool), default=0)
     if pool and gpus > SCALE_FACTOR * largest:
         relaxed.append("scale")
-    low, high = _quantile_band([r.error_pct / 100 for r in pool])
+    errors = [r.error_pct / 100 for r in pool]
+    low, high = _quantile_band(errors)
     for name in relaxed:
         lo, hi = AXIS_BY_NAME[name].prior_pct
         low, high = low + math.log1p(lo / 100), high + math.log1p(hi / 100)
     sentences = tuple(_sentence(AXIS_BY_NAME[n], region, largest) for n in relaxed)
+    spread = tuple(math.expm1(q) for q in _log_quantiles(errors))
     return Band(region, math.expm1(low), math.expm1(high), len(pool), tuple(sorted({r.source for r in pool})),
-                tuple(relaxed), sentences)
+                tuple(relaxed), sentences, _pool_name(region, free, pool), spread)
+
+
+def _pool_name(region: Region, free: frozenset[str], pool: list[MeasuredRun]) -> str:
+    """The region whose runs a band's errors are: `region` less the features it let go of (an
+    engine or a GPU generation let go of: those of the runs, 'megatron-core on hopper')."""
+    let_go = {k: BASE[k] for k in free if k in BASE}
+    let_go.update({k: "/".join(sorted({getattr(r, k) for r in pool})) for k in ("engine", "gpu") if k in free and pool})
+    return replace(region, **let_go).name
+
+
+def _log_quantiles(errors: list[float]) -> tuple[float, float]:
+    """log(1 + e) at the QUANTILES of `errors` (0, 0 for no errors)."""
+    if not errors:
+        return 0.0, 0.0
+    lo, hi = np.quantile(np.log1p(np.asarray(errors, dtype=float)), QUANTILES)
+    return float(lo), float(hi)
 
 
 def _quantile_band(errors: list[float]) -> tuple[float, float]:
@@ -228,8 +278,7 @@ def _quantile_band(errors: list[float]) -> tuple[float, float]:
     spread (0, 0 for no errors)."""
     if not errors:
         return 0.0, 0.0
-    r = np.log1p(np.asarray(errors, dtype=float))
-    lo, hi = (float(q) for q in np.quantile(r, QUANTILES))
+    lo, hi = _log_quantiles(errors)
     return min(lo, 0.0) + math.log1p(-NOISE), max(hi, 0.0) + math.log1p(NOISE)
 
 

@@ -76,12 +76,14 @@ def region_lines(est) -> list[str]:
     region = est.region
     if not region:
         return []
-    lo, hi = region["error_pct"]
+    trust = "validated" if region["validated"] else "extrapolated"
+    if "made_of" in region:  # Band.makeup: the runs, the noise and each prior, as they compound
+        return [escape(f"band: {region['name']} ({trust}): {region['made_of']}")]
+    lo, hi = region["error_pct"]  # a plan written before bands said what they are made of
     runs = (f"{region['runs']} left-out published runs ({', '.join(region['sources'])})" if region["runs"]
             else "no measured run")
     lines = [escape(f"band: {region['name']}: prediction error {lo:+.0f}% to {hi:+.0f}% (80% of {runs})")]
-    lines += [escape(f"extrapolated: {why}") for why in region["extrapolated"]]
-    return lines
+    return lines + [escape(f"extrapolated: {why}") for why in region["extrapolated"]]
 
 
 def _layout_text(layout: dict, cp_comm: str = "", recompute_layers: int = 0) -> str:

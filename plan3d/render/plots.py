@@ -2,7 +2,7 @@
 
     plot_pareto(points, path)             recommend --plot: throughput vs memory, the front and the pick marked
     plot_step_breakdown(estimate, path)   estimate --plot: the layout, its step and its memory against capacity
-    plot_report(report, path)             report --plot: measured vs predicted per term
+    plot_report(report, path)             report --plot: measured vs predicted per term, coloured by error
 
 Each picture states its answer in words as well as in shapes: the chosen layout by name, and
 whether it fits ("94.3 GiB of 76.0 GiB usable: does not fit"). `pareto_figure` and `step_figure`
@@ -19,6 +19,7 @@ from pathlib import Path
 from plan3d.errors import Plan3dError
 from plan3d.layout import Layout
 from plan3d.render.estimate import MEMORY_LABELS, TIME_LABELS
+from plan3d.render.report import error_colour, error_legend
 from plan3d.render.units import count, gib
 from plan3d.vocab import MEMORY_TERMS, TIME_TERMS
 GIB = 2**30
@@ -231,19 +232,30 @@ def _seconds(value_s: float) -> str:
 
 
 def plot_report(report: dict, path: Path) -> None:
-    """One bar per term: predicted / measured (1 = exact), the +-15% band marked."""
+    """`report_figure`, saved to `path`."""
+    _save(report_figure(report), path)
+
+
+def report_figure(report: dict):
+    """One bar per term: predicted / measured (1 = exact), the +-15% band marked, each bar coloured
+    by its prediction error as the report's table colours it, with the legend of the colours."""
     plt = _pyplot()
+    from matplotlib.patches import Patch  # lazy: see _pyplot
+
     rows = [r for r in report["rows"] if r["predicted"] and r["measured"] is not None]
     if not rows:
         raise Plan3dError("nothing to plot: no term has both a prediction and a measurement")
-    fig, ax = plt.subplots(figsize=(7, 0.5 * len(rows) + 1.5))
+    fig, ax = plt.subplots(figsize=(7, 0.5 * len(rows) + 2.0))
     names = [r["term"] for r in rows]
     ratios = [r["predicted"] / r["measured"] for r in rows]
-    ax.barh(names, ratios, color=["tab:green" if abs(x - 1) <= 0.15 else "tab:orange" for x in ratios])
+    ax.barh(names, ratios, color=[error_colour(x - 1, plot=True) for x in ratios])
     ax.axvline(1.0, color="black", linewidth=1)
     for lim in (0.85, 1.15):
         ax.axvline(lim, color="gray", linestyle=":", linewidth=1)
     ax.set(xlabel="predicted / measured (1 = exact; dotted: +-15%)", title=f"run {report['layout']}")
     ax.invert_yaxis()
-    fig.tight_layout()
-    _save(fig, path)
+    handles = [Patch(color=colour, label=what) for colour, what in error_legend(plot=True)]
+    fig.legend(handles=handles, title="prediction error (predicted / measured - 1)", fontsize=7, title_fontsize=7,
+               loc="lower center", ncol=len(handles), frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))  # room for the legend under the axes
+    return fig

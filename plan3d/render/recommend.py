@@ -65,6 +65,11 @@ class Recommendation:
         """The row of decision #pick (what --out writes and --explain explains)."""
         return self.decisions[self.pick - 1].head
 
+    @cached_property
+    def warnings(self) -> dict[int, list[str]]:
+        """What `plan3d estimate` warns of for each shown layout (row -> warnings, `ranking.layout_warnings`)."""
+        return {int(row): ranking.layout_warnings(self.result, int(row)) for row in self.shown}
+
     @property
     def next_decision(self) -> grouping.Decision | None:
         """The best decision not shown: what the user would look at next."""
@@ -97,8 +102,8 @@ def recommendation_dict(report: Recommendation, explain: bool = False) -> dict:
         "schema_version": SCHEMA_VERSION, "engine": engine_name(r), "cluster": r.cluster.name,
         "nodes": r.cluster.nodes, "gpus": r.cluster.world_size, "model": r.model.name,
         "training": r.training.model_dump(mode="json"), "objective": report.objective, "search": r.stats(),
-        "top": [dict(rank=i + 1, **row_dict(r, d.head, report.tokens), alternatives=alternatives_list(r, d))
-                for i, d in enumerate(report.decisions[: report.top])],
+        "top": [dict(rank=i + 1, **row_dict(r, d.head, report.tokens), alternatives=alternatives_list(r, d),
+                     warnings=report.warnings[d.head]) for i, d in enumerate(report.decisions[: report.top])],
         "why": ranking.why_wins(r, report.ranked_decisions, report.objective),
         "ranking": report.ranking,
         "passed_over": [row_dict(r, row) for row in passed_over_heads(report)],
@@ -157,8 +162,10 @@ def band_lines(report: Recommendation) -> list[str]:
     lines = [f"band: the measured step of 80% of published runs like it (left out of the fit) lies in it; ranking "
              f"{report.ranking}" + (": a layout extrapolated on more features ranks higher only when it wins beyond "
                                    "both bands" if report.ranking == "expected" else "")]
+    fast, slow = band.band_pct()
+    lines.append(f"#1's band, {fast:+.0f}%/{slow:+.0f}% of its step ({'validated' if band.validated else 'extrapolated'}): "
+                 f"{band.makeup()}")
     if not band.validated:
-        lines.append(f"#1 is extrapolated: {'; '.join(band.extrapolated)}")
         best = best_validated(report)
         if best is not None:
             gap = float(r.metrics["tokens_per_s"][best] / r.metrics["tokens_per_s"][first] - 1)
@@ -179,12 +186,30 @@ def band_lines(report: Recommendation) -> list[str]:
 
 
 def trust_warnings(report: Recommendation) -> list[str]:
-    """What is outside the validated region for the #1 layout (a datasheet-only GPU, an engine never
-    calibrated on it, ...): `plan3d.cost.trust`, so a ranking on guessed values says so."""
-
+    """What `plan3d estimate` warns of for the #1 layout (a group over a slower tier, a GPU or ZeRO
+    stage no calibration run had, ...); with nothing that fits, what is outside the validated
+    region (`plan3d.cost.trust`), so a ranking on guessed values says so."""
     r = report.result
-    zero = r.layout(report.decisions[0].head).zero if report.decisions else 0
-    return provenance(r.cluster, r.engine, r.training, zero).warnings
+    if report.decisions:
+        return report.warnings[report.decisions[0].head]
+    return provenance(r.cluster, r.engine, r.training, 0).warnings
+
+
+def warning_lines(report: Recommendation) -> list[str]:
+    """Each shown layout's estimate warnings, once per text with the rows it holds for:
+    'warning (#1-#3): CP group spans 8 nodes ...'."""
+    ranks: dict[str, list[int]] = {}
+    for rank, d in enumerate(report.decisions[: report.top], 1):
+        for warning in report.warnings[d.head]:
+            ranks.setdefault(warning, []).append(rank)
+    return [f"[yellow]warning[/yellow] ({_ranks_text(rows)}): {escape(text)}" for text, rows in ranks.items()]
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """'#1', '#1-#3', '#1, #3'."""
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"#{ranks[0]}-#{ranks[-1]}"
+    return ", ".join(f"#{k}" for k in ranks)
 
 
 def alternatives_list(result: SearchResult, decision: grouping.Decision) -> list[dict]:
@@ -376,8 +401,8 @@ def print_recommendation(report: Recommendation, explain: bool = False, console:
         for line in band_lines(report):
             console.print(escape(line))
         console.print(MFU_NOTE)
-        for warning in trust_warnings(report):
-            console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
+        for line in warning_lines(report):
+            console.print(line)
         front = ranking.pareto_front(r, report.order)
         console.print(f"Pareto front (tokens/s vs memory headroom): {len(front)} layouts; "
                       f"most headroom {gib(_headroom(r, int(front[-1])))} at {r.layout(int(front[-1])).short()}")
@@ -472,16 +497,23 @@ def explanation_sentences(ex: Explanation) -> list[str]:
     elif r.feasible[best]:
         lines.append("the best " + ranking.compare_sentence(r, best, row, "this layout"))
     if r.bands is not None:
-        lines += [band_sentence(r, row, "this layout")] + ([band_sentence(r, best, "the best")] if row != best else [])
+        same = row != best and r.band(best) == r.band(row)
+        lines += [band_sentence(r, row, "this layout")] + ([band_sentence(r, best, "the best", same)] if row != best else [])
     return lines
 
 
-def band_sentence(result: SearchResult, row: int, name: str) -> str:
-    """'this layout: step 35.0 s-56.2 s (80% of published runs like it), extrapolated: ...'."""
+def band_sentence(result: SearchResult, row: int, name: str, same_band: bool = False) -> str:
+    """'this layout: step 37.7 s-62.2 s for 44.2 s predicted (-15%/+41%), the band of megatron-core on
+    ampere, ... (extrapolated): prediction error -29%/+17%: 14 left-out runs of ... (Band.makeup)'."""
     band = result.band(row)
-    lo, hi = band.step_band(float(result.metrics["step_time_s"][row]))
-    trust = "validated" if band.validated else "extrapolated: " + "; ".join(band.extrapolated)
-    return f"{name}: step {duration(lo)}-{duration(hi)} (the band of {band.region.name}), {trust}"
+    step = float(result.metrics["step_time_s"][row])
+    lo, hi = band.step_band(step)
+    fast, slow = band.band_pct()
+    head = f"{name}: step {duration(lo)}-{duration(hi)} for {duration(step)} predicted ({fast:+.0f}%/{slow:+.0f}%)"
+    if same_band:
+        return f"{head}, the same band"
+    return (f"{head}, the band of {band.region.name} ({'validated' if band.validated else 'extrapolated'}): "
+            f"{band.makeup()}")
 
 
 def explanation_dict(ex: Explanation) -> dict:
@@ -489,7 +521,8 @@ def explanation_dict(ex: Explanation) -> dict:
     return {"schema_version": SCHEMA_VERSION, "engine": engine_name(ex.result), "position": ex.position,
             "feasible": ex.result.feasible_count, "considered": ex.result.considered,
             "layout": row_dict(ex.result, ex.row), "best": row_dict(ex.result, ex.best),
-            "sentences": explanation_sentences(ex), "provenance": trust.lines, "warnings": trust.warnings}
+            "sentences": explanation_sentences(ex), "provenance": trust.lines,
+            "warnings": ranking.layout_warnings(ex.result, ex.row)}
 
 
 def explanation_trust(ex: Explanation):
@@ -528,10 +561,9 @@ def print_explanation(ex: Explanation, console: Console | None = None, engine: b
     console.print(table)
     for line in explanation_sentences(ex):
         console.print(line)
-    trust = explanation_trust(ex)
-    for line in provenance_lines(trust.lines):
+    for line in provenance_lines(explanation_trust(ex).lines):
         console.print(line)
-    for warning in trust.warnings:
+    for warning in ranking.layout_warnings(r, ex.row):  # what `plan3d estimate` says of it
         console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
 
 

@@ -14,13 +14,16 @@ from rich.table import Table
 from plan3d.render.units import gib, ms, printable
 from plan3d.vocab import TIME_TERMS
 
-# The rows of the predicted step breakdown: every time term but the host overhead, which has no
-# row of its own here (the shares are of the whole step, overhead included).
-BREAKDOWN_TERMS = tuple(t for t in TIME_TERMS if t != "overhead")
+# The rows of the predicted step breakdown: every time term, the host overhead included, so that
+# the rows add up to the predicted step (its last row).
+BREAKDOWN_TERMS = TIME_TERMS
 TIME_LABELS = {"compute": "compute", "recompute": "recompute", "bubble": "pipeline bubble",
                "tp_comm": "TP comm", "pp_comm": "PP comm", "ep_comm": "EP all-to-all (exposed)",
-               "dp_comm": "DP comm (exposed)",
+               "overhead": "host overhead (kernel launches)", "dp_comm": "DP comm (exposed)",
                "zero_comm": "ZeRO-3 gathers (exposed)", "optimizer": "optimizer step"}
+# How a prediction error is coloured, in the table and in `report --plot`'s bars: (largest |error|,
+# rich colour, matplotlib colour); `ERROR_LEGEND` says it under the table.
+ERROR_COLOURS = ((0.15, "green", "tab:green"), (0.30, "yellow", "gold"), (float("inf"), "red", "tab:red"))
 
 
 def _plain(text: str) -> str:
@@ -65,23 +68,48 @@ def report_table(report) -> Table:
     return table
 
 
+def error_colour(error: float, plot: bool = False) -> str:
+    """The colour of a prediction error (`ERROR_COLOURS`): rich's, or matplotlib's for the plot."""
+    return next(c[2 if plot else 1] for c in ERROR_COLOURS if abs(error) <= c[0])
+
+
+def error_legend(plot: bool = False) -> list[tuple[str, str]]:
+    """(colour, 'within +-15%') per `ERROR_COLOURS` row: the legend of the colours."""
+    out, below = [], 0.0
+    for limit, rich_colour, plot_colour in ERROR_COLOURS:
+        what = f"within +-{limit:.0%}" if not below else (f"+-{below:.0%} to +-{limit:.0%}" if limit != float("inf")
+                                                          else f"beyond +-{below:.0%}")
+        out.append((plot_colour if plot else rich_colour, what))
+        below = limit
+    return out
+
+
+def legend_line() -> str:
+    """'prediction error (predicted / measured - 1): green within +-15%, yellow ..., red beyond +-30%'."""
+    parts = [f"[{c}]{c}[/{c}] {escape(what)}" for c, what in error_legend()]
+    return "prediction error (predicted / measured - 1): " + ", ".join(parts)
+
+
 def error_text(error: float | None) -> str:
     """A prediction error as a signed, coloured percentage ('-' when there is none)."""
     if error is None:
         return "-"
-    colour = "green" if abs(error) <= 0.15 else "yellow" if abs(error) <= 0.3 else "red"
+    colour = error_colour(error)
     return f"[{colour}]{error:+.1%}[/{colour}]"
 
 
 def breakdown_table(time_s: dict) -> Table:
+    """Every predicted time term and its share, and their sum: the predicted step."""
     table = Table(title="predicted step breakdown")
     table.add_column("term")
     table.add_column("time", justify="right")
     table.add_column("share", justify="right")
-    total = sum(time_s.values()) or 1.0
+    total = sum(time_s.values())
     for key in BREAKDOWN_TERMS:
         if key in time_s:
-            table.add_row(TIME_LABELS[key], fmt(time_s[key], "s"), f"{time_s[key] / total:.1%}")
+            table.add_row(TIME_LABELS[key], fmt(time_s[key], "s"), f"{time_s[key] / (total or 1.0):.1%}")
+    table.add_section()
+    table.add_row("predicted step", fmt(total, "s"), "100.0%")
     return table
 
 
@@ -116,6 +144,7 @@ def print_report(report, console: Console | None = None) -> None:
     if len(report.segments) > 1:
         print_segments(report.segments, console)
     console.print(report_table(report))
+    console.print(legend_line())
     if report.predicted_time_s:
         console.print(breakdown_table(report.predicted_time_s))
     for note in report.notes:

@@ -27,3 +27,19 @@ class TrainingSpec(SpecModel):
         None, dict(MEMORY_GIB, ge=0), description="Overrides the GPU spec's reserved_memory_gib (memory no formula sees)."
     )
     source: Text = ""
+
+
+CPU_GENERATION = "cpu"  # GPUSpec.generation of a CPU process standing in for a GPU (cpu-process.yaml)
+
+
+def default_precision(gpu) -> str:
+    """The precision a plan assumes when none is given: fp32 where the "GPU" is a CPU process
+    (plan3d's runtime trains fp32 on CPU: runtime/train.py `run_precision`), bf16 elsewhere. The
+    one place this default is decided (recommend, explain, estimate, launch)."""
+    return "fp32" if gpu.generation_name == CPU_GENERATION else "bf16"
+
+
+def with_precision(training: TrainingSpec, gpu, given: str | None) -> TrainingSpec:
+    """`training` as built from the command line: its precision as given (validated there), or,
+    with none given, `default_precision(gpu)`."""
+    return training if given is not None else training.model_copy(update={"precision": default_precision(gpu)})

@@ -121,7 +121,8 @@ def test_megatron_run_arguments_replace_the_reminders():
 def test_megatron_notes_what_the_prediction_assumes_but_the_run_lacks():
     notes = emit_megatron(make_plan(tp=4, dp=8, sequence_parallel=False)).notes
     assert any("--tp-comm-overlap is off" in note and "sequence parallelism" in note for note in notes)
-    assert not emit_megatron(make_plan(tp=4, dp=8, sequence_parallel=True)).notes
+    notes = emit_megatron(make_plan(tp=4, dp=8, sequence_parallel=True)).notes
+    assert [n for n in notes if "under megatron-core this layout is predicted" not in n] == []  # the plan has no engine
 
 
 def test_megatron_order_of_size_one_axes_does_not_matter():

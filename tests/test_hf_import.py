@@ -309,3 +309,36 @@ def test_default_name_keeps_only_safe_characters(tmp_path, raw, expected):
     from plan3d.specs.hf import default_name
 
     assert default_name(tmp_path / "config.json", {"_name_or_path": raw}) == expected
+
+
+@pytest.mark.parametrize("config, expected", [
+    (LLAMA3_8B, 0.0),  # attention_dropout 0.0
+    (MISTRAL_7B, 0.0),  # none stated: the spec's default
+    (GPT2, 0.1),  # resid_pdrop / attn_pdrop / embd_pdrop 0.1
+    (BLOOM_560M, 0.0),  # hidden_dropout / attention_dropout 0.0
+    (OPT_125M, 0.1),  # dropout 0.1, attention_dropout 0.0: the largest
+])
+def test_dropout_is_read_from_the_config(tmp_path, config, expected):
+    assert import_hf(str(write_config(tmp_path, config))).dropout == expected
+
+
+def test_differing_dropouts_keep_the_largest_and_warn_naming_the_fields(tmp_path):
+    result = read_hf(str(write_config(tmp_path, OPT_125M)))
+    warning = next(w for w in result.warnings if "dropout" in w)
+    assert "dropout 0.1" in warning and "attention_dropout 0" in warning and "largest (0.1)" in warning
+    uniform = read_hf(str(write_config(tmp_path, GPT2, "gpt2")))
+    assert not any("dropouts" in w for w in uniform.warnings)
+
+
+@pytest.mark.parametrize("value", [1.0, -0.1, "0.1", True])
+def test_a_dropout_that_is_not_a_probability_is_refused_naming_the_field(tmp_path, capsys, value):
+    path = write_config(tmp_path, LLAMA3_8B | {"attention_dropout": value})
+    code, _, err = run(capsys, "import-hf", str(path))
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "attention_dropout" in err and str(path) in err and "[0, 1)" in err
+
+
+def test_an_imported_dropout_survives_the_written_spec(tmp_path, capsys):
+    out_path = tmp_path / "gpt2.yaml"
+    assert run(capsys, "import-hf", str(write_config(tmp_path, GPT2)), "-o", str(out_path))[0] == 0
+    assert load_model(str(out_path)).dropout == 0.1

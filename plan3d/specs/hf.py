@@ -39,7 +39,7 @@ import yaml
 
 from plan3d.errors import SpecError, SpecNotFound
 from plan3d.specs.base import printable
-from plan3d.specs.hf_details import detail_fields
+from plan3d.specs.hf_details import detail_fields, dropout_warning
 from plan3d.specs.hf_moe import mla_fields, moe_fields
 from plan3d.specs.hf_unmodelled import unmodelled
 from plan3d.specs.loader import read_mapping, validate
@@ -149,7 +149,7 @@ def spec_fields(config: dict, source: str, name: str, seq_len: int | None = None
     fields |= mla_fields(config, source)
     if "mla" in fields:
         fields.pop("head_dim", None)  # latent attention has its own head widths; head_dim would mean nothing
-    fields |= detail_fields(config, model_type, fields.get("position") == "rope", "mla" in fields)
+    fields |= detail_fields(config, model_type, fields.get("position") == "rope", "mla" in fields, source)
     return {"name": name, **fields, "source": f"Hugging Face config.json, model_type {printable(model_type)[:100]}"}
 
 
@@ -256,8 +256,8 @@ def read_hf(path_str: str, name: str | None = None, seq_len: int | None = None) 
     spec = validate(ModelSpec, fields, path_str)
     _check_learned_positions(config, spec, path_str)
     notes = [] if seq_len else [seq_len_note(config, spec.seq_len)]
-    warning = bias_warning(config, spec)
-    return HfImport(spec, notes, ([warning] if warning else []) + unmodelled(_text_config(config), spec))
+    warnings = [w for w in (bias_warning(config, spec), dropout_warning(_text_config(config), path_str)) if w]
+    return HfImport(spec, notes, warnings + unmodelled(_text_config(config), spec))
 
 
 def _check_learned_positions(config: dict, spec: ModelSpec, source: str) -> None:

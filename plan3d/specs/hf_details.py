@@ -12,15 +12,25 @@ its shapes: the norms' epsilon, q/k norms and RoPE scaling -> ModelSpec's `norm_
   original_max_position_embeddings) and "yarn" (DeepSeek-V2/V3, Qwen long-context: factor,
   original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim); "default" is
   none. Other types (linear, dynamic, longrope) are not modelled: `rope_warning` names them.
+- Dropout: the probabilities a config states (`DROPOUT_FIELDS`: Llama/Qwen/Mistral
+  `attention_dropout`, BLOOM/Falcon `hidden_dropout`, GPT-2 `resid_pdrop`/`attn_pdrop`/
+  `embd_pdrop`, BERT-style `hidden_dropout_prob`/`attention_probs_dropout_prob`, OPT `dropout`)
+  -> ModelSpec's one `dropout`. None stated: 0 (the spec's default, what Llama, Mixtral and
+  DeepSeek train with). Stated values that differ: the largest, with a warning naming each field,
+  since the spec (and Megatron's `--hidden-dropout`/`--attention-dropout` as plan3d emits them)
+  holds one value. A value that is not a probability in [0, 1) is refused, naming the field.
 """
 from __future__ import annotations
 
 from typing import Any
 
+from plan3d.errors import SpecError
 from plan3d.specs.base import printable
 
 NORM_EPS_FIELDS = ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_epsilon")
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "olmo2")  # q_norm / k_norm RMSNorm(head_dim) in every layer
+DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop",
+                  "hidden_dropout_prob", "attention_probs_dropout_prob", "dropout")
 ROPE_TYPES = ("llama3", "yarn")
 ROPE_FIELDS = {  # HF rope_scaling key -> RopeScaling field
     "factor": "factor", "original_max_position_embeddings": "original_max_position",
@@ -31,10 +41,34 @@ ROPE_TYPE_FIELDS = {"llama3": ("factor", "original_max_position", "low_freq_fact
                     "yarn": ("factor", "original_max_position", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")}
 
 
-def detail_fields(config: dict, model_type: str, rope: bool, mla: bool) -> dict[str, Any]:
-    """`norm_eps`, `qk_norm` and `rope_scaling` where the config states them (values of the wrong
-    type are passed on for validation to name)."""
+def stated_dropouts(config: dict, source: str) -> dict[str, float]:
+    """Each dropout probability the config states, by field; SpecError naming one that is not in [0, 1)."""
+    stated = {k: config[k] for k in DROPOUT_FIELDS if config.get(k) is not None}
+    bad = [f"{k}: {printable(str(v))[:40]!r} is not a dropout probability; give a number in [0, 1)"
+           for k, v in stated.items()
+           if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1]
+    if bad:
+        raise SpecError(source, bad)
+    return {k: float(v) for k, v in stated.items()}
+
+
+def dropout_warning(config: dict, source: str) -> str | None:
+    """A warning naming the fields when the config states differing dropouts (the spec keeps the largest)."""
+    stated = stated_dropouts(config, source)
+    if len(set(stated.values())) < 2:
+        return None
+    listed = ", ".join(f"{k} {v:g}" for k, v in stated.items())
+    return (f"the config states different dropouts ({listed}); the spec holds one, the largest "
+            f"({max(stated.values()):g}): edit `dropout` if the model trains otherwise")
+
+
+def detail_fields(config: dict, model_type: str, rope: bool, mla: bool, source: str = "config.json") -> dict[str, Any]:
+    """`norm_eps`, `qk_norm`, `rope_scaling` and `dropout` where the config states them (values of
+    the wrong type are passed on for validation to name; a dropout outside [0, 1) is refused here)."""
     out: dict[str, Any] = {}
+    dropouts = stated_dropouts(config, source)
+    if dropouts:
+        out["dropout"] = max(dropouts.values())
     eps = next((config[k] for k in NORM_EPS_FIELDS if config.get(k) is not None), None)
     if eps is not None:
         out["norm_eps"] = eps

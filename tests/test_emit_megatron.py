@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from script_helpers import SENTINEL, run_script  # noqa: E402
 from emit_helpers import make_plan, parse_megatron, run_cli
 from plan3d.emit.megatron import MegatronRun, emit_megatron, pipeline_layout
 from plan3d.errors import InfeasibleError
@@ -92,30 +93,30 @@ def test_megatron_rotary_base_defaults_to_megatrons():
     assert gpt3["--position-embedding-type"] == "learned_absolute" and "--rotary-base" not in gpt3
 
 
-@pytest.mark.parametrize("layout,line", [
-    ({"tp": 2, "dp": 16, "zero": 1}, "export CUDA_DEVICE_MAX_CONNECTIONS=1"),
-    ({"tp": 1, "dp": 32, "zero": 1}, None),
+@pytest.mark.parametrize("layout,value", [
+    ({"tp": 2, "dp": 16, "zero": 1}, "1"),  # exported before Blackwell
+    ({"tp": 1, "dp": 32, "zero": 1}, SENTINEL),  # left as the environment has it
 ])
-def test_megatron_max_connections_for_tensor_parallelism(layout, line):
-    text = emit_megatron(make_plan(**layout)).text
-    assert ("CUDA_DEVICE_MAX_CONNECTIONS" in text) == (line is not None)
-    if line:
-        assert line in text.splitlines()[1]
+def test_megatron_max_connections_for_tensor_parallelism(layout, value):
+    run = run_script(emit_megatron(make_plan(**layout)).text)
+    assert run.returncode == 0, run.stderr
+    assert run.env["CUDA_DEVICE_MAX_CONNECTIONS"] == value
 
 
-def test_megatron_run_arguments_replace_the_reminders():
+def test_megatron_run_arguments_become_script_defaults():
     plan = make_plan(tp=2, dp=16)
-    bare = emit_megatron(plan).text
-    assert "#   --train-iters" in bare and "#   --tokenizer-type" in bare
+    bare = run_script(emit_megatron(plan).text, fill_required=False)
+    assert bare.returncode != 0 and bare.argv == [] and "set MEGATRON_LM " in bare.stderr
     run = MegatronRun(data_path="/data/web_text_document", tokenizer="meta-llama/Meta-Llama-3-8B",
                       train_iters=500, lr=3e-4)
     text = emit_megatron(plan, run).text
     args = parse_megatron(text)
     assert (args["--train-iters"], args["--lr"], args["--data-path"]) == ("500", "0.0003", "/data/web_text_document")
     assert (args["--tokenizer-type"], args["--tokenizer-model"]) == ("HuggingFaceTokenizer", "meta-llama/Meta-Llama-3-8B")
-    assert "Not in the plan" not in text
+    assert args["--split"] == "99,1,0" and "--mock-data" not in args
+    assert parse_megatron(text, {"DATA_PATH": "/other/prefix"})["--data-path"] == "/other/prefix"  # the environment wins
     mock = parse_megatron(emit_megatron(plan, MegatronRun(data_path="mock", tokenizer="null")).text)
-    assert "--mock-data" in mock and mock["--tokenizer-type"] == "NullTokenizer"
+    assert "--mock-data" in mock and mock["--tokenizer-type"] == "NullTokenizer" and "--data-path" not in mock
 
 
 def test_megatron_notes_what_the_prediction_assumes_but_the_run_lacks():

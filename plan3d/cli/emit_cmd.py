@@ -33,24 +33,35 @@ def _write(emitted, out: Path | None) -> None:
     print(printable(f"wrote {out}"), file=sys.stderr)
 
 
-@emit_app.command("megatron")
-def emit_megatron_cmd(
-    plan: PlanArg, out: OutOpt = None,
-    data_path: Annotated[Optional[str], typer.Option("--data-path", help="Megatron dataset prefix (.bin/.idx), "
-                                                     "or 'mock' for synthetic tokens.")] = None,
-    tokenizer: Annotated[Optional[str], typer.Option("--tokenizer", help="Hugging Face tokenizer name or path, "
-                                                     "or 'null' (the model's vocabulary, for mock data).")] = None,
-    train_iters: Annotated[Optional[int], typer.Option("--train-iters", help="Training iterations.")] = None,
-    lr: Annotated[Optional[float], typer.Option("--lr", help="Peak learning rate.")] = None,
-) -> None:
-    """Megatron-Core 0.17-0.19 `pretrain_gpt.py` arguments: parallel sizes, ZeRO (distributed optimizer,
-    Megatron-FSDP), overlap, batch, recompute, model shape; data, tokenizer and schedule from the
-    flags, or named in a comment when not given."""
-    from plan3d.emit.megatron import MegatronRun, check_megatron_run, emit_megatron
-    from plan3d.plan import load_plan
+DataPathOpt = Annotated[Optional[str], typer.Option("--data-path", help="Megatron dataset prefix (.bin/.idx), "
+                                                   "or 'mock' for synthetic tokens; default: required as DATA_PATH.")]
+TokenizerOpt = Annotated[Optional[str], typer.Option("--tokenizer", help="Hugging Face tokenizer name or path, or "
+                                                     "'null' (the model's vocabulary, for mock data); default: "
+                                                     "required as TOKENIZER.")]
+TrainItersOpt = Annotated[Optional[int], typer.Option("--train-iters", help="Training iterations; default: required "
+                                                      "as TRAIN_ITERS.")]
+LrOpt = Annotated[Optional[float], typer.Option("--lr", help="Peak learning rate; default: required as LR.")]
+
+
+def _megatron_run(data_path, tokenizer, train_iters, lr):
+    from plan3d.emit.megatron import MegatronRun, check_megatron_run
 
     run = MegatronRun(data_path=data_path, tokenizer=tokenizer, train_iters=train_iters, lr=lr)
     check_megatron_run(run)
+    return run
+
+
+@emit_app.command("megatron")
+def emit_megatron_cmd(plan: PlanArg, out: OutOpt = None, data_path: DataPathOpt = None, tokenizer: TokenizerOpt = None,
+                      train_iters: TrainItersOpt = None, lr: LrOpt = None) -> None:
+    """A Megatron-Core 0.17-0.19 job script to run on every node: `torchrun ... pretrain_gpt.py` with the
+    plan's parallel sizes, ZeRO (distributed optimizer, Megatron-FSDP), overlap, batch, recompute and the
+    model as its spec defines it; data, tokenizer and schedule from the flags, else required from the
+    environment (as MEGATRON_LM, a Megatron-LM checkout)."""
+    from plan3d.emit.megatron import emit_megatron
+    from plan3d.plan import load_plan
+
+    run = _megatron_run(data_path, tokenizer, train_iters, lr)
     _write(emit_megatron(load_plan(plan), run), out)
 
 
@@ -88,6 +99,29 @@ RunDirOpt = Annotated[str, typer.Option("--run-dir", help="Run directory on the 
 TimeoutOpt = Annotated[float, typer.Option("--timeout-s", help="Collective and rendezvous timeout of the run.")]
 DataOpt = Annotated[Optional[str], typer.Option("--data", help="Token file the nodes train on (or a bundled corpus, "
                                                 "python-docs); default: synthetic tokens.")]
+LAUNCHABLE = ("plan3d-runtime", "megatron-core")  # engines a torchrun / sbatch script can start
+EMITTER_OF = {"megatron-lm-2021": "megatron", "torchtitan": "torchtitan", "torchtitan-compile": "torchtitan",
+              "deepspeed": "deepspeed", "deepspeed-0.19": "deepspeed", "megatron-deepspeed": "deepspeed"}
+EngineOpt = Annotated[Optional[str], typer.Option(
+    "--engine", help="What the script starts: megatron-core (Megatron-LM's pretrain_gpt.py) or plan3d-runtime "
+    "(plan3d's bundled runtime); default: the plan's engine where it is one of these, else plan3d-runtime.")]
+
+
+def _launch_engine(loaded, engine: str | None) -> str:
+    """The engine a torchrun/sbatch script starts; a note when the plan was predicted for another."""
+    from plan3d.errors import SpecError
+
+    if engine is not None and engine not in LAUNCHABLE:
+        raise SpecError("--engine", [f"{engine!r} cannot be started by this script; give one of "
+                                     f"{', '.join(LAUNCHABLE)} (for {engine} use `plan3d emit "
+                                     f"{EMITTER_OF.get(engine, 'megatron')}`)"])
+    planned = loaded.engine.name if loaded.engine is not None else None
+    chosen = engine or (planned if planned in LAUNCHABLE else "plan3d-runtime")
+    if planned is not None and planned != chosen:
+        print(f"note: the plan's predictions are for {planned}; this script starts {chosen}, which runs the "
+              f"layout at another speed (for {planned} itself: `plan3d emit {EMITTER_OF.get(planned, 'megatron')}`)",
+              file=sys.stderr)
+    return chosen
 
 
 def _data_args(loaded, data: str | None) -> list[str]:
@@ -103,19 +137,28 @@ def _data_args(loaded, data: str | None) -> list[str]:
 
 
 @emit_app.command("torchrun")
-def emit_torchrun_cmd(plan: PlanArg, out: OutOpt = None, master_addr: MasterAddrOpt = "$MASTER_ADDR",
+def emit_torchrun_cmd(plan: PlanArg, out: OutOpt = None, engine: EngineOpt = None,
+                      master_addr: MasterAddrOpt = "$MASTER_ADDR",
                       master_port: MasterPortOpt = 29500, steps: StepsOpt = 100, run_dir: RunDirOpt = "runs/job",
-                      timeout_s: TimeoutOpt = 300.0, data: DataOpt = None) -> None:
-    """One torchrun command line per node (static rendezvous, so the rank map holds)."""
+                      timeout_s: TimeoutOpt = 300.0, data: DataOpt = None, data_path: DataPathOpt = None,
+                      tokenizer: TokenizerOpt = None, train_iters: TrainItersOpt = None, lr: LrOpt = None) -> None:
+    """What each node runs, with the static rendezvous (so the rank map holds). megatron-core: the job
+    script of `emit megatron` (run it on every node); plan3d-runtime: one torchrun command line per node
+    (--steps, --run-dir, --timeout-s, --data are its options)."""
     from plan3d.emit.common import Emitted
     from plan3d.emit.torchrun import torchrun_commands
     from plan3d.launch import worker_argv
     from plan3d.plan import load_plan
     from plan3d.run_flags import check_run_flags, check_script_flags, shell_line
 
+    loaded = load_plan(plan)
+    if _launch_engine(loaded, engine) == "megatron-core":
+        from plan3d.emit.megatron import emit_megatron
+
+        _write(emit_megatron(loaded, _megatron_run(data_path, tokenizer, train_iters, lr)), out)
+        return
     check_run_flags(steps=steps, master_port=master_port, timeout_s=timeout_s, master_addr=master_addr)
     check_script_flags(run_dir=run_dir, plan=plan, data=data)
-    loaded = load_plan(plan)
     world, gpn = loaded.layout.world_size, loaded.gpus_per_node
     nnodes = -(-world // min(world, gpn))
     args = worker_argv(Path(run_dir), steps, "auto", ["--timeout-s", timeout_s, *_data_args(loaded, data)])
@@ -127,7 +170,7 @@ def emit_torchrun_cmd(plan: PlanArg, out: OutOpt = None, master_addr: MasterAddr
 
 @emit_app.command("slurm")
 def emit_slurm_cmd(
-    plan: PlanArg, out: OutOpt = None, steps: StepsOpt = 100,
+    plan: PlanArg, out: OutOpt = None, engine: EngineOpt = None, steps: StepsOpt = 100,
     run_dir: Annotated[str, typer.Option("--run-dir", help="Run directory (shared file system).")] = "runs/slurm-$SLURM_JOB_ID",
     master_port: MasterPortOpt = 29500,
     job_name: Annotated[str, typer.Option("--job-name", help="Letters, digits, '.', '_', '-'.")] = "plan3d",
@@ -137,17 +180,28 @@ def emit_slurm_cmd(
     cpus_per_task: Annotated[Optional[int], typer.Option(
         "--cpus-per-task", help="Cores for each node's launcher (it starts all the node's ranks); default: the "
         "cluster spec's cpu_cores_per_node, else every CPU SLURM allocates on the node (--exclusive).")] = None,
+    data_path: DataPathOpt = None, tokenizer: TokenizerOpt = None, train_iters: TrainItersOpt = None,
+    lr: LrOpt = None,
 ) -> None:
-    """An sbatch script: one `plan3d launch` per node on whole nodes, static rendezvous, the plan's placement."""
+    """An sbatch script on whole nodes, one launcher per node with the static rendezvous (the plan's
+    placement): Megatron-LM's pretrain_gpt.py (megatron-core: as `emit megatron`, RUN_DIR and the run
+    settings from the environment or the flags) or one `plan3d launch` per node (plan3d-runtime)."""
     from plan3d.emit.common import Emitted
-    from plan3d.emit.slurm import sbatch_script
+    from plan3d.emit.slurm import engine_sbatch_script, sbatch_script
     from plan3d.plan import load_plan
     from plan3d.run_flags import check_run_flags, check_script_flags
 
+    loaded = load_plan(plan)
+    if _launch_engine(loaded, engine) == "megatron-core":
+        from plan3d.emit.megatron import megatron_job
+
+        job, notes = megatron_job(loaded, _megatron_run(data_path, tokenizer, train_iters, lr))
+        _write(Emitted(engine_sbatch_script(loaded, job, job_name=job_name, time_limit=time_limit,
+                                            partition=partition, cpus_per_task=cpus_per_task), notes), out)
+        return
     check_run_flags(steps=steps, master_port=master_port, timeout_s=timeout_s)
     check_script_flags(job_name=job_name, time_limit=time_limit, partition=partition, cpus_per_task=cpus_per_task,
                        run_dir=run_dir, plan=plan, data=data)
-    loaded = load_plan(plan)
     script = sbatch_script(loaded, plan, steps=steps, run_dir=run_dir, master_port=master_port,
                            job_name=job_name, time_limit=time_limit, partition=partition,
                            extra_args=["--timeout-s", str(timeout_s), *_data_args(loaded, data)],

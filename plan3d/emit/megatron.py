@@ -43,18 +43,21 @@ What no Megatron-Core flag expresses is refused, naming the release range: a pla
 as by `recommend --engine`; here a rank order other than its two and a non-integer rope base
 (`--rotary-base` is `type=int`).
 
-Data, tokenizer and schedule are not part of a plan: the caller passes them (`MegatronRun`) or the
-output names them in a comment block (`--train-iters`, `--lr`, `--data-path`/`--mock-data`,
-`--tokenizer-type`/`--tokenizer-model`).
+The output is a job script (plan3d.emit.launch_script): run it on every node. Data, tokenizer and
+schedule are not part of a plan: the caller passes them (`MegatronRun`: defaults in the script) or
+the script requires them from the environment (`DATA_PATH`, `TOKENIZER`, `TRAIN_ITERS`, `LR`), as
+it requires `MEGATRON_LM` (pretrain_gpt.py lives in a Megatron-LM checkout, not in the wheel).
+Checkpoints go to (and resume from) `$RUN_DIR/checkpoints`, saved every `SAVE_INTERVAL`
+iterations (default: at the end; Megatron asserts an interval with `--save`).
 """
 from __future__ import annotations
 
 import math
 import re
-import shlex
 from dataclasses import dataclass
 
 from plan3d.emit.common import Emitted, same_groups, target_engine
+from plan3d.emit.launch_script import JobScript, ScriptVariable, node_script
 from plan3d.emit.megatron_model import model_args, vocab_notes
 from plan3d.emit.megatron_moe import GROUPED_GEMM_MIN_ARCH, mla_args, mla_problems, moe_args, moe_notes, moe_problems
 from plan3d.errors import InfeasibleError, SpecError
@@ -283,31 +286,38 @@ def _moe_mla_args(plan: Plan) -> list[str]:
     return moe_args(plan, gpu_arch(plan)) + mla_args(plan.model)
 
 
-def run_args(run: MegatronRun, model_vocab: int) -> tuple[list[str], list[str]]:
-    """(arguments given by `run`, comment lines naming what is still missing)."""
-    args, missing = [], []
-    if run.train_iters is not None:
-        args += ["--train-iters", str(run.train_iters)]
-    else:
-        missing.append("--train-iters N (or --train-samples N): the schedule; training raises without one")
-    if run.lr is not None:
-        args += ["--lr", repr(float(run.lr))]
-    else:
-        missing.append("--lr LR: the peak learning rate (the scheduler needs one)")
-    if run.data_path == "mock":
-        args.append("--mock-data")
-    elif run.data_path is not None:
-        args += ["--data-path", run.data_path, "--split", "99,1,0"]
-    else:
-        missing.append("--data-path PREFIX (a Megatron .bin/.idx prefix), or --mock-data for synthetic tokens")
-    if run.tokenizer == "null":
-        args += ["--tokenizer-type", "NullTokenizer"]
-    elif run.tokenizer is not None:
-        args += ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", run.tokenizer]
-    else:
-        missing.append("--tokenizer-type HuggingFaceTokenizer --tokenizer-model NAME_OR_PATH "
-                       f"(or --tokenizer-type NullTokenizer: vocabulary {model_vocab}, for --mock-data)")
-    return args, missing
+MEGATRON_LM_VAR = ScriptVariable(
+    "MEGATRON_LM", f"set MEGATRON_LM to a Megatron-LM checkout of a {VERSIONS} release (pretrain_gpt.py is not "
+    "in the megatron-core wheel)")
+RUN_LINES = [  # what `run` gives, appended to ARGS at run time (DATA_PATH=mock, TOKENIZER=null: synthetic)
+    'case "$DATA_PATH" in',
+    "  mock) ARGS+=(--mock-data) ;;",
+    '  *) ARGS+=(--data-path "$DATA_PATH" --split "99,1,0" --data-cache-path "$RUN_DIR/data-cache") ;;',
+    "esac",
+    'case "$TOKENIZER" in',
+    "  null) ARGS+=(--tokenizer-type NullTokenizer) ;;",
+    '  *) ARGS+=(--tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER") ;;',
+    "esac",
+    'ARGS+=(--train-iters "$TRAIN_ITERS" --lr "$LR")',
+    '# checkpoints: --load resumes from the last one (none yet: starts from scratch); saved every SAVE_INTERVAL',
+    'ARGS+=(--save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints" --save-interval "$SAVE_INTERVAL")',
+    'ARGS+=(--tensorboard-dir "$RUN_DIR/tensorboard")',
+]
+
+
+def run_variables(run: MegatronRun, model_vocab: int) -> list[ScriptVariable]:
+    """The script's settings that are not in the plan: given to emit (defaults) or required."""
+    return [
+        MEGATRON_LM_VAR,
+        ScriptVariable("DATA_PATH", "set DATA_PATH to a Megatron dataset prefix (.bin/.idx), or mock for "
+                       "synthetic tokens", run.data_path),
+        ScriptVariable("TOKENIZER", "set TOKENIZER to a Hugging Face tokenizer name or path, or null for the "
+                       f"vocabulary of the model, {model_vocab} tokens (with DATA_PATH=mock)", run.tokenizer),
+        ScriptVariable("TRAIN_ITERS", "set TRAIN_ITERS to the number of training iterations",
+                       None if run.train_iters is None else str(run.train_iters)),
+        ScriptVariable("LR", "set LR to the peak learning rate", None if run.lr is None else repr(float(run.lr))),
+        ScriptVariable("SAVE_INTERVAL", "", "$TRAIN_ITERS", expand=True),
+    ]
 
 
 def environment_lines(plan: Plan) -> list[str]:
@@ -345,29 +355,19 @@ def plan_notes(plan: Plan, engine: EngineSpec) -> list[str]:
     return notes
 
 
-def emit_megatron(plan: Plan, run: MegatronRun | None = None) -> Emitted:
-    """A shell block: environment lines, comments naming what is still missing, then the
-    arguments to append to `torchrun ... pretrain_gpt.py`, one flag (and value) per line."""
+def megatron_job(plan: Plan, run: MegatronRun | None = None) -> tuple[JobScript, list[str]]:
+    """The job script's Megatron parts for `plan`, and the notes for the user."""
     plan = _with_megatron_order(plan)
     engine, notes = target_engine(plan, PROFILE, VERSIONS)
-    args = megatron_args(plan, engine)
-    given, missing = run_args(run or MegatronRun(), plan.model.vocab)
-    header = [f"# {ENGINE} arguments for `torchrun ... pretrain_gpt.py` from plan {plan.digest} "
-              f"({plan.layout.short()}); world size {plan.layout.world_size}"]
-    header += environment_lines(plan)
-    if missing:
-        header += ["# Not in the plan; add these to the arguments below (or pass them to `plan3d emit megatron`):"]
-        header += [f"#   {line}" for line in missing]
-    body = " \\\n".join(_flag_lines(args + given))
-    return Emitted("\n".join(header) + "\n" + body + "\n", notes + plan_notes(plan, engine))
+    job = JobScript(engine=ENGINE, program=['"$MEGATRON_LM/pretrain_gpt.py"'], args=megatron_args(plan, engine),
+                    variables=run_variables(run or MegatronRun(), plan.model.vocab),
+                    environment=environment_lines(plan), run_lines=RUN_LINES)
+    return job, notes + plan_notes(plan, engine)
 
 
-def _flag_lines(args: list[str]) -> list[str]:
-    """One flag per line, with its value when the next token is not a flag."""
-    lines, i = [], 0
-    while i < len(args):
-        takes_value = i + 1 < len(args) and not args[i + 1].startswith("--")
-        lines.append(" ".join(shlex.quote(a) for a in args[i:i + 2]) if takes_value else args[i])
-        i += 2 if takes_value else 1
-    return lines
-
+def emit_megatron(plan: Plan, run: MegatronRun | None = None) -> Emitted:
+    """A bash script to run on every node: `torchrun ... pretrain_gpt.py` with the plan's arguments
+    (plan3d.emit.launch_script), the run settings `run` gives baked in as defaults and the rest
+    required from the environment."""
+    job, notes = megatron_job(plan, run)
+    return Emitted(node_script(plan, job), notes)

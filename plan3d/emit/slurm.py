@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import shlex
 
+from plan3d.emit.launch_script import JobScript, sbatch_body
 from plan3d.plan import Plan
 from plan3d.run_flags import check_run_flags, check_script_flags, shell_line
 
@@ -69,6 +70,20 @@ def sbatch_script(plan: Plan, plan_path: str, steps: int = 100, run_dir: str = "
         "# shellcheck disable=SC2016",
         f"srun --ntasks={nnodes} --ntasks-per-node=1 --cpus-per-task={srun_cpus} bash -c {shlex.quote(inner)}",
     ]) + "\n"
+
+
+def engine_sbatch_script(plan: Plan, job: JobScript, job_name: str = "plan3d", time_limit: str = "01:00:00",
+                         partition: str | None = None, cpus_per_task: int | None = None) -> str:
+    """An sbatch script that starts an engine's job (`job`: plan3d.emit.launch_script) on every
+    node, as the node script would, with SLURM's node ids as node ranks."""
+    check_script_flags(job_name=job_name, time_limit=time_limit, partition=partition, cpus_per_task=cpus_per_task)
+    world, gpn = plan.layout.world_size, plan.gpus_per_node
+    per_node = min(world, gpn)
+    nnodes = -(-world // per_node)
+    cpus = node_cpus(plan, cpus_per_task)
+    comments, body = sbatch_body(plan, job, str(cpus) if cpus is not None else '"$SLURM_CPUS_ON_NODE"')
+    return "\n".join(["#!/bin/bash", *comments, *_header(plan, nnodes, per_node, cpus, job_name, time_limit, partition),
+                      "set -euo pipefail", *_master_address(), *body]) + "\n"
 
 
 def _header(plan: Plan, nnodes: int, per_node: int, cpus: int | None, job_name: str, time_limit: str,

@@ -233,3 +233,17 @@ def run_with_stand_ins(tmp_path: Path, script: Path, hosts: list[str], scontrol_
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node[000-063]",
            "SLURM_JOB_ID": "4242", "SLURM_CPUS_ON_NODE": "96"}
     return subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("launcher", ["megatron", "slurm"])
+def test_megatron_job_scripts_are_shellcheck_clean(tmp_path, capsys, launcher):
+    """The Megatron-Core job scripts (node script and sbatch), bare and with run settings given."""
+    checker = shellcheck()
+    _, path = saved(tmp_path, next(iter(PLANS)), "plan.json")
+    engine = [] if launcher == "megatron" else ["--engine", "megatron-core"]
+    for given in ([], ["--data-path", "/data/a b", "--tokenizer", "null", "--train-iters", "9", "--lr", "1e-4"]):
+        out = tmp_path / "job.sh"
+        assert run_cli(["emit", launcher, str(path), *engine, "-o", str(out), *given]) == 0
+        capsys.readouterr()
+        found = subprocess.run([str(checker), str(out)], capture_output=True, text=True)
+        assert found.returncode == 0 and found.stdout == "", found.stdout

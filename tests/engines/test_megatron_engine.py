@@ -15,13 +15,13 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import shlex
 import sys
 from unittest import mock
 
 import pytest
 
 from conftest import require
+from script_helpers import REQUIRED_DEFAULTS, SENTINEL, run_script
 from plans import CASES, Case, build, case_ids
 from plan3d.emit.megatron import FSDP_STRATEGY, MegatronRun, emit_megatron, gpu_arch
 from plan3d.errors import InfeasibleError
@@ -41,18 +41,14 @@ def megatron():
 
 
 def shell_parts(text: str) -> tuple[dict[str, str], list[str], list[str]]:
-    """(exported variables, unset variables, argument tokens) of an emitted block."""
-    env, unset, argv = {}, [], []
-    for line in text.replace("\\\n", " ").splitlines():  # continuation lines joined, as the shell does
-        words = shlex.split(line, comments=True)
-        if words[:1] == ["export"]:
-            name, value = words[1].split("=", 1)
-            env[name] = value
-        elif words[:1] == ["unset"]:
-            unset += words[1:]
-        else:
-            argv += words
-    return env, unset, argv
+    """(what the job script exports of CUDA_DEVICE_MAX_CONNECTIONS, what it unsets of it, the
+    arguments pretrain_gpt.py gets), from running it with a stub torchrun."""
+    run = run_script(text)
+    assert run.returncode == 0, run.stderr
+    value = run.env.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    env = {} if value in (None, SENTINEL) else {"CUDA_DEVICE_MAX_CONNECTIONS": value}
+    unset = ["CUDA_DEVICE_MAX_CONNECTIONS"] if value is None else []
+    return env, unset, run.program_args()
 
 
 def validated(megatron, argv: list[str], world: int, arch: int, env: dict[str, str] | None = None):
@@ -258,17 +254,36 @@ def test_overlap_flags_the_time_model_assumes_are_on(megatron):
     assert args.rotary_base == 500000 == plan.model.rope_theta
 
 
-def test_without_run_arguments_the_block_names_what_pretrain_needs(megatron):
-    """Without data/tokenizer/schedule the emitted arguments still pass validate_args (they are
-    not checked there), and the comment block names each of them."""
+def test_without_run_arguments_the_script_requires_them_and_then_validates(megatron):
+    """Without data/tokenizer/schedule the script stops before torchrun, naming the first missing
+    setting; with them in the environment, pretrain_gpt.py gets them and validate_args passes."""
     plan = build(CASES[0])
     text = emit_megatron(plan).text
-    env, _, argv = shell_parts(text)
-    args = validated(megatron, argv, plan.layout.world_size, 9, env)
-    assert args.train_iters is None and args.lr is None and args.tokenizer_type is None
-    comments = "\n".join(line for line in text.splitlines() if line.startswith("#"))
-    for flag in ("--train-iters", "--lr", "--data-path", "--mock-data", "--tokenizer-type"):
-        assert flag in comments
+    for missing in ("MEGATRON_LM", "DATA_PATH", "TOKENIZER", "TRAIN_ITERS", "LR"):
+        env = {k: v for k, v in REQUIRED_DEFAULTS.items() if k != missing}
+        run = run_script(text, env, fill_required=False)
+        assert run.returncode != 0 and run.argv == [] and f"set {missing} " in run.stderr, run.stderr
+    env = {"DATA_PATH": "/data/web_text_document", "TOKENIZER": "null", "TRAIN_ITERS": "7", "LR": "2e-4"}
+    run = run_script(text, env)
+    args = validated(megatron, run.program_args(), plan.layout.world_size, 9,
+                     {"CUDA_DEVICE_MAX_CONNECTIONS": run.env["CUDA_DEVICE_MAX_CONNECTIONS"]})
+    assert (args.train_iters, args.lr, args.data_path, args.tokenizer_type) == \
+        (7, 2e-4, ["/data/web_text_document"], "NullTokenizer")
+    assert args.save == args.load and args.save.endswith("/checkpoints") and args.save_interval == 7
+
+
+def test_the_launcher_is_a_torchrun_torch_parses_with_the_plans_placement():
+    """torchrun's own parser reads the script's launcher: static rendezvous, the plan's nodes and
+    processes per node, per-node log directory, no restarts."""
+    from torch.distributed.run import get_args_parser
+
+    plan = build(next(c for c in CASES if c.name == "tp2-dp4-zero1-sp"))
+    run = run_script(emit_megatron(plan, RUN).text, {"NODE_RANK": "0"})
+    parsed = get_args_parser().parse_args(run.argv)
+    assert parsed.training_script.endswith("/pretrain_gpt.py") and parsed.rdzv_backend == "static"
+    assert int(parsed.nproc_per_node) * int(parsed.nnodes) == plan.layout.world_size
+    assert parsed.node_rank == 0 and parsed.max_restarts == 0 and parsed.log_dir.endswith("/logs/node0")
+    assert parsed.training_script_args == run.program_args()
 
 
 def test_moe_model_experts_reach_megatron(megatron):

@@ -11,7 +11,8 @@ from pathlib import Path
 
 SENTINEL = "sentinel-from-the-environment"  # CUDA_DEVICE_MAX_CONNECTIONS before the script runs
 REQUIRED_DEFAULTS = {"MEGATRON_LM": "/opt/Megatron-LM", "DATA_PATH": "mock", "TOKENIZER": "null",
-                     "TRAIN_ITERS": "10", "LR": "0.0003", "MASTER_ADDR": "10.0.0.1"}
+                     "TRAIN_ITERS": "10", "LR": "0.0003", "MASTER_ADDR": "10.0.0.1", "TRAIN_STEPS": "10",
+                     "TRAIN_SCRIPT": "/work/train.py"}
 RECORDER = """#!/usr/bin/env bash
 printf '%s\\0' "$@" > "$STUB_DIR/$(basename "$0").argv"
 env -0 > "$STUB_DIR/$(basename "$0").env"
@@ -33,6 +34,7 @@ class ScriptRun:
     argv: list[str]  # torchrun's arguments
     env: dict[str, str]  # torchrun's environment
     run_dirs: list[str]  # what the script made under RUN_DIR, relative
+    run_files: dict[str, str]  # the files it wrote there: relative path -> text
     srun_argv: list[str]
 
     def program_args(self, program: str = "pretrain_gpt.py") -> list[str]:
@@ -77,7 +79,9 @@ def run_script(text: str, env: dict[str, str] | None = None, args: list[str] = (
         srun_argv = srun.read_text().split("\0")[:-1] if srun.exists() else []
         made = sorted(str(p.relative_to(tmp_path / "run")) for p in (tmp_path / "run").rglob("*")) \
             if (tmp_path / "run").exists() else []
-        return ScriptRun(done.returncode, done.stderr, argv, environ, made, srun_argv)
+        run_dir = tmp_path / "run"
+        written = {name: (run_dir / name).read_text() for name in made if (run_dir / name).is_file()}
+        return ScriptRun(done.returncode, done.stderr, argv, environ, made, written, srun_argv)
 
 
 def flags(tokens: list[str]) -> dict[str, str | bool]:

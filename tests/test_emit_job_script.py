@@ -2,13 +2,19 @@
 bash and stub launchers: what each node starts, with which environment, where it writes."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from cli_helpers import run_cli
 from emit_helpers import make_plan
 from script_helpers import REQUIRED_DEFAULTS, flags, run_script
 from plan3d.cost.estimate import estimate
+from plan3d.emit.deepspeed import emit_deepspeed
+from plan3d.emit.launch_script import node_script
+from plan3d.emit.launchers import deepspeed_job, torchtitan_job
 from plan3d.emit.megatron import MegatronRun, emit_megatron, megatron_job
+from plan3d.emit.torchtitan import emit_torchtitan
 from plan3d.emit.nccl_env import network_kind
 from plan3d.emit.slurm import engine_sbatch_script
 from plan3d.plan import build_plan, save_plan
@@ -116,16 +122,64 @@ def test_cli_launchers_start_the_plans_engine(tmp_path, capsys):
     code, out, err = run_cli(capsys, "emit", "slurm", path, "--engine", "plan3d-runtime")
     assert code == 0 and "plan3d launch" in out
     assert "predictions are for megatron-core" in err and "plan3d emit megatron" in err
-    code, _, err = run_cli(capsys, "emit", "slurm", path, "--engine", "torchtitan")
-    assert code == 2 and len(err.strip().splitlines()) == 1 and "plan3d emit torchtitan" in err
+    code, _, err = run_cli(capsys, "emit", "slurm", path, "--engine", "megatron-deepspeed")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "plan3d emit deepspeed" in err
 
 
-def test_cli_a_plan_for_another_engine_says_which_engine_the_script_starts(tmp_path, capsys):
-    base = megatron_plan(zero=3)
-    engine = load_engine("torchtitan")
+def test_cli_a_plan_for_an_engine_without_a_launcher_says_the_runtime_starts(tmp_path, capsys):
+    base = megatron_plan(sequence_parallel=False)
+    engine = load_engine("megatron-deepspeed")
     est = estimate(base.cluster, base.model, base.training, base.layout, engine=engine).to_dict()
-    path = tmp_path / "titan.json"
+    path = tmp_path / "mds.json"
     save_plan(build_plan(base.cluster, base.model, base.training, base.layout, est, engine), path)
     code, out, err = run_cli(capsys, "emit", "torchrun", path)
     assert code == 0 and "plan3d.runtime.worker" in out
-    assert "predictions are for torchtitan" in err and "plan3d emit torchtitan" in err
+    assert "predictions are for megatron-deepspeed" in err and "starts plan3d-runtime" in err
+
+
+def engine_plan(engine_name: str, **layout):
+    base = megatron_plan(**({"zero": 3} | layout))
+    engine = load_engine(engine_name)
+    est = estimate(base.cluster, base.model, base.training, base.layout, engine=engine).to_dict()
+    return build_plan(base.cluster, base.model, base.training, base.layout, est, engine)
+
+
+def test_torchtitan_job_writes_its_module_and_runs_torchtitan_train():
+    plan = engine_plan("torchtitan")
+    job, _ = torchtitan_job(plan, "torchtitan", 25)
+    run = run_script(node_script(plan, job), {"SLURM_NODEID": "1"})
+    assert run.returncode == 0, run.stderr
+    assert run.run_files["job/plan3d_job.py"] == emit_torchtitan(plan).text  # byte for byte, nothing expanded
+    assert not any(".tmp." in name for name in run.run_files)
+    options = run.torchrun_options("torchtitan.train")
+    assert options[-1] == "-m" and flags(options)["--node-rank"] == "1"
+    args = flags(run.program_args("torchtitan.train"))
+    assert (args["--module"], args["--config"], args["--training.steps"]) == ("plan3d_job", "plan3d_job", "25")
+    assert args["--dump_folder"].endswith("/run") and run.env["PYTHONPATH"].split(":")[0].endswith("/run/job")
+
+
+def test_deepspeed_job_runs_the_users_script_with_the_plans_config():
+    plan = engine_plan("deepspeed-0.19", tp=1, dp=32, sequence_parallel=False)
+    job, _ = deepspeed_job(plan)
+    text = node_script(plan, job)
+    assert "set TRAIN_SCRIPT " in run_script(text, {"MASTER_ADDR": "h"}, fill_required=False).stderr
+    run = run_script(text, {"TRAIN_SCRIPT": "/work/pretrain.py"})
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.run_files["ds_config.json"]) == json.loads(emit_deepspeed(plan).text)
+    args = run.program_args("pretrain.py")
+    assert args[0] == "--deepspeed" and args[1] == "--deepspeed_config" and args[2].endswith("/run/ds_config.json")
+
+
+@pytest.mark.parametrize("engine_name, launched", [("torchtitan", "torchtitan.train"), ("deepspeed-0.19", "train.py"),
+                                                   ("megatron-core", "pretrain_gpt.py")])
+def test_cli_sbatch_starts_each_engine(tmp_path, capsys, engine_name, launched):
+    path = tmp_path / "plan.json"
+    layout = {"tp": 1, "dp": 32, "sequence_parallel": False} if engine_name.startswith("deepspeed") else {}
+    save_plan(engine_plan(engine_name, **layout), path)
+    code, out, err = run_cli(capsys, "emit", "slurm", path, "--train-iters", "5", "--data-path", "mock",
+                             "--tokenizer", "null", "--lr", "1e-4")
+    assert code == 0, err
+    run = run_script(out, {"SLURM_CPUS_ON_NODE": "64"})
+    assert run.returncode == 0, run.stderr
+    assert any(a.endswith(launched) for a in run.argv) and flags(run.torchrun_options(launched))["--nnodes"] == "4"
+    assert "predictions are for" not in err

@@ -38,8 +38,8 @@ DataPathOpt = Annotated[Optional[str], typer.Option("--data-path", help="Megatro
 TokenizerOpt = Annotated[Optional[str], typer.Option("--tokenizer", help="Hugging Face tokenizer name or path, or "
                                                      "'null' (the model's vocabulary, for mock data); default: "
                                                      "required as TOKENIZER.")]
-TrainItersOpt = Annotated[Optional[int], typer.Option("--train-iters", help="Training iterations; default: required "
-                                                      "as TRAIN_ITERS.")]
+TrainItersOpt = Annotated[Optional[int], typer.Option("--train-iters", help="Training iterations (torchtitan: "
+                                                      "steps); default: required as TRAIN_ITERS (TRAIN_STEPS).")]
 LrOpt = Annotated[Optional[float], typer.Option("--lr", help="Peak learning rate; default: required as LR.")]
 
 
@@ -99,29 +99,10 @@ RunDirOpt = Annotated[str, typer.Option("--run-dir", help="Run directory on the 
 TimeoutOpt = Annotated[float, typer.Option("--timeout-s", help="Collective and rendezvous timeout of the run.")]
 DataOpt = Annotated[Optional[str], typer.Option("--data", help="Token file the nodes train on (or a bundled corpus, "
                                                 "python-docs); default: synthetic tokens.")]
-LAUNCHABLE = ("plan3d-runtime", "megatron-core")  # engines a torchrun / sbatch script can start
-EMITTER_OF = {"megatron-lm-2021": "megatron", "torchtitan": "torchtitan", "torchtitan-compile": "torchtitan",
-              "deepspeed": "deepspeed", "deepspeed-0.19": "deepspeed", "megatron-deepspeed": "deepspeed"}
 EngineOpt = Annotated[Optional[str], typer.Option(
-    "--engine", help="What the script starts: megatron-core (Megatron-LM's pretrain_gpt.py) or plan3d-runtime "
-    "(plan3d's bundled runtime); default: the plan's engine where it is one of these, else plan3d-runtime.")]
-
-
-def _launch_engine(loaded, engine: str | None) -> str:
-    """The engine a torchrun/sbatch script starts; a note when the plan was predicted for another."""
-    from plan3d.errors import SpecError
-
-    if engine is not None and engine not in LAUNCHABLE:
-        raise SpecError("--engine", [f"{engine!r} cannot be started by this script; give one of "
-                                     f"{', '.join(LAUNCHABLE)} (for {engine} use `plan3d emit "
-                                     f"{EMITTER_OF.get(engine, 'megatron')}`)"])
-    planned = loaded.engine.name if loaded.engine is not None else None
-    chosen = engine or (planned if planned in LAUNCHABLE else "plan3d-runtime")
-    if planned is not None and planned != chosen:
-        print(f"note: the plan's predictions are for {planned}; this script starts {chosen}, which runs the "
-              f"layout at another speed (for {planned} itself: `plan3d emit {EMITTER_OF.get(planned, 'megatron')}`)",
-              file=sys.stderr)
-    return chosen
+    "--engine", help="The engine profile the script starts: megatron-core (Megatron-LM's pretrain_gpt.py), "
+    "torchtitan / torchtitan-compile (torchtitan.train), deepspeed-0.19 (your DeepSpeed script, TRAIN_SCRIPT) or "
+    "plan3d-runtime (plan3d's bundled runtime); default: the plan's engine, else plan3d-runtime.")]
 
 
 def _data_args(loaded, data: str | None) -> list[str]:
@@ -136,15 +117,35 @@ def _data_args(loaded, data: str | None) -> list[str]:
     return ["--data", data]
 
 
+def _engine_job(loaded, engine, data_path, tokenizer, train_iters, lr):
+    """(JobScript, notes) of the engine the script starts, or None for plan3d's runtime."""
+    from plan3d.emit.launchers import choose_engine, engine_job
+
+    choice = choose_engine(loaded, engine)
+    if choice.note:
+        print(f"note: {choice.note}", file=sys.stderr)
+    if choice.launcher == "runtime":
+        return None
+    given = {"--data-path": data_path, "--tokenizer": tokenizer, "--lr": lr,
+             "--train-iters": None if choice.launcher == "torchtitan" else train_iters}
+    unused = [flag for flag, value in given.items() if value is not None and choice.launcher != "megatron"]
+    if unused:
+        print(f"note: {', '.join(unused)} not used: {choice.engine} takes them from its own config (torchtitan: the "
+              "recipe in the job module; DeepSpeed: your TRAIN_SCRIPT); pass overrides after the script's name",
+              file=sys.stderr)
+    return engine_job(loaded, choice, _megatron_run(data_path, tokenizer, train_iters, lr))
+
+
 @emit_app.command("torchrun")
 def emit_torchrun_cmd(plan: PlanArg, out: OutOpt = None, engine: EngineOpt = None,
                       master_addr: MasterAddrOpt = "$MASTER_ADDR",
                       master_port: MasterPortOpt = 29500, steps: StepsOpt = 100, run_dir: RunDirOpt = "runs/job",
                       timeout_s: TimeoutOpt = 300.0, data: DataOpt = None, data_path: DataPathOpt = None,
                       tokenizer: TokenizerOpt = None, train_iters: TrainItersOpt = None, lr: LrOpt = None) -> None:
-    """What each node runs, with the static rendezvous (so the rank map holds). megatron-core: the job
-    script of `emit megatron` (run it on every node); plan3d-runtime: one torchrun command line per node
-    (--steps, --run-dir, --timeout-s, --data are its options)."""
+    """What each node runs, with the static rendezvous (so the rank map holds): for an engine, a job script
+    to run on every node (megatron-core: as `emit megatron`; torchtitan: the job module written into the
+    run directory; DeepSpeed: your TRAIN_SCRIPT with the plan's ds_config.json); plan3d-runtime: one
+    torchrun command line per node (--steps, --run-dir, --timeout-s, --data are its options)."""
     from plan3d.emit.common import Emitted
     from plan3d.emit.torchrun import torchrun_commands
     from plan3d.launch import worker_argv
@@ -152,10 +153,12 @@ def emit_torchrun_cmd(plan: PlanArg, out: OutOpt = None, engine: EngineOpt = Non
     from plan3d.run_flags import check_run_flags, check_script_flags, shell_line
 
     loaded = load_plan(plan)
-    if _launch_engine(loaded, engine) == "megatron-core":
-        from plan3d.emit.megatron import emit_megatron
+    engine_job = _engine_job(loaded, engine, data_path, tokenizer, train_iters, lr)
+    if engine_job is not None:
+        from plan3d.emit.launch_script import node_script
 
-        _write(emit_megatron(loaded, _megatron_run(data_path, tokenizer, train_iters, lr)), out)
+        job, notes = engine_job
+        _write(Emitted(node_script(loaded, job), notes), out)
         return
     check_run_flags(steps=steps, master_port=master_port, timeout_s=timeout_s, master_addr=master_addr)
     check_script_flags(run_dir=run_dir, plan=plan, data=data)
@@ -184,7 +187,7 @@ def emit_slurm_cmd(
     lr: LrOpt = None,
 ) -> None:
     """An sbatch script on whole nodes, one launcher per node with the static rendezvous (the plan's
-    placement): Megatron-LM's pretrain_gpt.py (megatron-core: as `emit megatron`, RUN_DIR and the run
+    placement), starting the engine (the job script of `emit torchrun --engine E`, RUN_DIR and the run
     settings from the environment or the flags) or one `plan3d launch` per node (plan3d-runtime)."""
     from plan3d.emit.common import Emitted
     from plan3d.emit.slurm import engine_sbatch_script, sbatch_script
@@ -192,10 +195,9 @@ def emit_slurm_cmd(
     from plan3d.run_flags import check_run_flags, check_script_flags
 
     loaded = load_plan(plan)
-    if _launch_engine(loaded, engine) == "megatron-core":
-        from plan3d.emit.megatron import megatron_job
-
-        job, notes = megatron_job(loaded, _megatron_run(data_path, tokenizer, train_iters, lr))
+    engine_job = _engine_job(loaded, engine, data_path, tokenizer, train_iters, lr)
+    if engine_job is not None:
+        job, notes = engine_job
         _write(Emitted(engine_sbatch_script(loaded, job, job_name=job_name, time_limit=time_limit,
                                             partition=partition, cpus_per_task=cpus_per_task), notes), out)
         return

@@ -59,6 +59,17 @@ class JobScript:
     environment: list[str] = field(default_factory=list)  # shell lines (export/unset with comments)
     run_lines: list[str] = field(default_factory=list)  # lines that append run settings to ARGS
     run_dirs: tuple[str, ...] = ("checkpoints", "logs", "tensorboard")
+    files: list[tuple[str, str]] = field(default_factory=list)  # (path under RUN_DIR, text) the script writes
+
+
+def _file_lines(path: str, text: str) -> list[str]:
+    """A quoted here-document writing `text` to $RUN_DIR/path (nothing in it expands), through a
+    file of this host and process renamed into place: nodes sharing RUN_DIR never read a half-written
+    file (rename is atomic)."""
+    delimiter = "PLAN3D_FILE_END"
+    assert delimiter not in text and text.endswith("\n")
+    tmp = f'"$RUN_DIR/{path}.tmp.$HOSTNAME.$$"'
+    return [f"cat > {tmp} <<'{delimiter}'", *text[:-1].split("\n"), delimiter, f'mv -f {tmp} "$RUN_DIR/{path}"']
 
 
 def nodes_of(plan: Plan) -> tuple[int, int]:
@@ -101,7 +112,8 @@ def _settings(plan: Plan, job: JobScript, nnodes: int, node_rank: str) -> list[s
 
 def _body(plan: Plan, job: JobScript, nnodes: int) -> list[str]:
     dirs = " ".join(f'"$RUN_DIR/{d}"' for d in job.run_dirs)
-    return [*job.environment, *nccl_lines(plan, nnodes), f"mkdir -p {dirs}", "",
+    files = [line for path, text in job.files for line in _file_lines(path, text)]
+    return [*job.environment, *nccl_lines(plan, nnodes), f"mkdir -p {dirs}", *files, "",
             "ARGS=(", *_array_lines(job.args), ")", *job.run_lines]
 
 

@@ -208,11 +208,12 @@ def _header(plan: Plan, profile: str, module: str) -> str:
     return (
         f'"""torchtitan {VERSIONS} job for plan3d plan {plan.digest} ({layout.short()}, profile {profile}).\n\n'
         f"A config function torchtitan's ConfigManager imports; save this file as {module}.py and run on\n"
-        f"each of the {nodes} node(s):\n\n"
+        f"each of the {nodes} node(s), NODE_RANK 0..{nodes - 1} (static rendezvous: the plan's rank map):\n\n"
         f"    PYTHONPATH=<folder of {module}.py>:$PYTHONPATH torchrun --nnodes {nodes} "
         f"--nproc-per-node {per_node} \\\n"
-        f"        --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500 -m torchtitan.train \\\n"
-        f"        --module {module} --config {CONFIG_FUNCTION}\n\n"
+        f"        --node-rank $NODE_RANK --rdzv-backend static --master-addr $MASTER_ADDR --master-port 29500 \\\n"
+        f"        -m torchtitan.train --module {module} --config {CONFIG_FUNCTION}\n\n"
+        "or let `plan3d emit torchrun|slurm PLAN --engine torchtitan` write the whole job script.\n"
         "Data set, tokenizer (hf_assets_path), optimizer, steps and checkpoints come from torchtitan's\n"
         "recipe named below: change them here or on the command line (e.g. --training.steps 100).\n"
         '"""\n'

@@ -11,6 +11,7 @@ import math
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from conftest import REPO, require
 from emit_helpers import run_cli
 from plan3d.layout import Layout
 from plan3d.plan import Plan, build_plan, save_plan
-from plan3d.specs.catalog import load_cluster, load_model
+from plan3d.specs.catalog import load_cluster, load_engine, load_model
 from plan3d.specs.training import TrainingSpec
 
 SHELLCHECK = Path(os.environ.get("PLAN3D_SHELLCHECK", REPO / ".venv" / "bin" / "shellcheck"))
@@ -235,15 +236,56 @@ def run_with_stand_ins(tmp_path: Path, script: Path, hosts: list[str], scontrol_
     return subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, cwd=tmp_path)
 
 
-@pytest.mark.parametrize("launcher", ["megatron", "slurm"])
-def test_megatron_job_scripts_are_shellcheck_clean(tmp_path, capsys, launcher):
-    """The Megatron-Core job scripts (node script and sbatch), bare and with run settings given."""
+def engine_plan_file(tmp_path: Path, engine_name: str) -> Path:
+    """A plan predicted for `engine_name` on 4 DGX H100 nodes (llama3-8b, ZeRO-3 dp32, a layout all three run)."""
+    from plan3d.cost.estimate import estimate
+
+    cluster, model = load_cluster("dgx-h100", nodes=4), load_model("llama3-8b")
+    training, layout = TrainingSpec(global_batch=64), Layout(tp=1, dp=32, zero=3)
+    engine = load_engine(engine_name)
+    est = estimate(cluster, model, training, layout, engine=engine).to_dict()
+    path = tmp_path / f"{engine_name}.json"
+    save_plan(build_plan(cluster, model, training, layout, est, engine), path)
+    return path
+
+
+ENGINE_JOBS = ["megatron-core", "torchtitan", "deepspeed-0.19"]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
+@pytest.mark.parametrize("engine_name", ENGINE_JOBS)
+def test_engine_job_scripts_are_shellcheck_clean(tmp_path, capsys, launcher, engine_name):
+    """Every engine's job script (node script and sbatch), bare and with run settings given."""
     checker = shellcheck()
-    _, path = saved(tmp_path, next(iter(PLANS)), "plan.json")
-    engine = [] if launcher == "megatron" else ["--engine", "megatron-core"]
+    path = engine_plan_file(tmp_path, engine_name)
     for given in ([], ["--data-path", "/data/a b", "--tokenizer", "null", "--train-iters", "9", "--lr", "1e-4"]):
         out = tmp_path / "job.sh"
-        assert run_cli(["emit", launcher, str(path), *engine, "-o", str(out), *given]) == 0
+        assert run_cli(["emit", launcher, str(path), "-o", str(out), *given]) == 0
         capsys.readouterr()
         found = subprocess.run([str(checker), str(out)], capture_output=True, text=True)
         assert found.returncode == 0 and found.stdout == "", found.stdout
+
+
+def test_torchtitan_job_script_is_what_torchtitan_and_torchrun_parse(tmp_path, capsys, monkeypatch):
+    """The module the script writes, loaded as torchtitan.train loads it with the script's arguments:
+    the dump folder is the run directory, the steps are the script's; torchrun's parser reads the
+    launcher as a module run of torchtitan.train."""
+    run = require("torch.distributed.run")
+    require("torchtitan")
+    from torchtitan.config import ConfigManager
+    from script_helpers import run_script
+
+    path = engine_plan_file(tmp_path, "torchtitan")
+    assert run_cli(["emit", "torchrun", str(path), "--train-iters", "12"]) == 0
+    ran = run_script(capsys.readouterr().out)
+    assert ran.returncode == 0, ran.stderr
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    (job_dir / "plan3d_job.py").write_text(ran.run_files["job/plan3d_job.py"])
+    monkeypatch.syspath_prepend(str(job_dir))
+    sys.modules.pop("plan3d_job", None)
+    config = ConfigManager().parse_args(ran.program_args("torchtitan.train"))
+    assert config.training.steps == 12 and config.dump_folder.endswith("/run")
+    assert config.parallelism.data_parallel_shard_degree == 32
+    parsed = run.get_args_parser().parse_args(ran.argv)
+    assert parsed.module and parsed.training_script == "torchtitan.train" and parsed.rdzv_backend == "static"

@@ -57,7 +57,7 @@ from plan3d.layout import (
     same_groups,
 )
 from plan3d.specs.cluster import MAX_NODES, ClusterSpec
-from plan3d.specs.engine import EngineSpec
+from plan3d.specs.engine import EngineSpec, balanced_split  # noqa: F401 (balanced_split: part of this module's API)
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
 from plan3d.vocab import RECOMPUTE_CODES, RECOMPUTE_MODES, UTILISATION
@@ -105,7 +105,7 @@ class Space:
     recompute: tuple[str, ...] = RECOMPUTE_MODES
     sequence_parallel: tuple[bool, ...] = (False, True)
     orders: tuple[str, ...] = DEFAULT_ORDERS
-    uneven: bool = False  # also give pp*vpp that do not divide the layers a balanced uneven split
+    uneven: bool | None = None  # give pp*vpp that do not divide the layers a balanced split; None: as the engine
     sequence_parallel_required: bool = False  # tp > 1 only with sequence parallelism (the engine's rule)
     zero_with_pp: tuple[int, ...] = (0, 1, 2, 3)  # ZeRO stages allowed with pp > 1 (the engine's rule)
     tensor_parallel_with_pp: bool = True  # tp > 1 together with pp > 1 (the engine's rule)
@@ -301,22 +301,10 @@ def shape_reasons(grid: dict[str, np.ndarray], model: ModelSpec, training: Train
     return codes
 
 
-def balanced_split(layers: int, chunks: int) -> tuple[int, ...]:
-    """Layers per virtual stage when chunks does not divide layers: the extra layers go to the
-    middle stages first, so the first (embedding) and last (logits) stages stay lighter, as in
-    Llama 3 405B's 126 layers on 16 stages (7, 8 x 14, 7; Dubey et al. 2024, section 3.3)."""
-    base, extra = divmod(layers, chunks)
-    order = list(range(1, chunks - 1)) + [0, chunks - 1]
-    split = [base] * chunks
-    for stage in order[:extra]:
-        split[stage] += 1
-    return tuple(split)
-
-
 def allow_uneven(shapes: dict[str, np.ndarray], codes: np.ndarray, model: ModelSpec,
                  training: TrainingSpec) -> np.ndarray:
     """Mark shapes rejected only for an uneven split as uneven, and re-judge them (codes updated)."""
-    uneven = codes == 4
+    uneven = codes == UNEVEN_CODE
     shapes["uneven"] = uneven
     codes = codes.copy()
     codes[uneven] = shape_reasons({k: a[uneven] for k, a in shapes.items()}, model, training)
@@ -473,10 +461,12 @@ def engine_space(space: Space, engine: EngineSpec) -> Space:
         bounds["max_ep"] = 1
     if space.uneven and can.uneven_pipeline == "none":
         raise LayoutError(f"--uneven: {name} splits layers evenly over pipeline stages only; drop --uneven")
-    # an engine that splits unevenly on its own (Megatron-DeepSpeed) is searched with uneven
-    # splits; balanced_split gives the same lighter-ends split as its partition for BLOOM's 70
-    # layers on 12 or 24 stages
-    uneven = space.uneven or can.uneven_pipeline == "embedding-as-layer"
+    # uneven splits by default wherever the engine runs them (issue 29): an engine that takes
+    # per-stage counts gets balanced_split, which emit writes; one that splits unevenly on its own
+    # (Megatron-DeepSpeed) is always searched so (balanced_split gives the same lighter-ends split
+    # as its partition for BLOOM's 70 layers on 12 or 24 stages); `--even` keeps the others even
+    uneven = can.uneven_pipeline == "embedding-as-layer" or (
+        can.uneven_pipeline != "none" if space.uneven is None else space.uneven)
     return replace(space, zero=zero, recompute=recompute, orders=orders, sequence_parallel=sp, uneven=uneven,
                    sequence_parallel_required=space.sequence_parallel_required or can.sequence_parallel_required,
                    zero_with_pp=tuple(z for z in space.zero_with_pp if z in can.zero_with_pp),
@@ -515,6 +505,7 @@ class SearchResult:
     codes: np.ndarray = field(default=None)  # per evaluated layout: 0 feasible, else 10.. (memory, thresholds)
     engine: EngineSpec | None = None  # the engine predicted for (None: the cluster's values alone)
     bands: BandArrays | None = None  # per evaluated layout: its error band (plan3d.cost.bands)
+    lifted_by: dict[int, str] = field(default_factory=dict)  # rejection code -> what would lift it
 
     def band(self, i: int) -> Band:
         """The error band of row `i`."""
@@ -549,7 +540,10 @@ class SearchResult:
         return int(found[0]) if len(found) else None
 
     def rejected_by_reason(self) -> dict[str, int]:
-        return {REASONS[c]: n for c, n in sorted(self.rejected.items(), key=lambda kv: -kv[1]) if n}
+        """Reason -> count, largest first; a reason an option would lift names it."""
+        def reason(code: int) -> str:
+            return f"{REASONS[code]} ({self.lifted_by[code]})" if code in self.lifted_by else REASONS[code]
+        return {reason(c): n for c, n in sorted(self.rejected.items(), key=lambda kv: -kv[1]) if n}
 
     def stats(self) -> dict:
         return {"layouts_considered": self.considered, "layouts_evaluated": self.size,
@@ -693,7 +687,21 @@ def search(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space
         rejected[code] = int((fit_codes == code).sum())
     return SearchResult(cluster, model, training, space.orders, layouts, metrics,
                         considered=len(codes) * per, rejected=rejected,
-                        seconds=time.perf_counter() - start, codes=fit_codes, engine=engine, bands=bands)
+                        seconds=time.perf_counter() - start, codes=fit_codes, engine=engine, bands=bands,
+                        lifted_by=lifting_options(space, engine))
+
+
+UNEVEN_CODE = 4  # "pp*vpp does not divide the layer count"
+
+
+def lifting_options(space: Space, engine: EngineSpec | None) -> dict[int, str]:
+    """What would lift a rejection of this search: the uneven-split refusal names --uneven where
+    the engine runs uneven splits and was searched without them, or says the engine cannot."""
+    if space.uneven or engine is None:
+        return {}
+    if engine.can_run.uneven_pipeline == "none":
+        return {UNEVEN_CODE: f"{engine.name} splits layers evenly only; megatron-core and torchtitan run uneven splits"}
+    return {UNEVEN_CODE: "--uneven lifts it"}
 
 
 def search_bands(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, layouts: dict[str, np.ndarray],

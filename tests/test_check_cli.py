@@ -30,7 +30,7 @@ def test_seed_job_passes(capsys):
 def test_bad_layout_fails_with_each_reason_and_fix(capsys):
     code, out, _ = run(capsys, JOBS / "gpt3-175b-bad-layout.yaml")
     assert code == 1 and out.startswith("FAIL")
-    assert "tp=5 does not divide 96 heads" in out and "pp*vpp = 7 does not divide 96 layers" in out
+    assert "tp=5 does not divide 96 heads" in out and "micro-batch 5 does not divide the per-replica batch 128" in out
     assert out.count("fix:") >= 2 and "recommended for this job" in out
 
 

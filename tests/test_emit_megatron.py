@@ -70,13 +70,21 @@ def test_megatron_zero2_and_3_are_megatron_fsdp(zero, strategy):
 
 @pytest.mark.parametrize("layout,needle", [
     ({"tp": 2, "pp": 4, "dp": 4, "zero": 3}, "ZeRO-3 with pipeline parallelism"),
-    ({"tp": 1, "pp": 4, "dp": 8, "zero": 2}, "ZeRO-2 with pipeline parallelism"),
     ({"tp": 2, "pp": 2, "dp": 8, "order": "dp-tp-cp-ep-pp"}, "places ranks only as"),
 ])
 def test_megatron_refuses_what_it_cannot_run(layout, needle):
     with pytest.raises(InfeasibleError, match=needle) as refusal:
         emit_megatron(make_plan(**layout))
     assert "0.17-0.19" in str(refusal.value)  # names the release range
+
+
+def test_megatron_zero2_with_pipelining_is_emitted_as_estimate_reads_it():
+    """A "ZeRO-2" Megatron layout with pp > 1 is the distributed optimizer (the profile's
+    zero_read_as_with_pp), for emit as for estimate and check: ZeRO-1 arguments and the note."""
+    emitted = emit_megatron(make_plan(tp=1, pp=4, dp=8, zero=2))
+    args = parse_megatron(emitted.text)
+    assert "--use-distributed-optimizer" in args and "--use-megatron-fsdp" not in args
+    assert any("ZeRO-2 with pp > 1 read as megatron-core's distributed optimizer" in n for n in emitted.notes)
 
 
 def test_megatron_refuses_a_rope_base_its_integer_flag_cannot_take():

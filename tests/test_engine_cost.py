@@ -65,14 +65,22 @@ def test_megatron_deepspeed_splits_bloom_like_layers_counting_embedding_and_head
     assert eng.default_split(70, 12, 1) == (5,) + (6,) * 10 + (5,)
     assert eng.default_split(70, 24, 1) == (2,) + (3,) * 22 + (2,)
     assert eng.default_split(72, 12, 1) is None  # even: no uneven split
-    assert load_engine("megatron-core").default_split(70, 12, 1) is None  # Megatron-Core refuses instead
+    # Megatron-Core takes per-stage counts: the balanced split, extra layers to the middle stages first
+    assert load_engine("megatron-core").default_split(70, 12, 1) == (5,) + (6,) * 10 + (5,)
+    assert load_engine("megatron-core").default_split(126, 16, 1) == (7,) + (8,) * 14 + (7,)  # Llama 3 405B
+    assert load_engine("megatron-core").default_split(32, 6, 1) == (5, 6, 6, 5, 5, 5)
     bloomish = GPT.model_copy(update={"layers": 70})
     est = estimate(load_cluster("dgx-a100-80g", nodes=12), bloomish, TrainingSpec(global_batch=96),
                    Layout(tp=8, pp=12, dp=1), eng)
     assert est.layout["pp_layers"] == [5] + [6] * 10 + [5]
-    with pytest.raises(LayoutError, match="does not divide 70 layers"):
+    assert not any("does not divide" in w for w in est.warnings)  # the engine's own partition: nothing to say
+    core = estimate(load_cluster("dgx-a100-80g", nodes=12), bloomish, TrainingSpec(global_batch=96),
+                    Layout(tp=8, pp=12, dp=1), load_engine("megatron-core"))
+    assert core.layout["pp_layers"] == [5] + [6] * 10 + [5]
+    assert any("does not divide 70 layers: split as 5, 6 x 10, 5" in w for w in core.warnings)
+    with pytest.raises(LayoutError, match="does not divide 70 layers"):  # an engine that splits evenly only
         estimate(load_cluster("dgx-a100-80g", nodes=12), bloomish, TrainingSpec(global_batch=96),
-                 Layout(tp=8, pp=12, dp=1), load_engine("megatron-core"))
+                 Layout(tp=8, pp=12, dp=1), load_engine("megatron-lm-2021"))
 
 
 def test_engine_software_values_replace_the_gpus_and_the_runtime_keeps_them():

@@ -27,8 +27,9 @@ def case():
 
 @pytest.fixture(scope="module")
 def free(case):
-    """Every layout of the case, no engine."""
-    return search(*case)
+    """Every layout of the case, no engine, with the balanced split where pp*vpp does not divide
+    the layers (the engines that take per-stage counts are searched with it by default)."""
+    return search(*case, Space(uneven=True))
 
 
 def layouts(result) -> list:

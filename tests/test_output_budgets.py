@@ -95,7 +95,7 @@ def test_rankmap_json_values_counts_what_the_plan_holds(shape):
 
 def test_a_plan_the_loader_would_refuse_is_not_written(capsys, monkeypatch, tmp_path):
     err = _refused_fast(capsys, monkeypatch, "recommend", "-c", "dgx-h100", "-m", "llama3-405b", "--nodes", "100000",
-                        "--global-batch", "1000000000", "--out", tmp_path / "plan.json",
+                        "--global-batch", "1000000000", "--even", "--out", tmp_path / "plan.json",
                         never_built=("plan3d.plan.build_plan",), within_s=30.0)  # the search itself takes ~3 s
     assert "--out" in err and "32,768" in err and "--nodes" in err and not (tmp_path / "plan.json").exists()
 

@@ -119,22 +119,26 @@ def test_recommend_explain_flag(capsys):
     assert data["explain"]["position"] == 2
 
 
-def test_uneven_splits_are_searched_on_request(capsys, tmp_path):
+def test_uneven_splits_are_searched_by_default_and_even_only_on_request(capsys, tmp_path):
     args = ["recommend", "--cluster", "dgx-a100-80g", "--model", "tiny-gpt", "--nodes", "1", "--global-batch", "24",
             "--max-micro-batch", "1", "--top", "50"]
-    even = run_json(capsys, *args)
-    uneven = run_json(capsys, *args, "--uneven")
+    even = run_json(capsys, *args, "--even")
+    uneven = run_json(capsys, *args)
+    assert [r["layout"] for r in run_json(capsys, *args, "--uneven")["top"]] == [r["layout"] for r in uneven["top"]]
     assert uneven["search"]["layouts_considered"] == even["search"]["layouts_considered"]
     assert uneven["search"]["layouts_evaluated"] > even["search"]["layouts_evaluated"]
     splits = [r["layout"]["pp_layers"] for r in uneven["top"] if "pp_layers" in r["layout"]]
     assert splits and all(sum(s) == 8 and max(s) - min(s) == 1 for s in splits)
+    assert not any("pp_layers" in r["layout"] for r in even["top"])
 
 
-def test_uneven_splits_are_tried_when_no_even_split_is_valid(capsys):
+def test_even_only_names_the_option_that_lifts_the_refusals(capsys):
+    code, out, _ = run(capsys, "recommend", "--cluster", "dgx-a100-80g", "--model", "tiny-gpt", "--nodes", "3",
+                       "--pp", "3", "--global-batch", "24", "--top", "3", "--even")
+    assert code != 0 and "pp*vpp does not divide the layer count (--uneven lifts it)" in out.replace("\n", " ")
     data = run_json(capsys, "recommend", "--cluster", "dgx-a100-80g", "--model", "tiny-gpt", "--nodes", "3",
                     "--pp", "3", "--global-batch", "24", "--top", "3")
-    assert any("uneven" in note for note in data["notes"])
-    assert all(r["layout"]["pp"] == 3 and sum(r["layout"]["pp_layers"]) == 8 for r in data["top"])
+    assert data["top"] and all(r["layout"]["pp"] == 3 and sum(r["layout"]["pp_layers"]) == 8 for r in data["top"])
 
 
 def test_recommend_says_when_it_ranks_on_datasheet_values(capsys):

@@ -19,7 +19,7 @@ from plan3d.specs.catalog import load_cluster, load_model
 from plan3d.specs.training import TrainingSpec
 from test_search_space import first_code
 
-SPACE = Space(max_micro_batch=3, max_vpp=3)
+SPACE = Space(max_micro_batch=3, max_vpp=3, uneven=False)
 UNEVEN = Space(max_micro_batch=2, max_vpp=3, uneven=True)
 CASES = [  # (cluster, nodes, model, global batch, seq len, space)
     ("dgx-a100-80g", 1, "tiny-gpt", 16, None, SPACE),

@@ -59,8 +59,9 @@ def check(
     except Plan3dError as err:
         render.print_invalid(job_file, [JobProblem("", line, layout_line) for line in err.lines()], fmt, json_out)
         raise typer.Exit(err.exit_code) from err
-    note = job.engine.zero_note(job.layout) if job.layout is not None else None
-    if note:  # a ZeRO stage checked as the engine runs it (EngineSpec.zero_read_as)
+    notes = [job.engine.zero_note(job.layout), job.engine.split_note(job.layout, job.model)] \
+        if job.layout is not None else []
+    for note in filter(None, notes):  # checked as the engine runs it (zero_read_as, default_split)
         report.findings.insert(0, Finding("notice", note))
     places = [reading.finding_place(f.message) for f in report.findings]
     if json_out:

@@ -84,8 +84,10 @@ def recommend(
     sequence_parallel: Annotated[Optional[bool], typer.Option(
         "--sequence-parallel/--no-sequence-parallel", help="Force sequence parallelism on or off.")] = None,
     order: Annotated[Optional[list[str]], _opt("--order", "Allowed rank order(s); repeat the flag.")] = None,
-    uneven: Annotated[bool, _opt("--uneven", "Also try uneven layer splits when pp*vpp does not divide the "
-                                 "layers (evaluated one by one: slower).")] = False,
+    uneven: Annotated[Optional[bool], typer.Option(
+        "--uneven/--even", help="Uneven layer splits when pp*vpp does not divide the layers (first and last "
+        "stages lighter, as emit writes them): default on for engines that take per-stage counts; --even: "
+        "even splits only.")] = None,
     min_nodes: Annotated[IntOpt, _opt("--min-nodes", "With --max-nodes: how many nodes do I need?")] = None,
     max_nodes: Annotated[IntOpt, _opt("--max-nodes", "Largest node count of the sweep.")] = None,
     min_mfu: MinMfuOpt = None,
@@ -114,11 +116,6 @@ def recommend(
     else:
         result = search.search(*specs, space, **thresholds)
     notes = []
-    if not result.size and not space.uneven and engine_spec.can_run.uneven_pipeline != "none":
-        # no even split is valid: the uneven ones may be
-        space = replace(space, uneven=True)
-        result = search.search(*specs, space, **thresholds)
-        notes.append("no layout with an even layer split is valid here, so uneven splits were searched (--uneven)")
     order_ = ranking.rank(result, objective, ranking_mode)
     report = render.Recommendation(result, order_, objective, top, pick, sweep, tokens, notes, ranking=ranking_mode)
     _require_pick(report)

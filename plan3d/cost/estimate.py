@@ -63,11 +63,13 @@ def estimate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, lay
     """Predict memory and step time of `layout` as `engine` runs it; raises LayoutError if it
     cannot run (or the engine cannot run it). No engine: the cluster's GPU values alone.
 
-    A layout smaller than the cluster runs on its first GPUs (whole nodes first); an engine that
-    splits layers unevenly on its own (Megatron-DeepSpeed) gets its split."""
+    A layout smaller than the cluster runs on its first GPUs (whole nodes first); a pp*vpp that
+    does not divide the layers gets the engine's split (`EngineSpec.default_split`: Megatron-
+    DeepSpeed's own partition, or the balanced split an engine taking per-stage counts is given,
+    with a note)."""
     notes = []
     if engine is not None:
-        notes = [n for n in (engine.zero_note(layout),) if n]
+        notes = [n for n in (engine.zero_note(layout), engine.split_note(layout, model)) if n]
         layout = engine.resolve_split(layout, model)
         problems = engine.layout_problems(layout, model)
         if problems:

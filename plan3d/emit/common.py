@@ -54,6 +54,17 @@ def _as_planned(engine: EngineSpec, plan: Plan, versions: str) -> EngineSpec:
         raise InfeasibleError(f"{engine.name} {versions}: {err}") from None
 
 
+def read_as_engine(plan: Plan, profile: str) -> tuple[Plan, list[str]]:
+    """The plan with a ZeRO stage the engine reads as another (`EngineSpec.zero_read_as`: a
+    published "ZeRO-2" Megatron run with pp > 1 is its distributed optimizer), as `estimate` and
+    `check` read it, and the note saying so; the plan itself where nothing is read otherwise."""
+    engine = load_engine(profile)
+    note = engine.zero_note(plan.layout)
+    if note is None:
+        return plan, []
+    return plan.model_copy(update={"layout": engine.zero_read_as(plan.layout)}), [note]
+
+
 def target_engine(plan: Plan, profile: str, versions: str) -> tuple[EngineSpec, list[str]]:
     """The engine profile an emitter writes for, after refusing what it cannot run.
 

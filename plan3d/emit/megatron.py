@@ -56,7 +56,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from plan3d.emit.common import Emitted, same_groups, target_engine
+from plan3d.emit.common import Emitted, read_as_engine, same_groups, target_engine
 from plan3d.emit.launch_script import JobScript, ScriptVariable, node_script
 from plan3d.emit.megatron_model import model_args, vocab_notes
 from plan3d.emit.megatron_moe import GROUPED_GEMM_MIN_ARCH, mla_args, mla_problems, moe_args, moe_notes, moe_problems
@@ -115,7 +115,7 @@ def check_megatron_run(run: MegatronRun) -> None:
 
 def megatron_args(plan: Plan, engine: EngineSpec | None = None) -> list[str]:
     """The Megatron-Core arguments (flag and value tokens) for the plan's layout, model and batch."""
-    plan = _with_megatron_order(plan)
+    plan = _with_megatron_order(read_as_engine(plan, PROFILE)[0])
     if engine is None:
         engine, _ = target_engine(plan, PROFILE, VERSIONS)
     layout = plan.layout
@@ -357,8 +357,10 @@ def plan_notes(plan: Plan, engine: EngineSpec) -> list[str]:
 
 def megatron_job(plan: Plan, run: MegatronRun | None = None) -> tuple[JobScript, list[str]]:
     """The job script's Megatron parts for `plan`, and the notes for the user."""
+    plan, read_notes = read_as_engine(plan, PROFILE)
     plan = _with_megatron_order(plan)
     engine, notes = target_engine(plan, PROFILE, VERSIONS)
+    notes = read_notes + notes
     job = JobScript(engine=ENGINE, program=['"$MEGATRON_LM/pretrain_gpt.py"'], args=megatron_args(plan, engine),
                     variables=run_variables(run or MegatronRun(), plan.model.vocab),
                     environment=environment_lines(plan), run_lines=RUN_LINES)

@@ -30,6 +30,29 @@ from plan3d.specs.model import ModelSpec
 from plan3d.specs.order import DEFAULT_ORDER, LayoutShape, parse_order
 from plan3d.specs.training import TrainingSpec
 
+
+def split_text(split: tuple[int, ...]) -> str:
+    """A split as people write it: 7, 8 x 14, 7."""
+    runs: list[list[int]] = []
+    for n in split:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return ", ".join(f"{n} x {k}" if k > 1 else str(n) for n, k in runs)
+
+
+def balanced_split(layers: int, chunks: int) -> tuple[int, ...]:
+    """Layers per virtual stage when chunks does not divide layers: the extra layers go to the
+    middle stages first, so the first (embedding) and last (logits) stages stay lighter, as in
+    Llama 3 405B's 126 layers on 16 stages (7, 8 x 14, 7; Dubey et al. 2024, section 3.3)."""
+    base, extra = divmod(layers, chunks)
+    order = list(range(1, chunks - 1)) + [0, chunks - 1]
+    split = [base] * chunks
+    for stage in order[:extra]:
+        split[stage] += 1
+    return tuple(split)
+
 Recompute = Literal["none", "selective", "moe-act", "partial", "full"]
 CpComm = Literal["p2p", "all_gather", "a2a"]
 CP_COMM_HELP = ("p2p: K/V chunks passed round a ring, each transfer overlapped with one block of attention; "
@@ -385,14 +408,20 @@ class EngineSpec(SpecModel):
         return {k: v for k, v in values.items() if v is not None}
 
     def default_split(self, layers: int, pp: int, vpp: int) -> tuple[int, ...] | None:
-        """Layers per virtual stage where the engine splits unevenly on its own (None: even or refused).
+        """Layers per virtual stage when pp*vpp does not divide the layers (None: even, or refused).
+
+        An engine that takes per-stage counts (`explicit`: Megatron-Core's
+        `--pipeline-model-parallel-layout` / first-last stage flags, torchtitan's
+        `module_fqns_per_model_part`) gets `balanced_split`, which `emit` writes out.
 
         Megatron-DeepSpeed's `type:transformer|embedding` partition counts the embedding and the
         output layer as one layer each and balances layers + 2 over the stages, so BLOOM's 70
         layers on 12 stages run as 5, 6 x 10, 5 (BigScience tr11 README)."""
         chunks = pp * vpp
-        if self.can_run.uneven_pipeline != "embedding-as-layer" or layers % chunks == 0 or chunks < 2:
+        if self.can_run.uneven_pipeline == "none" or layers % chunks == 0 or chunks < 2 or chunks > layers:
             return None
+        if self.can_run.uneven_pipeline == "explicit":  # per-stage counts the job states: the balanced split
+            return balanced_split(layers, chunks)
         units = layers + 2
         base, extra = divmod(units, chunks)
         split = [base + (1 if i < extra else 0) for i in range(chunks)]
@@ -478,6 +507,18 @@ class EngineSpec(SpecModel):
             return layout
         split = self.default_split(model.layers, layout.pp, layout.vpp)
         return layout if split is None else layout.model_copy(update={"pp_layers": split})
+
+    def split_note(self, layout: LayoutShape, model: ModelSpec) -> str | None:
+        """The note for a split the engine's job must state that plan3d chose (`default_split` of
+        an `explicit` engine, for a layout given without pp_layers); None where there is none."""
+        if layout.pp_layers is not None or self.can_run.uneven_pipeline != "explicit":
+            return None
+        split = self.default_split(model.layers, layout.pp, layout.vpp)
+        if split is None:
+            return None
+        return (f"pp*vpp = {layout.pp * layout.vpp} does not divide {model.layers} layers: split as "
+                f"{split_text(split)} per (virtual) stage, the first and last stages lighter, as recommend "
+                "searches it and emit writes it (set pp_layers for another split)")
 
     def zero_read_as(self, layout: LayoutShape) -> LayoutShape:
         """The layout with a ZeRO stage named for what the engine runs as another

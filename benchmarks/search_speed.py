@@ -4,8 +4,10 @@ Prints three tables:
 1. the two headline cases, searched in-process (best of --repeat runs: the least disturbed by
    other load): layouts considered (every knob combination of the space), valid ones (sent to the
    vectorised cost model), feasible ones, wall and CPU ms, layouts/s and valid layouts/s; plus the
-   405B case with --uneven (uneven layer splits, evaluated by the scalar model; one run);
-2. the same cases through the real command (`plan3d recommend --json`) in a fresh process pinned
+   405B case with uneven layer splits (one run). These in-process searches have no engine, so
+   their splits are even unless asked;
+2. the same cases through the real command (`plan3d recommend --json`, the default engine
+   megatron-core, which searches uneven splits by default: issue 29) in a fresh process pinned
    to one core (`taskset -c 0` when available): wall time including interpreter and import start-up;
 3. a sweep of cluster sizes from 8 to 32,768 GPUs (DGX H100 nodes, GPT-3 175B) showing how the
    cost grows with the number of factorizations.
@@ -81,9 +83,9 @@ def main() -> None:
     for label, cluster, nodes, model in CASES:
         print(row(label, *timed_search(cluster, nodes, model, repeat)))
     label, cluster, nodes, model = CASES[1]
-    print(row(label + ", --uneven", *timed_search(cluster, nodes, model, 1, Space(uneven=True))))
-    print("\nthe command, fresh process, one core (includes start-up; CPU = user + sys, which a busy machine "
-          "does not inflate)\n| case | wall s | CPU s |\n|---|---|---|")
+    print(row(label + ", uneven splits", *timed_search(cluster, nodes, model, 1, Space(uneven=True))))
+    print("\nthe command (engine megatron-core: uneven splits searched), fresh process, one core (includes "
+          "start-up; CPU = user + sys, which a busy machine does not inflate)\n| case | wall s | CPU s |\n|---|---|---|")
     for label, cluster, nodes, model in CASES:
         wall, cpu = cli_wall(cluster, nodes, model, repeat)
         print(f"| {label} | {wall:.3f} | {cpu:.3f} |")

@@ -156,6 +156,20 @@ def engine_of(source: str, row: dict) -> str:
     return "megatron-deepspeed"  # BLOOM, MT-NLG, GLM-130B (DeepSpeed pipeline + Megatron TP)
 
 
+FINE_GRAINED = {  # Megatron-Core --recompute-modules lists as the sources write them -> plan3d's mode
+    frozenset({"layernorm", "moe"}): "moe", frozenset({"moe_act", "layernorm"}): "moe-act",
+    frozenset({"norm", "act"}): "moe-act",
+}
+
+
+def fine_grained_mode(text: str) -> str | None:
+    """The plan3d recompute mode of a fine-grained module list ("layernorm, moe (fine-grained)")."""
+    if "fine-grained" not in text:
+        return None
+    modules = frozenset(m.strip() for m in text.split("(")[0].split(","))
+    return FINE_GRAINED.get(modules)
+
+
 def recompute_of(text) -> str | None:
     text = str(text).lower()
     if text.startswith("selective"):
@@ -351,6 +365,8 @@ def extra_knobs(par: dict, batch: dict, train: dict) -> tuple[dict, tuple[str, .
     recompute = str(train.get("activation_recompute")).lower()  # "none" when null: not stated, resolved below
     if train.get("activation_recompute") is not None and recompute in ("full", "none", "selective"):
         knobs["recompute"] = recompute
+    elif fine_grained_mode(recompute) is not None:
+        knobs["recompute"] = fine_grained_mode(recompute)
     else:
-        unknown.append("recompute")  # fine-grained module lists (norm, act, moe, ...) have no plan3d name
+        unknown.append("recompute")  # other fine-grained module lists (shared_expert, mla_up_proj, ...) have no plan3d name
     return knobs, tuple(unknown)

@@ -22,7 +22,7 @@ from plan3d.specs.model import ModelSpec
 from plan3d.specs.order import AXES, DEFAULT_ORDER, parse_order  # noqa: F401  (re-exported)
 from plan3d.specs.training import TrainingSpec
 
-Recompute = Literal["none", "selective", "moe-act", "partial", "full"]
+Recompute = Literal["none", "selective", "moe-act", "moe", "partial", "full"]
 
 
 def full_order(order: str) -> str:
@@ -375,11 +375,10 @@ RECOMPUTE_RULES = (
     RecomputeRule("moe-act", lambda m, t: m.moe is None,
                   lambda m, t: f"recompute moe-act recomputes the routed experts' activation; {m.name} is dense: "
                                "use none, selective or full"),
-    # TransformerConfig.__post_init__ (megatron-core 0.19): "Delayed scaling does not support moe_act
-    # and layernorm recompute for fp8", and emit megatron writes the delayed FP8 recipe
-    RecomputeRule("moe-act", lambda m, t: t.precision == "fp8",
-                  lambda m, t: "recompute moe-act with fp8: Megatron-Core refuses moe_act recompute under the delayed "
-                               "FP8 recipe that plan3d emits; use none, selective or full"),
+    # with fp8, TransformerConfig.__post_init__ (megatron-core 0.19) refuses moe_act and layernorm
+    # recompute under delayed scaling only: emit megatron writes the tensorwise recipe for them
+    RecomputeRule("moe", lambda m, t: m.moe is None,
+                  lambda m, t: f"recompute moe recomputes the MoE layers; {m.name} is dense: use none, selective or full"),
 )
 
 

@@ -59,10 +59,13 @@ PHASES = ("forward_backward", "grad_reduce", "clip", "optimizer", "loss")
 # "moe-act": Megatron-Core's `--recompute-granularity selective --recompute-modules moe_act
 # layernorm` (output-discarding checkpoints of the routed experts' activation function and the
 # MoE layer's pre-MLP norm; TransformerConfig.recompute_modules), mixture-of-experts models only.
+# "moe": `--recompute-granularity selective --recompute-modules moe layernorm`: the whole MoE layer
+# (router, dispatch, shared and routed experts, combine) under one checkpoint, recomputed with its
+# all-to-alls in the backward (MoELayer.forward: tensor_parallel.checkpoint), and the pre-MLP norm.
 # "partial": full recompute of the first N layers of every virtual chunk, N the fewest that make
 # the most-loaded rank fit (Megatron-Core `--recompute-granularity full --recompute-method block
 # --recompute-num-layers N`; the estimate's `recompute_layers`).
-RECOMPUTE_MODES = ("none", "selective", "moe-act", "partial", "full")
+RECOMPUTE_MODES = ("none", "selective", "moe-act", "moe", "partial", "full")
 RECOMPUTE_CODES = {mode: code for code, mode in enumerate(RECOMPUTE_MODES)}
 
 # ---- collectives ------------------------------------------------------------------------------

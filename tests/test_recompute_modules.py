@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from plan3d.cost.estimate import estimate
-from plan3d.emit.megatron import megatron_args
+from plan3d.emit.megatron import emit_megatron, megatron_args
 from plan3d.errors import LayoutError
 from plan3d.layout import Layout, layout_problems, recompute_modes
 from plan3d.plan import build_plan
@@ -66,14 +66,13 @@ def test_moe_act_costs_memory_bound_time_only(cluster, mixtral):
     assert full["hfu"] * full["step_time_s"] > 1.2 * none["hfu"] * none["step_time_s"]  # full's pass is counted
 
 
-def test_moe_act_is_refused_for_a_dense_model_and_with_fp8():
+def test_moe_act_is_refused_for_a_dense_model_not_with_fp8():
     gpt = load_model("gpt3-175b")
     layout = Layout(tp=8, pp=8, dp=8, micro_batch=1, recompute="moe-act", sequence_parallel=True)
     problems = layout_problems(layout, gpt, TrainingSpec(global_batch=1536), 512)
     assert any("dense" in p and "moe-act" in p for p in problems)
     mixtral = load_model("mixtral-8x7b")
-    problems = layout_problems(_layout("moe-act"), mixtral, TrainingSpec(global_batch=256, precision="fp8"), 64)
-    assert any("fp8" in p and "delayed" in p for p in problems)
+    assert not layout_problems(_layout("moe-act"), mixtral, TrainingSpec(global_batch=256, precision="fp8"), 64)
     assert "moe-act" not in recompute_modes(RECOMPUTE_MODES, gpt, TrainingSpec(global_batch=1536))
 
 
@@ -98,3 +97,62 @@ def test_emit_megatron_writes_the_recompute_modules(cluster, mixtral):
     at = args.index("--recompute-modules")
     assert args[at - 2:at] == ["--recompute-granularity", "selective"]
     assert args[at + 1:at + 3] == ["moe_act", "layernorm"] and "--moe-grouped-gemm" in args
+
+
+def test_moe_recompute_frees_the_moe_block_of_every_layer_in_flight_but_one(cluster, mixtral):
+    """By hand, the case above with `--recompute-modules moe layernorm`: MoELayer.forward runs under
+    one checkpoint, so per MoE layer and micro-batch the routed experts' FFN tensors (SwiGLU: the
+    gate and up outputs and their product, 3 x routed * ffn / tp, routed = top_k * s * load), the
+    permuted tokens each way (2 * routed * h), the
+    router's logits and probabilities (2 * s * experts / tp, sequence parallel) and the pre-MLP
+    norm output (s * h / tp) are dropped, 2 bytes each; one layer's block is live again while its
+    backward recomputes it. Rank 0 holds 8 layers x 4 micro-batches."""
+    none, block = _estimate(cluster, mixtral, "none"), _estimate(cluster, mixtral, "moe")
+    assert none["worst_pp_rank"] == block["worst_pp_rank"] == 0
+    s, h, ffn, top_k, tp, experts = 4096, mixtral.hidden, mixtral.moe.expert_ffn_hidden or mixtral.ffn_hidden_, 2, 2, 8
+    routed = top_k * s * 1.1
+    per_layer = (3 * routed * ffn / tp + 2 * routed * h + 2 * s * experts / tp + s * h / tp) * 2
+    freed = none["memory_bytes"]["activations"] - block["memory_bytes"]["activations"]
+    assert freed == pytest.approx((8 * 4 - 1) * per_layer, rel=1e-6)
+    act = _estimate(cluster, mixtral, "moe-act")
+    assert block["memory_bytes"]["activations"] < act["memory_bytes"]["activations"]
+
+
+def test_moe_recompute_repeats_the_block_and_its_all_to_alls(cluster, mixtral):
+    """The recompute pass reruns the MoE block (more than moe-act's elementwise pass, less than a
+    full forward) and its dispatch and combine: four all-to-alls per layer and micro-batch become
+    six (forward, recompute, backward). Its expert GEMMs are hardware FLOPs, not model FLOPs."""
+    none, block = _estimate(cluster, mixtral, "none"), _estimate(cluster, mixtral, "moe")
+    act, full = _estimate(cluster, mixtral, "moe-act"), _estimate(cluster, mixtral, "full")
+    assert act["time_s"]["recompute"] < block["time_s"]["recompute"] < full["time_s"]["recompute"]
+    assert block["time_s"]["ep_comm"] == pytest.approx(1.5 * none["time_s"]["ep_comm"], rel=1e-9)
+    assert block["mfu"] * block["step_time_s"] == pytest.approx(none["mfu"] * none["step_time_s"], rel=1e-9)
+    assert block["hfu"] * block["step_time_s"] > 1.05 * none["hfu"] * none["step_time_s"]
+
+
+def test_moe_recompute_is_searched_for_moe_models_on_megatron_core_only(cluster, mixtral):
+    training = TrainingSpec(global_batch=256)
+    space = Space(max_micro_batch=1, max_vpp=1)
+    moe = search(cluster, mixtral, training, space, engine=load_engine("megatron-core"))
+    assert "moe" in {moe.layout(i).recompute for i in range(moe.size)}
+    titan = search(cluster, mixtral, training, space, engine=load_engine("torchtitan"))
+    assert "moe" not in {titan.layout(i).recompute for i in range(titan.size)}
+    problems = layout_problems(Layout(tp=8, pp=8, dp=8, recompute="moe", sequence_parallel=True),
+                               load_model("gpt3-175b"), TrainingSpec(global_batch=1536), 512)
+    assert any("dense" in p and "recompute moe" in p for p in problems)
+
+
+def test_emit_megatron_writes_the_moe_module_and_a_recipe_megatron_takes_with_fp8(cluster, mixtral):
+    plan = build_plan(cluster, mixtral, TrainingSpec(global_batch=256), _layout("moe"),
+                      engine=load_engine("megatron-core"))
+    args = megatron_args(plan)
+    at = args.index("--recompute-modules")
+    assert args[at - 2:at] == ["--recompute-granularity", "selective"] and args[at + 1:at + 3] == ["moe", "layernorm"]
+    fp8 = build_plan(cluster, mixtral, TrainingSpec(global_batch=256, precision="fp8"), _layout("moe"),
+                     engine=load_engine("megatron-core"))
+    emitted = emit_megatron(fp8)
+    assert megatron_args(fp8)[megatron_args(fp8).index("--fp8-recipe") + 1] == "tensorwise"
+    assert any("--fp8-recipe tensorwise" in n and "Transformer Engine >= 2.6" in n for n in emitted.notes)
+    plain = build_plan(cluster, mixtral, TrainingSpec(global_batch=256, precision="fp8"), _layout("none"),
+                       engine=load_engine("megatron-core"))
+    assert megatron_args(plain)[megatron_args(plain).index("--fp8-recipe") + 1] == "delayed"

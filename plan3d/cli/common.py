@@ -86,7 +86,7 @@ EtpOpt = Annotated[Optional[int], typer.Option("--etp", help="Expert tensor-para
 MicroBatchOpt = Annotated[int, typer.Option("--micro-batch", help="Sequences per micro-batch.")]
 VppOpt = Annotated[int, typer.Option("--vpp", help="Virtual pipeline stages per rank (interleaved 1F1B).")]
 ZeroOpt = Annotated[int, typer.Option("--zero", help="ZeRO stage 0-3.")]
-RecomputeOpt = Annotated[str, typer.Option("--recompute", help="none, selective, moe-act (Megatron-Core: the MoE activation and norm, MoE models), partial (Megatron-Core: full recompute of the fewest layers per virtual chunk that fit) or full.")]
+RecomputeOpt = Annotated[str, typer.Option("--recompute", help="none, selective, moe-act (Megatron-Core: the MoE activation and norm, MoE models), moe (Megatron-Core: the whole MoE layer and norm, MoE models), partial (Megatron-Core: full recompute of the fewest layers per virtual chunk that fit) or full.")]
 SeqParallelOpt = Annotated[bool, typer.Option("--sequence-parallel", help="Megatron sequence parallelism.")]
 CpCommOpt = Annotated[Optional[str], typer.Option(
     "--cp-comm", help="Context parallelism's K/V exchange: p2p (ring overlapped with attention), all_gather or a2a "

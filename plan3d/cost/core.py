@@ -18,6 +18,7 @@ from plan3d.cost.comm import LINK_GROUPS
 from plan3d.vocab import COLLECTIVE_KINDS, MEMORY_TERMS, PER_MICRO_BATCH_TERMS, RECOMPUTE_CODES, TIME_TERMS
 
 FULL, SELECTIVE, MOE_ACT = RECOMPUTE_CODES["full"], RECOMPUTE_CODES["selective"], RECOMPUTE_CODES["moe-act"]
+MOE_BLOCK = RECOMPUTE_CODES["moe"]
 PARTIAL, NONE = RECOMPUTE_CODES["partial"], RECOMPUTE_CODES["none"]
 
 
@@ -71,10 +72,12 @@ def stage_micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_ran
     dense = _layer_passes(ctx, la, layer_fwd, tp_pair, attention_fwd)
     if ctx.moe_layers:
         moe_fwd = moe.moe_layer_forward_s(ctx, la)
-        routed = _layer_passes(ctx, la, moe_fwd, tp_pair, attention_fwd, moe_act_redo_s(ctx, la))
+        routed = _layer_passes(ctx, la, moe_fwd, tp_pair, attention_fwd, moe_act_redo_s(ctx, la),
+                               moe.moe_block_redo_s(ctx, la))
         per_rank = lambda key: (layers - moe_layers) * dense[key] + moe_layers * routed[key]  # noqa: E731
-        ep_comm = moe_layers * moe.ep_comm_s(ctx, la, links.of("ep", "all_gather"), full)
-        expert_tp = moe_layers * _expert_tp_gather_s(ctx, la, links, full)
+        redo_moe_comm = full | (la.recompute == MOE_BLOCK)  # the recompute's forward repeats the all-to-alls
+        ep_comm = moe_layers * moe.ep_comm_s(ctx, la, links.of("ep", "all_gather"), redo_moe_comm)
+        expert_tp = moe_layers * _expert_tp_gather_s(ctx, la, links, redo_moe_comm)
     else:
         per_rank = lambda key: layers * dense[key]  # noqa: E731
         ep_comm = expert_tp = np.zeros_like(layer_fwd)
@@ -127,13 +130,15 @@ def moe_act_redo_s(ctx: CostContext, la: LayoutArrays):
     return compute.memory_bound_s(ctx, act, ctx.mlp_mats * ctx.act_bytes) + compute.memory_bound_s(ctx, norm, 2 * ctx.act_bytes)
 
 
-def _layer_passes(ctx: CostContext, la: LayoutArrays, layer_fwd, tp_pair, attention_fwd, moe_act_s=0.0) -> dict:
+def _layer_passes(ctx: CostContext, la: LayoutArrays, layer_fwd, tp_pair, attention_fwd, moe_act_s=0.0,
+                  moe_block_s=0.0) -> dict:
     """One layer's forward time (`fwd`), its recompute (`redo`: the whole forward under full
-    recompute, the attention core under selective, `moe_act_s` under moe-act) and what the host
-    adds to its passes (`host`)."""
+    recompute, the attention core under selective, `moe_act_s` under moe-act, `moe_block_s` under
+    moe) and what the host adds to its passes (`host`)."""
     full = la.recompute >= FULL
     redo = np.where(full, layer_fwd, np.where(la.recompute == SELECTIVE, attention_fwd,
-                                              np.where(la.recompute == MOE_ACT, moe_act_s, 0.0)))
+                                              np.where(la.recompute == MOE_ACT, moe_act_s,
+                                                       np.where(la.recompute == MOE_BLOCK, moe_block_s, 0.0))))
     host = ctx.layer_overhead_s
     passes = (compute.pass_s(ctx, layer_fwd + tp_pair, host)
               + compute.pass_s(ctx, 2 * layer_fwd + tp_pair, 2 * host)

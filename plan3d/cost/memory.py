@@ -249,6 +249,21 @@ def moe_act_discarded_elements(ctx: CostContext, la: LayoutArrays):
     return routed_tokens(ctx, la) * ctx.expert_ffn / la.tp, sb * ctx.hidden / la.sp_div
 
 
+def moe_block_discarded_bytes(ctx: CostContext, la: LayoutArrays):
+    """Bytes per MoE layer and micro-batch that Megatron-Core's moe recompute (`--recompute-modules
+    moe layernorm`) does not keep: everything the MoE block of `moe_layer_activation_bytes` stores
+    (the shared experts' and routed experts' FFN tensors, the permuted tokens each way, the router's
+    logits and probabilities: MoELayer.forward runs under one tensor_parallel.checkpoint, which
+    keeps only its input) and that input, the pre-MLP norm's output (an output-discarding
+    checkpoint of the layernorm module, as in moe-act). The attention half of the layer is kept."""
+    sb = ctx.seq * la.mb_share
+    routed = routed_tokens(ctx, la)
+    ffn = 2 * sb * ctx.shared_ffn * ctx.mlp_mats / la.tp + 2 * routed * ctx.expert_ffn * ctx.mlp_mats / la.tp
+    dispatch = 2 * routed * la.expert_tp / la.tp * ctx.hidden + 2 * sb * ctx.experts / la.sp_div
+    norm = sb * ctx.hidden / la.sp_div
+    return ffn * ctx.act_bytes / 2 + (dispatch + norm) * ctx.act_bytes
+
+
 def in_flight(la: LayoutArrays, pp_rank):
     """Micro-batches whose activations rank `pp_rank` holds at its peak, in units of its full
     stage: p - r under 1F1B (Narayanan et al. 2021); with v chunks Megatron warms up
@@ -268,22 +283,27 @@ def stage_activation_bytes(ctx: CostContext, la: LayoutArrays, pp_rank, layers_o
     recompute working set are never live together: the loss's backward frees what it saved before
     the first layer is recomputed, so the rank holds the larger of the two, not their sum.
     Partial recompute keeps `recompute_share` of the rank's layers as full recompute does and the
-    rest as without recompute (`partial_recompute_layers`)."""
+    rest as without recompute (`partial_recompute_layers`). Moe recompute keeps an MoE layer
+    without its MoE block (`moe_block_discarded_bytes`), which is live again while one layer's
+    backward recomputes it."""
     full = la.recompute >= RECOMPUTE_CODES["full"]
     partial = (la.recompute == RECOMPUTE_CODES["partial"]) & (np.asarray(recompute_share) > 0)
     share = np.where(partial, recompute_share, 0.0)
     selective = la.recompute == RECOMPUTE_CODES["selective"]
     per_layer = layer_activation_bytes(ctx, la)
     per_moe = moe_layer_activation_bytes(ctx, la) if ctx.moe_layers else per_layer
+    moe_block = la.recompute == RECOMPUTE_CODES["moe"]
+    redone_moe = moe_block_discarded_bytes(ctx, la) if ctx.moe_layers else 0.0  # live again in one layer's backward
     if ctx.moe_layers:
         per_moe = per_moe - np.where(la.recompute == RECOMPUTE_CODES["moe-act"],
                                      sum(moe_act_discarded_elements(ctx, la)) * ctx.act_bytes, 0.0)
+        per_moe = per_moe - np.where(moe_block, redone_moe, 0.0)
     checkpoint = 2 * ctx.seq * la.mb_share * ctx.hidden / la.sp_div * ctx.act_bytes / 2
     scores = np.where(selective, attention_score_store_bytes(ctx, la), 0.0)  # selective recomputes the scores
     stored = np.where(full, checkpoint, (1 - share) * (per_layer - scores) + share * checkpoint)
     stored_moe = np.where(full, checkpoint, (1 - share) * (per_moe - scores) + share * checkpoint)
     largest = np.where(moe_on_rank > 0, np.maximum(per_layer, per_moe), per_layer)
-    working = np.where(full | partial, largest, 0.0)
+    working = np.where(full | partial, largest, np.where(moe_block & (moe_on_rank > 0), redone_moe, 0.0))
     kept = in_flight(la, pp_rank) * ((layers_on_rank - moe_on_rank) * stored + moe_on_rank * stored_moe)
     logits = np.where(pp_rank == la.pp - 1, ctx.seq * la.mb_share * padded_vocab(ctx, la.tp) / la.tp
                       * ctx.logit_bytes, 0.0)

@@ -52,6 +52,25 @@ def moe_layer_forward_s(ctx: CostContext, la: LayoutArrays):
             + memory_bound_s(ctx, elements, ctx.elementwise_bytes))
 
 
+def moe_block_redo_s(ctx: CostContext, la: LayoutArrays):
+    """Seconds per MoE layer and micro-batch that moe recompute adds (its all-to-alls are in
+    `ep_comm_s`): the MoE block of `moe_layer_forward_s` again -- shared and routed expert GEMMs,
+    router, permutation and the block's elementwise work -- and the pre-MLP norm (read its input,
+    write its output). The block's GEMMs are priced on their own here, not merged with the
+    attention GEMMs as in the forward (a slightly lower efficiency for the smaller set)."""
+    tokens = la.mb_share * ctx.seq
+    routed = routed_tokens(ctx, la)
+    h, mats = ctx.hidden, ctx.mlp_mats
+    shared = 2 * tokens * mats * h * ctx.shared_ffn / la.tp
+    experts = 2 * routed * mats * h * ctx.expert_ffn / la.tp
+    linear = linear_s(ctx, shared + experts, (2 if ctx.shared_ffn else 0) + 2 * ctx.experts / la.ep)
+    router = gemm_s(ctx, 2 * tokens * h * ctx.experts / la.sp_div, 1)
+    elements = tokens * mats * ctx.shared_ffn / la.tp + routed * mats * ctx.expert_ffn / la.tp + tokens * ctx.experts / la.sp_div
+    permute = memory_bound_s(ctx, 2 * routed * h / la.sp_div, 2 * ctx.act_bytes)
+    norm = memory_bound_s(ctx, tokens * h / la.sp_div, 2 * ctx.act_bytes)
+    return linear + router + permute + norm + memory_bound_s(ctx, elements, ctx.elementwise_bytes)
+
+
 def ep_a2a_bytes(ctx: CostContext, la: LayoutArrays):
     """Bytes one rank holds for one dispatch (or combine) all-to-all: its routed token copies of
     h elements, top_k * tokens * h at the busiest rank's load, sequence-split under sequence
@@ -79,7 +98,8 @@ def shared_experts_forward_s(ctx: CostContext, la: LayoutArrays):
 
 def ep_comm_s(ctx: CostContext, la: LayoutArrays, ep_link, full_recompute):
     """Exposed seconds of one MoE layer's all-to-alls per micro-batch: dispatch and combine in the
-    forward, the same two in the backward, and again in a full recompute's forward.
+    forward, the same two in the backward, and again in a recompute's forward (`full_recompute`:
+    full recompute, or moe recompute of the MoE layer).
 
     What hides them: `ep_overlap_fraction` of each (0 by default: Megatron-Core 0.19 overlaps
     them with other micro-batches only with --overlap-moe-expert-parallel-comm, torchtitan 0.3

@@ -229,6 +229,8 @@ def _recompute_args(plan: Plan) -> list[str]:
         return ["--recompute-granularity", "selective"]
     if layout.recompute == "moe-act":  # output-discarding checkpoints; core_attn left out: flash attention saves nothing to drop
         return ["--recompute-granularity", "selective", "--recompute-modules", "moe_act", "layernorm"]
+    if layout.recompute == "moe":  # the MoE layer under one checkpoint (MoELayer.moe_layer_recompute) and the norm
+        return ["--recompute-granularity", "selective", "--recompute-modules", "moe", "layernorm"]
     if layout.recompute == "full":
         return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     return []
@@ -251,10 +253,21 @@ def _precision_args(plan: Plan) -> list[str]:
     precision = plan.training.precision
     plan.cluster.gpu.require_precision(precision)  # fp8 needs FP8 units (Transformer Engine: sm_89+)
     if precision == "fp8":  # TransformerConfig.fp8 / fp8_recipe (megatron-core 0.19): TE's hybrid E4M3/E5M2
-        return ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"] + _grad_dtype_args(plan)
+        return ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", fp8_recipe(plan)] + _grad_dtype_args(plan)
     if precision in ("bf16", "fp16"):
         return [f"--{precision}"] + _grad_dtype_args(plan)
     return []
+
+
+NORM_RECOMPUTE_MODES = ("moe-act", "moe")  # modes that recompute the layernorm module
+
+
+def fp8_recipe(plan: Plan) -> str:
+    """Delayed scaling, except with moe-act / moe recompute: TransformerConfig refuses moe_act and
+    layernorm recompute under delayed scaling ("Delayed scaling does not support moe_act and
+    layernorm recompute for fp8") and takes them with per-tensor current scaling (tensorwise) on
+    Transformer Engine >= 2.6."""
+    return "tensorwise" if plan.layout.recompute in NORM_RECOMPUTE_MODES else "delayed"
 
 
 def _grad_dtype_args(plan: Plan) -> list[str]:
@@ -349,6 +362,10 @@ def plan_notes(plan: Plan, engine: EngineSpec) -> list[str]:
         notes.append(f"the prediction hides {engine.runs_as.tp_overlap_fraction:.0%} of the tensor-parallel "
                      f"communication, but --tp-comm-overlap is off: {why}; expect a slower step")
     notes += moe_notes(plan, gpu_arch(plan)) + vocab_notes(plan)
+    if plan.training.precision == "fp8" and fp8_recipe(plan) == "tensorwise":
+        notes.append(f"fp8 with {plan.layout.recompute} recompute: --fp8-recipe tensorwise (per-tensor current scaling; "
+                     "Megatron-Core refuses moe_act/layernorm recompute under delayed scaling), which needs Transformer "
+                     "Engine >= 2.6; the prediction does not tell the FP8 recipes apart")
     if engine.runs_as.attention == "flash" and plan.training.precision == "fp32":
         notes.append("the prediction assumes flash attention; Transformer Engine's flash and fused attention "
                      "need bf16/fp16, so fp32 runs unfused attention (slower, more memory)")

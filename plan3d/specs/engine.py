@@ -53,7 +53,7 @@ def balanced_split(layers: int, chunks: int) -> tuple[int, ...]:
         split[stage] += 1
     return tuple(split)
 
-Recompute = Literal["none", "selective", "moe-act", "partial", "full"]
+Recompute = Literal["none", "selective", "moe-act", "moe", "partial", "full"]
 CpComm = Literal["p2p", "all_gather", "a2a"]
 CP_COMM_HELP = ("p2p: K/V chunks passed round a ring, each transfer overlapped with one block of attention; "
                 "all_gather: the whole sequence's K/V gathered before attention (blocking), dK/dV reduce-scattered "

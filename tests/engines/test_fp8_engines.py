@@ -76,6 +76,26 @@ def test_megatron_reads_fp8_hybrid_delayed_with_the_plans_values(megatron, case)
     assert_values_match(args, config, plan)
 
 
+@pytest.mark.parametrize("recompute", ["moe-act", "moe"])
+def test_megatron_takes_moe_module_recompute_with_fp8_under_the_tensorwise_recipe(megatron, recompute):
+    """Megatron's TransformerConfig refuses moe_act / layernorm recompute under delayed scaling; the
+    emitted tensorwise recipe is what it takes (it then asks Transformer Engine >= 2.6, which the CPU
+    tier does not have: its own version check is the refusal left)."""
+    from plan3d.specs.model import MoESpec
+
+    model = load_model("llama3-8b").model_copy(update={"moe": MoESpec(experts=8, top_k=2)})
+    plan = build_plan(load_cluster("dgx-h100", nodes=1), model, TrainingSpec(global_batch=64, precision="fp8"),
+                      Layout(tp=2, dp=4, ep=4, zero=1, sequence_parallel=True, recompute=recompute))
+    env, _, argv = shell_parts(emit_megatron(plan, RUN).text)
+    args = validated(megatron, argv, plan.layout.world_size, gpu_arch(plan), env)
+    assert (args.fp8, args.fp8_recipe) == ("hybrid", "tensorwise")
+    with pytest.raises(ValueError, match="transformer-engine>=2.6"):
+        transformer_config(args)
+    args.fp8_recipe = "delayed"  # what plan3d emitted before: Megatron's own refusal
+    with pytest.raises(ValueError, match="Delayed scaling does not support moe_act and layernorm recompute"):
+        transformer_config(args)
+
+
 def test_megatron_refuses_a_recipe_it_does_not_have(megatron):
     """The recipe flag is Megatron's own choice list: a misspelt one would not pass (argparse exits)."""
     plan = build(FP8_CASES[0])

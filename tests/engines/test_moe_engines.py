@@ -79,6 +79,8 @@ MOE_CASES = [
                                                               sequence_parallel=True, recompute="selective")),
     MoECase("mixtral-tp2-ep4-dp4-sp-moe-act", "mixtral", 1, dict(tp=2, dp=4, ep=4, zero=1, sequence_parallel=True,
                                                                 recompute="moe-act")),
+    MoECase("mixtral-tp2-ep4-dp4-sp-moe", "mixtral", 1, dict(tp=2, dp=4, ep=4, zero=1, sequence_parallel=True,
+                                                            recompute="moe")),
     MoECase("mixtral-tp2-cp2-ep4-dp4", "mixtral", 2, dict(tp=2, cp=2, dp=4, ep=4, zero=1, sequence_parallel=True),
             seq_len=8192),
     MoECase("mixtral-ep4-dp8-zero3", "mixtral", 1, dict(dp=8, ep=4, zero=3)),
@@ -307,6 +309,16 @@ def test_megatron_recomputes_the_modules_moe_act_names(megatron):
     config = transformer_config(megatron_args(megatron, plan, argv, env))
     assert config.recompute_granularity == "selective"
     assert config.recompute_modules == ["moe_act", "layernorm"] and config.moe_grouped_gemm
+
+
+def test_megatron_recomputes_the_whole_moe_layer_for_moe(megatron):
+    """plan3d's moe is Megatron-Core's selective recompute of the MoE layer and the norms: the
+    MoELayer checkpoints its whole forward (moe_layer_recompute), as TransformerConfig reads it."""
+    case = next(c for c in MOE_CASES if c.name == "mixtral-tp2-ep4-dp4-sp-moe")
+    plan = build_moe(case)
+    env, _, argv = shell_parts(emit_megatron(plan, RUN).text)
+    config = transformer_config(megatron_args(megatron, plan, argv, env))
+    assert config.recompute_granularity == "selective" and config.recompute_modules == ["moe", "layernorm"]
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "gpt-moe"])

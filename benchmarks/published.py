@@ -53,7 +53,7 @@ from plan3d.cost.bands import BAND_FILE, REGION_FIELDS, BandData, MeasuredRun, R
 from plan3d.cost.estimate import estimate  # noqa: E402
 from plan3d.errors import LayoutError  # noqa: E402
 from plan3d.layout import Layout  # noqa: E402
-from plan3d.specs.catalog import load_cluster, load_engine  # noqa: E402
+from plan3d.specs.catalog import bundled_names, load_cluster, load_engine  # noqa: E402
 
 # name -> (what it sets, where); GPU generations by GPU spec names, engines by engine names
 LEGACY = ("megatron-lm-2021", "deepspeed", "megatron-deepspeed")  # Megatron's 2020-2022 GPT model code
@@ -431,7 +431,9 @@ def measured_run(run: Run, layout: Layout | None, error_pct: float, how: str, pa
     if layout is None or not np.isfinite(error_pct) or not run.ran_on_engine:
         return None
     gpu = _cluster(run.cluster, run.gpus, tuple(sorted(params.items()))).gpu.generation_name
-    region = Region.of(run.engine, gpu, layout.zero, layout.cp, run.model.moe is not None, run.training.precision)
+    sharded = tuple(load_engine(run.engine).runs_as.sharded_zero) if run.engine in bundled_names("engine") else (3,)
+    region = Region.of(run.engine, gpu, layout.zero, layout.cp, run.model.moe is not None, run.training.precision,
+                       sharded)
     return MeasuredRun(id=run.id, source=run.source, gpus=run.gpus, error_pct=float(error_pct), how=how,
                        **{k: getattr(region, k) for k in REGION_FIELDS})
 

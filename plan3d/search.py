@@ -709,7 +709,8 @@ def search_bands(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec,
     """The error band of every evaluated layout (a few distinct regions: ZeRO-3 or not, cp or not)."""
     n = len(layouts["tp"])
     return band_arrays(engine.name if engine else "", cluster.gpu.generation_name, layouts["zero"],
-                       layouts.get("cp", np.ones(n)), model.moe is not None, training.precision, cluster.world_size)
+                       layouts.get("cp", np.ones(n)), model.moe is not None, training.precision, cluster.world_size,
+                       sharded_zero=tuple(engine.runs_as.sharded_zero) if engine else (3,))
 
 
 def drop_idle_partial(layouts: dict[str, np.ndarray], metrics: dict[str, np.ndarray],

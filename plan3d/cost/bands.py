@@ -88,8 +88,11 @@ class Region:
     fp8: bool  # FP8 linear layers
 
     @classmethod
-    def of(cls, engine: str, gpu: str, zero: int, cp: int, moe: bool, precision: str) -> Region:
-        return cls(engine, gpu, "zero3" if zero >= 3 else "zero0-2", cp > 1, moe, precision == "fp8")
+    def of(cls, engine: str, gpu: str, zero: int, cp: int, moe: bool, precision: str,
+           sharded_zero: tuple[int, ...] = (3,)) -> Region:
+        """`sharded_zero`: the stages the engine runs fully sharded (EngineSpec RunsAs.sharded_zero)."""
+        sharded = zero >= 3 or zero in sharded_zero
+        return cls(engine, gpu, "zero3" if sharded else "zero0-2", cp > 1, moe, precision == "fp8")
 
     @property
     def name(self) -> str:
@@ -310,9 +313,10 @@ class BandArrays:
 
 
 def band_arrays(engine: str, gpu: str, zero: np.ndarray, cp: np.ndarray, moe: bool, precision: str,
-                gpus: int, data: BandData | None = None) -> BandArrays:
-    """The bands of many layouts of one search (a few distinct regions: ZeRO-3 or not, cp or not)."""
-    keys = np.stack([np.asarray(zero) >= 3, np.asarray(cp) > 1], axis=1).astype(np.int8)
+                gpus: int, data: BandData | None = None, sharded_zero: tuple[int, ...] = (3,)) -> BandArrays:
+    """The bands of many layouts of one search (a few distinct regions: sharded or not, cp or not)."""
+    sharded = (np.asarray(zero) >= 3) | np.isin(np.asarray(zero), sharded_zero)
+    keys = np.stack([sharded, np.asarray(cp) > 1], axis=1).astype(np.int8)
     distinct, index = np.unique(keys, axis=0, return_inverse=True)
     bands = [band_of(Region.of(engine, gpu, 3 if z else 0, 2 if c else 1, moe, precision), gpus, data)
              for z, c in distinct]

@@ -262,6 +262,10 @@ class RunsAs(SpecModel):
         "transformer layer and pass, each paying the ring's latency over the data-parallel group: 1 for FSDP2 "
         "(one unit per block) and Megatron-FSDP; DeepSpeed fetches submodule by submodule, one gather per "
         "weight above stage3_param_persistence_threshold (QKV, attention output, the MLP's two: 4).")
+    sharded_zero: list[Literal[2, 3]] = Field(
+        [3], description="ZeRO stages the engine runs through its fully sharded data-parallel implementation "
+        "(Megatron-Core: Megatron-FSDP for 2 and 3); their predictions form the ZeRO-3/FSDP region of the error "
+        "bands, apart from the distributed-optimizer runs of ZeRO 0-2.")
     zero3_overlap_fraction: float | None = bounded(
         None, FRACTION, description="Share of the compute that hides ZeRO-3 parameter gathers and gradient "
         "reduce-scatters (prefetch); empty: the data-parallel overlap fraction.")

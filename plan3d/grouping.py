@@ -72,6 +72,8 @@ def group_decisions(layouts: dict[str, np.ndarray], values: np.ndarray, ranked: 
 def difference(head: Layout, other: Layout) -> str:
     """What `other` changes against `head`, in a few words ("selective recompute, order tp-cp-ep-pp-dp")."""
     parts = []
+    if other.expert_tp != head.expert_tp:
+        parts.append(f"etp{other.expert_tp}")
     if other.vpp != head.vpp:
         parts.append(f"vpp{other.vpp}")
     if other.recompute != head.recompute:

@@ -341,10 +341,10 @@ LAYOUT_RULES = (
                lambda x: (x.experts > 0) & (x.experts % x.ep != 0), _ep_not_dividing_experts),
     LayoutRule(None, "experts", "ep does not divide dp*cp", lambda x: (x.tp * x.cp * x.dp) % (x.ep * x.etp) != 0,
                _ep_not_dividing_dp_cp),
-    # Expert tensor parallelism other than tp (MoE Parallel Folding; the search keeps etp = tp)
+    # Expert tensor parallelism other than tp (MoE Parallel Folding; searched where the engine runs it)
     LayoutRule(None, "expert-tp", "etp without a mixture-of-experts model",
                lambda x: (x.etp != x.tp) & (x.experts == 0), _etp_without_experts),
-    LayoutRule(None, "expert-tp", "etp does not divide the expert FFN",
+    LayoutRule(23, "expert-tp", "etp does not divide the expert FFN",
                lambda x: (x.experts > 0) & (x.etp != x.tp) & (x.expert_ffn % x.etp != 0), _etp_not_dividing_ffn),
 )
 SEARCHED_RULES = tuple(rule for rule in LAYOUT_RULES if rule.code is not None)  # what the search's grid can break

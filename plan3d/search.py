@@ -63,12 +63,12 @@ from plan3d.specs.training import TrainingSpec
 from plan3d.vocab import RECOMPUTE_CODES, RECOMPUTE_MODES, UTILISATION
 
 DEFAULT_ORDERS = (DEFAULT_ORDER, "tp-cp-ep-pp-dp")
-SHAPE_KNOBS = ("tp", "pp", "dp", "cp", "ep", "micro_batch", "vpp", "sequence_parallel")
+SHAPE_KNOBS = ("tp", "pp", "dp", "cp", "ep", "etp", "micro_batch", "vpp", "sequence_parallel")
 CP_AUTO_MIN_TOKENS = 8192  # default bound on cp: each rank keeps at least this many tokens of a sequence
 LAYOUT_KNOBS = SHAPE_KNOBS + ("uneven", "zero", "recompute", "order")
 
-# (code, short reason); code 0 is "valid". Codes 1-9 and 17-18 are the layout rules (LAYOUT_RULES, in
-# order), 10-12 the fit rules (FIT_RULES), 13-16 and 19-22 the search's own.
+# (code, short reason); code 0 is "valid". Codes 1-9, 17-18 and 23 are the layout rules (LAYOUT_RULES,
+# in order), 10-12 the fit rules (FIT_RULES), 13-16 and 19-22 the search's own.
 REASONS = {
     **{rule.code: rule.reason for rule in SEARCHED_RULES},
     **{rule.code: rule.reason for rule in FIT_RULES},
@@ -119,6 +119,10 @@ class Space:
     max_cp: int | None = None  # None: the default bound (CP_AUTO_MIN_TOKENS per rank); 0: no bound
     min_ep: int = 1
     max_ep: int | None = None  # None: the routed experts of an MoE model (1 for a dense one); 0: no bound
+    # expert tensor-parallel degrees searched besides etp = tp (MoE Parallel Folding): None, as the
+    # engine and model allow (1 where the engine runs etp and the model has experts); () none
+    etp: tuple[int, ...] | None = None
+    etp_fixed: int | None = None  # `--etp N`: only layouts whose experts split over N ranks
 
     def __post_init__(self) -> None:
         full = tuple(dict.fromkeys(full_order(o) for o in self.orders))  # 'pp-dp' as the table prints it
@@ -185,13 +189,21 @@ def degree_tuples(world_size: int, space: Space, seq_len: int = 0, experts: int 
 
 
 def _with_ep(tuples: np.ndarray, space: Space, experts: int) -> np.ndarray:
-    """Each (tp, pp, dp, cp) row once per expert-parallel degree ep dividing dp * cp in the bounds."""
+    """Each (tp, pp, dp, cp) row once per expert-parallel degree ep in the bounds and expert
+    tensor-parallel degree etp: etp = tp with ep dividing dp * cp, then each other etp of
+    `space.etp` (MoE Parallel Folding, Megatron-Core) with ep > 1 and ep * etp dividing
+    tp * cp * dp, a stage's ranks (so ep may exceed dp * cp: ETP1 EP64 at TP2). A (k, 6) array."""
     hi = space.ep_bound(experts)
     world = int(np.prod(tuples[0])) if len(tuples) else 1
     eps = np.array([e for e in divisors(world) if e >= space.min_ep and (not hi or e <= hi)] or [0], dtype=np.int64)
     row, ep = (a.ravel() for a in np.meshgrid(np.arange(len(tuples)), eps, indexing="ij"))
+    tp, stage = tuples[row, 0], tuples[row, 0] * tuples[row, 2] * tuples[row, 3]
     keep = (ep > 0) & ((tuples[row, 2] * tuples[row, 3]) % np.maximum(ep, 1) == 0)
-    return np.column_stack([tuples[row[keep]], ep[keep]])
+    parts = [np.column_stack([tuples[row[keep]], ep[keep], tp[keep]])]
+    for etp in space.etp or ():
+        folded = (ep > 1) & (tp != etp) & (stage % np.maximum(ep * etp, 1) == 0)
+        parts.append(np.column_stack([tuples[row[folded]], ep[folded], np.full(int(folded.sum()), etp)]))
+    return np.concatenate(parts)
 
 
 def require_some_ep(space: Space, model: ModelSpec, world_size: int) -> None:
@@ -223,7 +235,7 @@ def shape_grid(world_size: int, space: Space, layers: int = 0, seq_len: int = 0,
     vpps = np.arange(space.min_vpp, space.max_vpp + 1, dtype=np.int64)
     t, m, v, s = (a.ravel() for a in np.meshgrid(np.arange(len(tuples)), mbs, vpps, sps, indexing="ij"))
     grid = {"tp": tuples[t, 0], "pp": tuples[t, 1], "dp": tuples[t, 2], "cp": tuples[t, 3], "ep": tuples[t, 4],
-            "micro_batch": m, "vpp": v, "sequence_parallel": s, "uneven": np.zeros(len(t), dtype=bool)}
+            "etp": tuples[t, 5], "micro_batch": m, "vpp": v, "sequence_parallel": s, "uneven": np.zeros(len(t), dtype=bool)}
     well_formed = ((grid["vpp"] == 1) | (grid["pp"] > 1)) & (~grid["sequence_parallel"] | (grid["tp"] > 1))
     if space.sequence_parallel_required:
         well_formed &= grid["sequence_parallel"] | (grid["tp"] == 1)
@@ -291,7 +303,7 @@ def shape_reasons(grid: dict[str, np.ndarray], model: ModelSpec, training: Train
     A shape marked `uneven` carries `balanced_split` as pp_layers, so the even-split rules skip it."""
     uneven = grid.get("uneven")
     facts = RuleFacts(model, training, tp=grid["tp"], pp=grid["pp"], dp=grid["dp"], cp=grid.get("cp", 1),
-                      ep=grid.get("ep", 1),
+                      ep=grid.get("ep", 1), etp=grid.get("etp"),
                       micro_batch=grid["micro_batch"],
                       vpp=grid["vpp"], sequence_parallel=grid["sequence_parallel"],
                       uneven=np.zeros(len(grid["tp"]), dtype=bool) if uneven is None else uneven)
@@ -344,7 +356,8 @@ def layout_at(layouts: dict[str, np.ndarray], orders: tuple[str, ...], i: int, l
     split = balanced_split(layers, pp * vpp) if layouts.get("uneven", np.zeros(i + 1, bool))[i] else None
     cp = int(layouts["cp"][i]) if "cp" in layouts else 1
     ep = int(layouts["ep"][i]) if "ep" in layouts else 1
-    return Layout(tp=int(layouts["tp"][i]), pp=pp, dp=int(layouts["dp"][i]), cp=cp, ep=ep, pp_layers=split,
+    etp = int(layouts["etp"][i]) if "etp" in layouts else None
+    return Layout(tp=int(layouts["tp"][i]), pp=pp, dp=int(layouts["dp"][i]), cp=cp, ep=ep, etp=etp, pp_layers=split,
                   micro_batch=int(layouts["micro_batch"][i]), vpp=int(layouts["vpp"][i]),
                   zero=int(layouts["zero"][i]), recompute=RECOMPUTE_MODES[int(layouts["recompute"][i])],
                   sequence_parallel=bool(layouts["sequence_parallel"][i]),
@@ -358,7 +371,7 @@ def is_uneven(layout: Layout) -> bool:
 def layout_row(layout: Layout, orders: tuple[str, ...]) -> dict[str, int | bool]:
     """The inverse of `layout_at` for one Layout (its order must be in `orders`)."""
     return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "ep": layout.ep,
-            "micro_batch": layout.micro_batch,
+            "etp": layout.expert_tp, "micro_batch": layout.micro_batch,
             "vpp": layout.vpp, "sequence_parallel": layout.sequence_parallel, "uneven": is_uneven(layout),
             "zero": layout.zero,
             "recompute": RECOMPUTE_CODES[layout.recompute], "order": orders.index(layout.order)}
@@ -400,10 +413,13 @@ def engine_ep_refuses(layouts: dict[str, np.ndarray], space: Space) -> np.ndarra
     tp > 1 for an MoE model with biases where the engine has no expert tp for them."""
     ones = np.ones(len(layouts["tp"]), dtype=int)
     ep, cp = layouts.get("ep", ones), layouts.get("cp", ones)
+    etp = layouts.get("etp", layouts["tp"])
     dp_last = np.array([o.endswith("-dp") for o in space.orders])[layouts["order"]]
     tp_rule = (layouts["tp"] > 1) & (not space.expert_parallel_with_tp)
     zero_rule = ~np.isin(layouts["zero"], space.expert_parallel_zero)
-    order_rule = dp_last & (layouts["pp"] > 1) & (ep != cp) & (not space.expert_parallel_dp_last_order)
+    expert_dp = layouts["tp"] * cp * layouts["dp"] // np.maximum(ep * etp, 1)
+    folding = np.where(etp == layouts["tp"], ep != cp, expert_dp != layouts["dp"])  # EngineSpec: needs ep = cp, or edp = dp
+    order_rule = dp_last & (layouts["pp"] > 1) & folding & (not space.expert_parallel_dp_last_order)
     bias_rule = (layouts["tp"] > 1) & (not space.moe_bias_with_tp)
     return ((ep > 1) & (tp_rule | zero_rule)) | order_rule | bias_rule
 
@@ -413,6 +429,21 @@ def cp_heads_refuse(layouts: dict[str, np.ndarray], heads: int, kv_heads: int) -
     tp rank do not divide by cp (`EngineSpec.cp_comm_problems`, vectorised)."""
     tp, cp = layouts["tp"], layouts["cp"]
     return (cp > 1) & (((heads // tp) % cp != 0) | ((kv_heads // tp) % cp != 0))
+
+
+def expert_tp_choices(space: Space, model: ModelSpec, engine: EngineSpec | None) -> tuple[int, ...]:
+    """The expert tensor-parallel degrees searched besides etp = tp: by default ETP1 (Megatron-Core's
+    MoE recipes fold TP > 1 attention with ETP1 experts) where the engine runs etp and the model has
+    experts; `--etp N` that; a LayoutError where it cannot be."""
+    runs = model.moe is not None and (engine is None or engine.can_run.expert_tensor_parallel)
+    if space.etp_fixed is not None:
+        if space.etp_fixed != 1 and not runs:
+            why = f"{model.name} is dense" if model.moe is None else f"{engine.name} splits experts over tp only"
+            raise LayoutError(f"--etp {space.etp_fixed}: {why}; drop --etp")
+        return (space.etp_fixed,) if runs else ()
+    if space.etp is None:
+        return (1,) if runs and engine is not None else ()
+    return space.etp if runs else ()
 
 
 def model_recompute_space(space: Space, model: ModelSpec, training: TrainingSpec) -> Space:
@@ -635,7 +666,7 @@ def evaluate_even(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec
     cands = Candidates(tp=layouts["tp"], pp=layouts["pp"], dp=layouts["dp"],
                        micro_batch=layouts["micro_batch"], vpp=layouts["vpp"], zero=layouts["zero"],
                        recompute=layouts["recompute"], sequence_parallel=layouts["sequence_parallel"],
-                       order=layouts["order"], cp=layouts.get("cp"), ep=layouts.get("ep"))
+                       order=layouts["order"], cp=layouts.get("cp"), ep=layouts.get("ep"), etp=layouts.get("etp"))
     return estimate_batch(cluster, model, training, cands, tuple(orders), engine, layers_per_rank,
                           moe_layers_per_rank)
 
@@ -663,9 +694,12 @@ def search(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space
         space = replace(space, moe_bias_with_tp=True)
     if engine is not None and engine.runs_as.cp_comm == "a2a":
         space = replace(space, cp_head_split=(model.heads, model.kv_heads_))
+    space = replace(space, etp=expert_tp_choices(space, model, engine))
     require_some_ep(space, model, cluster.world_size)
     shapes = shape_grid(cluster.world_size, space, model.layers, training.seq_len or model.seq_len,
                         model.moe.experts if model.moe is not None else 0)
+    if space.etp_fixed is not None:
+        shapes = {k: a[shapes["etp"] == space.etp_fixed] for k, a in shapes.items()}
     codes = shape_reasons(shapes, model, training)
     if space.uneven:
         codes = allow_uneven(shapes, codes, model, training)

@@ -270,14 +270,18 @@ def test_megatron_core_needs_sequence_parallelism_for_moe_with_tp(h100_512, mixt
 # ---- the search: the done-when checks ------------------------------------------------------------
 def test_recommend_mixtral_picks_expert_parallel_layouts(h100_512, mixtral):
     """`plan3d recommend -c dgx-h100 -m mixtral-8x7b`: ep > 1 among the top picks, every ep a
-    divisor of gcd(8, dp*cp), and the best ep = 1 layout slower than the best EP one."""
+    divisor of gcd(8, dp*cp) at etp = tp (of tp*cp*dp / etp with ETP1, MoE Parallel Folding), and
+    the best ep = 1 layout slower than the best EP one."""
     result = search(h100_512, mixtral, TrainingSpec(global_batch=1024), engine=load_engine(MEGATRON))
     order = rank(result)
     top = [result.layout(int(i)) for i in order[:5]]
     assert any(lay.ep > 1 for lay in top)
     eps = result.layouts["ep"]
     assert set(eps.tolist()) == {1, 2, 4, 8}
-    assert ((result.layouts["dp"] % eps) == 0).all()
+    default = result.layouts["etp"] == result.layouts["tp"]
+    assert ((result.layouts["dp"][default] % eps[default]) == 0).all()
+    stage = result.layouts["tp"] * result.layouts["dp"]
+    assert ((stage % (eps * result.layouts["etp"])) == 0).all() and (~default).any()
     tokens = np.where(result.feasible, result.metrics["tokens_per_s"], 0)
     assert tokens[eps > 1].max() > tokens[eps == 1].max()
 

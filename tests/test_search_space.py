@@ -94,5 +94,5 @@ def test_bad_space_says_what_to_change(kwargs, match):
 
 
 def test_every_reason_has_a_sentence():
-    assert set(range(1, 23)) == set(REASONS)  # 17, 18: the expert-parallel layout rules; 19, 20 the engine's MoE rules; 21 a2a CP heads; 22 idle partial recompute
+    assert set(range(1, 24)) == set(REASONS)  # 17, 18, 23: the expert layout rules; 19, 20 the engine's MoE rules; 21 a2a CP heads; 22 idle partial recompute
     assert np.int8(max(REASONS)) == max(REASONS)

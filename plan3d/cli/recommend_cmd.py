@@ -74,6 +74,8 @@ def recommend(
     min_ep: Annotated[int, _opt("--min-ep", "Lower bound on ep.")] = 1,
     max_ep: Annotated[IntOpt, _opt("--max-ep", "Upper bound on ep (default: the routed experts of an MoE model, "
                                    "1 for a dense one).")] = None,
+    etp: Annotated[IntOpt, _opt("--etp", "Fix the experts' tensor-parallel degree (MoE Parallel Folding, "
+                                "Megatron-Core; default: etp = tp and ETP1 searched where the engine runs it).")] = None,
     micro_batch: Annotated[IntOpt, _opt("--micro-batch", "Fix the micro-batch size.")] = None,
     max_micro_batch: Annotated[int, _opt("--max-micro-batch", "Largest micro-batch tried.")] = 8,
     vpp: Annotated[IntOpt, _opt("--vpp", "Fix the virtual pipeline stages per rank.")] = None,
@@ -167,7 +169,13 @@ def space_from_flags(flags: dict):
                  **bound("micro_batch", 1, max(flags["max_micro_batch"], flags["micro_batch"] or 1)),
                  **bound("vpp", 1, max(flags["max_vpp"], flags["vpp"] or 1)),
                  zero=tuple(flags["zero"] or (0, 1, 2, 3)), recompute=recompute, sequence_parallel=sp, orders=orders,
-                 uneven=flags["uneven"])
+                 uneven=flags["uneven"], etp_fixed=_etp_flag(flags))
+
+
+def _etp_flag(flags: dict) -> int | None:
+    if flags.get("etp") is not None:
+        _require_at_least_1("etp", flags["etp"])
+    return flags.get("etp")
 
 
 def _cp_bounds(flags: dict) -> dict:
@@ -201,7 +209,7 @@ def _ep_bounds(flags: dict) -> dict:
 
 MAX_INT_FLAG = 1_000_000_000  # no degree, batch or count is larger (and pp * vpp stays inside int64)
 INT_FLAGS = ("top", "pick", "tp", "min_tp", "max_tp", "pp", "min_pp", "max_pp", "dp", "min_dp", "max_dp",
-             "cp", "min_cp", "max_cp", "ep", "min_ep", "max_ep",
+             "cp", "min_cp", "max_cp", "ep", "min_ep", "max_ep", "etp",
              "micro_batch", "max_micro_batch", "vpp", "max_vpp", "min_nodes", "max_nodes")
 
 

@@ -38,6 +38,7 @@ class Candidates:
     order: np.ndarray  # index into the `orders` tuple
     cp: np.ndarray | None = None  # context parallel degree (None: 1 for every candidate)
     ep: np.ndarray | None = None  # expert parallel degree (None: 1 for every candidate)
+    etp: np.ndarray | None = None  # expert tensor-parallel degree (None: tp for every candidate)
 
     def __len__(self) -> int:
         return len(self.tp)
@@ -50,19 +51,25 @@ class Candidates:
     def ep_degrees(self) -> np.ndarray:
         return np.ones(len(self.tp), dtype=np.int64) if self.ep is None else np.asarray(self.ep, dtype=np.int64)
 
+    @property
+    def etp_degrees(self) -> np.ndarray:
+        return np.asarray(self.tp if self.etp is None else self.etp, dtype=np.int64)
+
 
 def _links(cluster: ClusterSpec, cands: Candidates, orders: tuple[str, ...]) -> Links:
     """Bandwidth and latency arrays of each group, one rank-map look-up per unique shape."""
     columns = [np.asarray(x, dtype=np.int64)
-               for x in (cands.tp, cands.pp, cands.dp, cands.order, cands.cp_degrees, cands.ep_degrees)]
+               for x in (cands.tp, cands.pp, cands.dp, cands.order, cands.cp_degrees, cands.ep_degrees,
+                         cands.etp_degrees)]
     key = np.zeros(len(columns[0]), dtype=np.int64)
     for col in columns:  # mixed-radix code: a 1-D unique is ~100x faster than unique(axis=0)
         key = key * (int(col.max()) + 1) + col
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     unique = np.stack([col[first] for col in columns], axis=1)
     tiers = tuple(cluster.tiers())
-    table = np.array([link_row(layout_links(tp, pp, dp, orders[order], tiers, cluster.gpus_per_node, cp, ep))
-                      for tp, pp, dp, order, cp, ep in unique.tolist()], dtype=np.float64)
+    table = np.array([link_row(layout_links(tp, pp, dp, orders[order], tiers, cluster.gpus_per_node, cp, ep,
+                                            None if etp == tp else etp))
+                      for tp, pp, dp, order, cp, ep, etp in unique.tolist()], dtype=np.float64)
     return Links.from_rows(table[inverse.reshape(-1)])
 
 
@@ -114,7 +121,7 @@ def estimate_batch(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpe
     ctx = make_context(cluster, model, training, engine)
     la = layout_arrays(training.global_batch, cands.tp, cands.pp, cands.dp, cands.micro_batch, cands.vpp,
                        cands.zero, cands.recompute, np.asarray(cands.sequence_parallel, dtype=np.float64),
-                       cands.cp_degrees, cands.ep_degrees)
+                       cands.cp_degrees, cands.ep_degrees, cands.etp)
     moe_layers = 0.0
     if model.moe is not None:
         even = rank_layers is None

@@ -276,7 +276,8 @@ def layout_cells(result: SearchResult, row: int) -> list[str]:
     pp = f"{lay.pp}*" if lay.pp_layers is not None else str(lay.pp)
     cp = [str(lay.cp)] if shows_cp(result) else []
     ep = [str(lay.ep)] if shows_ep(result) else []
-    return [str(lay.tp), pp, str(lay.dp), *cp, *ep, str(lay.micro_batch), str(lay.vpp), str(lay.zero),
+    etp = [str(lay.expert_tp)] if shows_etp(result) else []
+    return [str(lay.tp), pp, str(lay.dp), *cp, *ep, *etp, str(lay.micro_batch), str(lay.vpp), str(lay.zero),
             recompute_cell(lay.recompute, result.metrics.get("recompute_layers"), row),
             "y" if lay.sequence_parallel else "", order]
 
@@ -298,6 +299,13 @@ def shows_ep(result: SearchResult) -> bool:
     """Whether the table has an ep column: only when the search evaluated some ep > 1."""
     ep = result.layouts.get("ep")
     return ep is not None and bool((ep > 1).any())
+
+
+def shows_etp(result: SearchResult) -> bool:
+    """Whether the table has an etp column: only when the search evaluated experts split over
+    another tensor-parallel degree than tp (MoE Parallel Folding)."""
+    etp = result.layouts.get("etp")
+    return etp is not None and bool((etp != result.layouts["tp"]).any())
 
 
 def metric_cells(result: SearchResult, row: int, tokens: float | None) -> list[str]:
@@ -330,7 +338,8 @@ ALSO_SHOWN = 3  # alternatives named per row under the table; --json lists all
 
 def layouts_table(result: SearchResult, rows, title: str, tokens: float | None = None) -> Table:
     table = Table(title=title)
-    headers = HEADERS[:4] + (["cp"] if shows_cp(result) else []) + (["ep"] if shows_ep(result) else []) + HEADERS[4:]
+    headers = (HEADERS[:4] + (["cp"] if shows_cp(result) else []) + (["ep"] if shows_ep(result) else [])
+               + (["etp"] if shows_etp(result) else []) + HEADERS[4:])
     for header in headers + (["days"] if tokens else []):
         table.add_column(header, justify="left" if header in ("recompute", "order", "top comm", "validated") else "right")
     for i, row in enumerate(rows):

@@ -194,16 +194,3 @@ def test_the_search_drops_an_order_exactly_when_same_groups_as_says_so():
         layout = Layout(tp=tp, pp=pp, dp=dp, order=orders[i])
         assert drop == any(layout.same_groups_as(earlier) for earlier in orders[:i]), layout.short()
     assert 0 < dropped.sum() < len(rows)
-
-
-def test_the_emitters_check_orders_with_the_same_rule():
-    """plan3d.emit.common.same_groups (which order an engine can run) agrees with Layout.same_groups_as."""
-    from plan3d.emit.common import same_groups as emitter_same_groups
-
-    orders = ["-".join(p) for p in itertools.permutations(AXES)][::9]
-    for tp, cp, dp, pp, ep in itertools.product((1, 2), (1, 2), (1, 2), (1, 2), (1, 2)):
-        if (dp * cp) % ep:
-            continue
-        for a, b in itertools.product(orders, repeat=2):
-            layout = Layout(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, order=a)
-            assert emitter_same_groups(layout, b) == layout.same_groups_as(b), (layout.short(), b)

@@ -1,4 +1,4 @@
-"""What every emitter shares: the emitted text with notes, rank-order equivalence, the engine check.
+"""What every emitter shares: the emitted text with notes, the engine check.
 
 An emitter writes a plan in the words of one engine release range. What the engine can run is
 its engine profile's `can_run` (engine_specs/*.yaml, the same profile the time model reads), so
@@ -30,12 +30,6 @@ class Emitted:
 
     text: str
     notes: list[str] = field(default_factory=list)
-
-
-def same_groups(layout: Layout, supported_order: str) -> bool:
-    """True when `layout.order` builds the same groups as `supported_order` for this layout (the
-    search's rule: `Layout.same_groups_as`)."""
-    return layout.same_groups_as(supported_order)
 
 
 def _as_planned(engine: EngineSpec, plan: Plan, versions: str) -> EngineSpec:

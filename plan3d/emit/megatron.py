@@ -56,7 +56,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from plan3d.emit.common import Emitted, read_as_engine, same_groups, target_engine
+from plan3d.emit.common import Emitted, read_as_engine, target_engine
 from plan3d.emit.launch_script import JobScript, ScriptVariable, node_script
 from plan3d.emit.megatron_model import model_args, vocab_notes
 from plan3d.emit.megatron_moe import GROUPED_GEMM_MIN_ARCH, mla_args, mla_problems, moe_args, moe_notes, moe_problems
@@ -128,7 +128,7 @@ def _with_megatron_order(plan: Plan) -> Plan:
     """The plan with its order spelled as the Megatron order that builds the same groups (axes of
     size one do not change the groups); an order that matches neither is refused."""
     for order in MEGATRON_ORDERS:
-        if same_groups(plan.layout, order):
+        if plan.layout.same_groups_as(order):
             return plan.model_copy(update={"layout": plan.layout.model_copy(update={"order": order})})
     return plan  # target_engine refuses it with the profile's sentence
 

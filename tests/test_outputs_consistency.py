@@ -1,5 +1,4 @@
-"""The outputs around the CI gate say what they mean (issue 30, "The CI gate and the outputs around
-it"): explain's warnings name the layout's ZeRO stage and its band says what it is made of;
+"""The outputs say what they mean and agree with each other: explain's warnings name the layout's ZeRO stage and its band says what it is made of;
 recommend repeats estimate's warnings; the report's breakdown adds up to the predicted step and
 its colours have a legend; the CPU cluster is planned in the fp32 that launch trains in."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Red-team review of issue 19: names that would inject output lines, error lines printed raw,
-special files that hang a reader, writes that replace a special file.
+"""Names that would inject output lines, error lines printed raw, special files that hang a
+reader, writes that replace a special file.
 
 Every case is refused at the boundary with one `error:` line (exit 2); no output line a name or a
 path produced may start a line of its own (a GitHub `::error::` workflow command, a shell line in

@@ -1,4 +1,4 @@
-"""Hostile and tampered input (issue 19): every bad file is one `error:` line naming the file and
+"""Tampered spec, job and plan files: every bad file is one `error:` line naming the file and
 the field, exit 2; never an internal error, a traceback or a silent YAML 1.1 reading."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Bad input found in review: one `error:` line, exit 2, never a traceback or an internal error."""
+"""Bad command-line input: one `error:` line, exit 2, never a traceback or an internal error."""
 from __future__ import annotations
 
 import pytest

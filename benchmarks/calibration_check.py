@@ -26,7 +26,7 @@ from pathlib import Path
 
 from plan3d.calibrate import refit_from_runs
 from plan3d.cost.estimate import estimate
-from plan3d.launch import launch
+from plan3d.run.launch import launch
 from plan3d.layout import Layout
 from plan3d.plan import build_plan
 from plan3d.specs.catalog import load_cluster, load_model

@@ -38,7 +38,7 @@ def _plan(cluster_name: str, global_batch: int, micro_batch: int, shape: dict = 
 
 
 def _run(plan, steps: int, compile_blocks: bool, backend: str = "nccl") -> dict | None:
-    from plan3d.launch import launch, read_summary
+    from plan3d.run.launch import launch, read_summary
 
     run_dir = Path(tempfile.mkdtemp(prefix="gpu-runtime-"))
     extra = ["--no-save", "--warmup-steps", "3"] + (["--compile"] if compile_blocks else [])

@@ -267,7 +267,7 @@ def test_the_runtimes_synchronous_ring_hides_nothing(h100, llama70):
 
 
 def test_launch_refuses_an_exchange_the_runtime_does_not_run():
-    from plan3d.launch import runtime_problems
+    from plan3d.run.launch import runtime_problems
 
     cluster = load_cluster("local-cpu")
     model = load_model("tiny-gpt")

@@ -50,7 +50,7 @@ def test_cli_emit_slurm_script(tmp_path, capsys):
     ("slurm", ["--cpus-per-task", "0"], "--cpus-per-task must be a positive integer"),
 ])
 def test_emit_refuses_what_launch_refuses_and_what_a_script_cannot_hold(tmp_path, capsys, command, flags, needle):
-    """One validation (plan3d.run_flags) for launch and both emitters: exit 2, one line, nothing written."""
+    """One validation (plan3d.run.flags) for launch and both emitters: exit 2, one line, nothing written."""
     path, out = tmp_path / "plan.json", tmp_path / "out.sh"
     save_plan(make_plan(tp=8, pp=2, dp=2, zero=1), path)
     assert run_cli(["emit", command, str(path), "-o", str(out), *flags]) == 2

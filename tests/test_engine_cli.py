@@ -222,7 +222,7 @@ def test_an_older_plan_without_engine_loads_and_launches_dry_run(capsys, tmp_pat
 
 
 def test_launch_predicts_for_the_runtime_and_says_so(capsys, tmp_path):
-    from plan3d.report_run import engine_note, estimate_as_run
+    from plan3d.run.compare import engine_note, predicted_for_run as estimate_as_run
 
     path = tmp_path / "plan.json"
     ok_json(capsys, "recommend", *CPU, "--engine", "megatron-core", "--out", path)
@@ -239,7 +239,7 @@ def test_launch_predicts_for_the_runtime_and_says_so(capsys, tmp_path):
 
 
 def test_a_runtime_plan_keeps_its_stored_estimate(tmp_path):
-    from plan3d.report_run import engine_note, estimate_as_run
+    from plan3d.run.compare import engine_note, predicted_for_run as estimate_as_run
 
     cluster, model = load_cluster("local-cpu"), load_model("tiny-gpt")
     training, layout = TrainingSpec(global_batch=16, precision="fp32"), Layout(dp=8)
@@ -250,7 +250,8 @@ def test_a_runtime_plan_keeps_its_stored_estimate(tmp_path):
 
 
 def test_report_notes_the_engine_the_plan_was_made_for(tmp_path):
-    from plan3d.report_run import compare, read_run
+    from plan3d.run.compare import compare
+    from plan3d.run.record import read_run
 
     cluster, model = load_cluster("local-cpu"), load_model("tiny-gpt")
     training, layout = TrainingSpec(global_batch=16, precision="fp32"), Layout(dp=8)

@@ -11,7 +11,7 @@ from plan3d.cost.estimate import estimate
 from plan3d.cost.memory import model_state_bytes
 from plan3d.emit.megatron import emit_megatron
 from plan3d.errors import InfeasibleError, LayoutError
-from plan3d.launch import runtime_problems
+from plan3d.run.launch import runtime_problems
 from plan3d.layout import Layout, layout_problems
 from plan3d.plan import build_plan
 from plan3d.rankmap import rankmap_for

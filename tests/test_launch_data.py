@@ -10,7 +10,7 @@ import pytest
 
 from plan3d.cli import main
 from plan3d.plan import save_plan
-from plan3d.tokens import BUNDLED, write_tokens
+from plan3d.run.tokens import BUNDLED, write_tokens
 
 
 def _run(capsys, *args) -> tuple[int, str, str]:

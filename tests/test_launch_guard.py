@@ -69,7 +69,7 @@ def test_overwrite_clears_the_previous_run_and_nothing_else(tmp_path):
 
 
 def _checkpoint(root, step: int, shards: dict[str, bytes], checksums: bool = True):
-    from plan3d.checkpoint_files import shard_checksums
+    from plan3d.run.checkpoints import shard_checksums
 
     directory = root / f"step_{step:08d}"
     directory.mkdir(parents=True)
@@ -83,7 +83,7 @@ def _checkpoint(root, step: int, shards: dict[str, bytes], checksums: bool = Tru
 
 @pytest.mark.parametrize("harm", ["overwrite", "truncate", "delete"])
 def test_a_damaged_shard_is_refused_naming_the_file_and_the_previous_good_checkpoint(tmp_path, harm):
-    from plan3d.checkpoint_files import CheckpointError, verified
+    from plan3d.run.checkpoints import CheckpointError, verified
 
     root = tmp_path / "checkpoints"
     good = _checkpoint(root, 2, {"__0_0.distcp": b"a" * 64, ".metadata": b"m"})
@@ -99,7 +99,7 @@ def test_a_damaged_shard_is_refused_naming_the_file_and_the_previous_good_checkp
 
 
 def test_checkpoints_without_checksums_load_and_keep_last_prunes_the_oldest(tmp_path):
-    from plan3d.checkpoint_files import complete_checkpoints, prune, verified
+    from plan3d.run.checkpoints import complete_checkpoints, prune, verified
 
     root = tmp_path / "checkpoints"
     made = [_checkpoint(root, step, {"__0_0.distcp": bytes([step])}, checksums=step > 1) for step in (1, 2, 3, 4)]
@@ -113,7 +113,7 @@ def test_a_full_disk_is_diagnosed_from_the_launcher(tmp_path, monkeypatch):
     import shutil
 
     from plan3d.errors import LaunchError
-    from plan3d.launch import check_free_space, diagnose
+    from plan3d.run.launch import check_free_space, diagnose
 
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1024))
@@ -142,7 +142,7 @@ def test_allow_oversubscribe_starts_it_anyway(tmp_path, capsys):
 
 def test_the_memory_check_reads_the_plans_estimate_or_the_cost_model(tmp_path):
     from plan3d.cli.launch_cmd import _plan_from_flags
-    from plan3d.launch import memory_problem
+    from plan3d.run.launch import memory_problem
 
     flags = dict(tp=2, pp=2, dp=2, micro_batch=1, vpp=1, zero=0, recompute="none", sequence_parallel=False,
                  order="tp-cp-ep-dp-pp")
@@ -158,7 +158,7 @@ def test_a_fifo_where_the_run_plan_goes_is_refused_not_read(tmp_path):
     import os
 
     from plan3d.errors import Plan3dError
-    from plan3d.launch import _write_once
+    from plan3d.run.launch import _write_once
 
     fifo = tmp_path / "plan.json"
     os.mkfifo(fifo)

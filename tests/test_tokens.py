@@ -1,10 +1,10 @@
-"""Token files for `launch --data` (plan3d.tokens): formats, checks, a layout-independent batch order."""
+"""Token files for `launch --data` (plan3d.run.tokens): formats, checks, a layout-independent batch order."""
 import struct
 
 import numpy as np
 import pytest
 
-from plan3d import tokens
+from plan3d.run import tokens
 from plan3d.errors import SpecError
 
 

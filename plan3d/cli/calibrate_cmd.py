@@ -21,14 +21,14 @@ from plan3d.calibrate import (calibrated_cluster, fit_measurements, fit_quality,
 from plan3d.cli.app import app
 from plan3d.cost.estimate import estimate
 from plan3d.errors import LaunchError, SpecError
-from plan3d.launch import launch
+from plan3d.run.launch import launch
 from plan3d.layout import Layout
 from plan3d.plan import build_plan
 from plan3d.rankmap import MAX_LISTED_RANKS
 from plan3d.render.report import print_calibration, progress_while
 from plan3d.render.units import json_text
-from plan3d.report_run import read_run
-from plan3d.run_flags import check_run_flags
+from plan3d.run.record import read_run
+from plan3d.run.flags import check_run_flags
 from plan3d.specs.catalog import load_cluster, load_model
 from plan3d.specs.training import TrainingSpec
 
@@ -91,7 +91,7 @@ def calibrate_command(
 def _check_sweep_flags(nproc: int | None, nnodes: int, node_rank: int, max_bytes: int, repeats: int,
                        statistic: str, rendezvous: dict) -> None:
     """Every nonsense value is bad input before a rank starts or a run directory is made; the flags
-    `launch` shares (nodes, rendezvous, backend) are checked by launch's own rules (`plan3d.run_flags`)."""
+    `launch` shares (nodes, rendezvous, backend) are checked by launch's own rules (`plan3d.run.flags`)."""
     smallest = message_sizes(1 << 62)[0]
     problems = [f"--{name} must be {rule}, got {value}" for name, value, ok, rule in (
         ("nproc", nproc, nproc is None or 1 <= nproc <= MAX_NPROC, f"in 1..{MAX_NPROC:,}"),

@@ -107,7 +107,7 @@ EngineOpt = Annotated[Optional[str], typer.Option(
 
 def _data_args(loaded, data: str | None) -> list[str]:
     """`--data` for the worker or launcher: checked when readable here, else noted (it lives on the nodes)."""
-    from plan3d.launch import emitted_data
+    from plan3d.run.launch import emitted_data
 
     if not data:
         return []
@@ -148,9 +148,9 @@ def emit_torchrun_cmd(plan: PlanArg, out: OutOpt = None, engine: EngineOpt = Non
     torchrun command line per node (--steps, --run-dir, --timeout-s, --data are its options)."""
     from plan3d.emit.common import Emitted
     from plan3d.emit.torchrun import torchrun_commands
-    from plan3d.launch import worker_argv
+    from plan3d.run.launch import worker_argv
     from plan3d.plan import load_plan
-    from plan3d.run_flags import check_run_flags, check_script_flags, shell_line
+    from plan3d.run.flags import check_run_flags, check_script_flags, shell_line
 
     loaded = load_plan(plan)
     engine_job = _engine_job(loaded, engine, data_path, tokenizer, train_iters, lr)
@@ -192,7 +192,7 @@ def emit_slurm_cmd(
     from plan3d.emit.common import Emitted
     from plan3d.emit.slurm import engine_sbatch_script, sbatch_script
     from plan3d.plan import load_plan
-    from plan3d.run_flags import check_run_flags, check_script_flags
+    from plan3d.run.flags import check_run_flags, check_script_flags
 
     loaded = load_plan(plan)
     engine_job = _engine_job(loaded, engine, data_path, tokenizer, train_iters, lr)

@@ -15,7 +15,7 @@ from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, CpOpt, GlobalBatchOpt,
                                NodesOpt, OrderOpt, PpOpt, RecomputeOpt, SeqLenOpt, SeqParallelOpt, TpOpt,
                                VppOpt, ZeroOpt, load_specs, make_layout)
 from plan3d.errors import InfeasibleError, LaunchError, LayoutError, Plan3dError
-from plan3d.run_flags import check_run_flags
+from plan3d.run.flags import check_run_flags
 
 PREVIOUS_RUN = ("metrics.jsonl", "segments.jsonl", "summary.json", "plans", "checkpoints", "errors",
                 "logs")  # what --overwrite removes
@@ -67,7 +67,7 @@ def _clear_previous_run(run_path: Path) -> None:
 def _checked_resume(run_path: Path, run_dir: str | None, resume: bool, resume_from: str | None,
                     overwrite: bool) -> str | None:
     """The checkpoint to resume from, verified before any rank starts (None: a fresh start)."""
-    from plan3d.checkpoint_files import verified
+    from plan3d.run.checkpoints import verified
 
     if resume and overwrite:
         raise Plan3dError("--resume continues a run and --overwrite discards it: pass only one")
@@ -83,7 +83,7 @@ def _checked_resume(run_path: Path, run_dir: str | None, resume: bool, resume_fr
 
 def interrupt_advice(run_path: Path) -> str:
     """What will work after Ctrl-C: --resume when a checkpoint exists, else a fresh start."""
-    from plan3d.checkpoint_files import CheckpointError, resolve
+    from plan3d.run.checkpoints import CheckpointError, resolve
 
     try:
         checkpoint = resolve(run_path)
@@ -142,7 +142,7 @@ def launch_command(
                                                       "(refused otherwise, a dry run too).")] = False,
 ) -> None:
     """Train a plan's layout with the bundled runtime; print measured against predicted."""
-    from plan3d.launch import checked_data, memory_problem, runtime_problems
+    from plan3d.run.launch import checked_data, memory_problem, runtime_problems
     from plan3d.plan import load_plan
 
     check_run_flags(steps=steps, nnodes=nnodes, node_rank=node_rank, save_every=save_every, timeout_s=timeout_s,
@@ -182,7 +182,7 @@ def launch_command(
 
 def _print_dry_run(plan, run_path, steps, backend, nnodes, master_addr, master_port, worker_args, timeout_s) -> None:
     from plan3d.emit.torchrun import torchrun_commands
-    from plan3d.launch import LOOPBACK, nodes_needed, node_layout, worker_argv
+    from plan3d.run.launch import LOOPBACK, nodes_needed, node_layout, worker_argv
     from plan3d.run.compare import engine_note
 
     if nnodes == 1 and master_addr in LOOPBACK:
@@ -199,7 +199,7 @@ def _print_dry_run(plan, run_path, steps, backend, nnodes, master_addr, master_p
 
 
 def _launch_and_report(plan, run_path, steps, backend, nnodes, node_rank, master_addr, master_port, worker_args):
-    from plan3d.launch import launch
+    from plan3d.run.launch import launch
     from plan3d.render.launch import progress_bar
 
     try:

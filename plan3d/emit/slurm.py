@@ -16,7 +16,7 @@ node's cores: the spec's count, `--cpus-per-task` when given, else every CPU SLU
 node (`$SLURM_CPUS_ON_NODE`, all of them under `--exclusive`). srun is given the count itself:
 since SLURM 22.05 srun no longer inherits sbatch's --cpus-per-task.
 
-Every value written is validated or quoted (`plan3d.run_flags`): #SBATCH values must match
+Every value written is validated or quoted (`plan3d.run.flags`): #SBATCH values must match
 SLURM's forms, and the per-node command is quoted twice, once for the inner `bash -c` (where
 $NAME stays expandable) and once, whole, for the script's shell.
 """
@@ -26,7 +26,7 @@ import shlex
 
 from plan3d.emit.launch_script import JobScript, sbatch_body
 from plan3d.plan import Plan
-from plan3d.run_flags import check_run_flags, check_script_flags, shell_line
+from plan3d.run.flags import check_run_flags, check_script_flags, shell_line
 
 CPU_GPU_NAME = "cpu-process"
 

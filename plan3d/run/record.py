@@ -1,7 +1,7 @@
 """The record of a run: what `plan3d launch` and the runtime write into a run directory.
 
 A run directory holds:
-  plan.json             the plan of the last launch (written by the launcher, plan3d/launch.py)
+  plan.json             the plan of the last launch (written by the launcher, plan3d/run/launch.py)
   plans/DIGEST.json     the plan of every launch, by its digest (a reshard changes the layout)
   metrics.jsonl         one StepRecord per step (rank 0, plan3d/runtime/train.py `Runner.step`)
   segments.jsonl        one SegmentRecord per launch (rank 0, `_segment_record`; history below)

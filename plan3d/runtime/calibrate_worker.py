@@ -1,6 +1,6 @@
 """Calibration micro-benchmarks, run on every rank: GEMMs of a transformer layer, collectives by size.
 
-Started like a training worker, by `plan3d.launch.launch(..., worker_module=
+Started like a training worker, by `plan3d.run.launch.launch(..., worker_module=
 "plan3d.runtime.calibrate_worker")` (torchrun sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT),
 or, for development and tests, by `run_local` (torch.multiprocessing, one machine). It reads a sweep description (JSON, written by
 `plan3d calibrate`, see `plan3d.cli.calibrate_cmd.sweep_config`) and rank 0 writes the raw

@@ -16,7 +16,7 @@ run directory must be on a file system every node sees (as for any DCP checkpoin
 
 Verified: every rank hashes the shards it wrote; `meta.json` records the SHA-256 of every file,
 and a load refuses a damaged checkpoint (naming the file and the previous good checkpoint)
-before DCP reads it (`plan3d/checkpoint_files.py`, torch-free, which the launcher also uses).
+before DCP reads it (`plan3d/run/checkpoints.py`, torch-free, which the launcher also uses).
 Retention: with `--keep-last N` rank 0 deletes the oldest complete checkpoints after a commit.
 """
 from __future__ import annotations
@@ -31,8 +31,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from plan3d import checkpoint_files as files
-from plan3d.checkpoint_files import CheckpointError
+from plan3d.run import checkpoints as files
+from plan3d.run.checkpoints import CheckpointError
 
 LATEST = files.LATEST
 
@@ -105,7 +105,7 @@ def _write_latest(root: Path, name: str) -> None:
 
 
 def resolve(path: Path) -> Path:
-    """The checkpoint directory `path` names (see checkpoint_files.resolve)."""
+    """The checkpoint directory `path` names (see plan3d.run.checkpoints.resolve)."""
     return files.resolve(path)
 
 

@@ -8,7 +8,7 @@ over positions. The global batch of step `step` comes from a CPU generator seede
 (seed, step); data-parallel rank d takes rows [d*G/dp, (d+1)*G/dp). Every layout sees the same
 tokens, so losses are comparable.
 
-With `launch --data` the global batch is cut from a token file instead (plan3d.tokens
+With `launch --data` the global batch is cut from a token file instead (plan3d.run.tokens
 `global_windows`: windows at offsets drawn from (seed, step) alone), chunked over dp the same way.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from functools import lru_cache
 
 import torch
 
-from plan3d.tokens import global_windows
+from plan3d.run.tokens import global_windows
 
 RESTART_FRACTION = 0.1
 

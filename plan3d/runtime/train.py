@@ -19,7 +19,7 @@ from plan3d.runtime.data import replica_batch
 from plan3d.runtime.dp import make_dp, shard_stages
 from plan3d.runtime.engine import collect_entries, rebind_entries
 from plan3d.runtime.pipeline import build_stages, forward_backward, make_schedule
-from plan3d.tokens import map_tokens, token_file_record
+from plan3d.run.tokens import map_tokens, token_file_record
 
 SYNTHETIC = {"path": None, "tokens": None, "format": "synthetic"}  # summary.json's `data` without --data
 
@@ -71,9 +71,9 @@ class PhaseClock:
 def _read_plan(path: str):
     """The plan the launcher wrote (and checked with load_plan); no second digest check here, so
     the ranks do not depend on the spec schema being byte-identical to the launcher's. What the
-    runtime cannot train is refused here too (`runtime_limits.runtime_problems`): the torchrun and SLURM
+    runtime cannot train is refused here too (`plan3d.run.limits.runtime_problems`): the torchrun and SLURM
     scripts `plan3d emit` writes start the workers without `plan3d launch`."""
-    from plan3d.runtime_limits import runtime_problems
+    from plan3d.run.limits import runtime_problems
     from plan3d.plan import Plan
 
     plan = Plan.model_validate_json(Path(path).read_text())

@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=0, help="0: save only at the end")
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--resume-from", default=None)
-    p.add_argument("--data", default=None, help="token file or bundled corpus (plan3d.tokens); default synthetic")
+    p.add_argument("--data", default=None, help="token file or bundled corpus (plan3d.run.tokens); default synthetic")
     p.add_argument("--timeout-s", type=float, default=300.0, help="collective timeout")
     p.add_argument("--warmup-steps", type=int, default=1)
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],

@@ -52,7 +52,7 @@ def llama_style(plan):
 
 
 def run(plan, run_dir: Path, steps: int = STEPS, extra=(), **kwargs):
-    from plan3d.launch import launch
+    from plan3d.run.launch import launch
 
     return launch(plan, None, run_dir, steps, worker_args=["--timeout-s", "60", *extra], **kwargs)
 

@@ -64,7 +64,7 @@ def test_causal_mask_of_global_positions_is_the_full_causal_mask_permuted(cp):
 @pytest.mark.parametrize("seq, cp", [(36, 4), (6, 2)])
 def test_a_sequence_not_divisible_by_2cp_is_refused_in_one_line(seq, cp):
     from plan3d.errors import LaunchError
-    from plan3d.launch import runtime_problems
+    from plan3d.run.launch import runtime_problems
     from plan3d.runtime.cp import check_seq, split_sequence
 
     with pytest.raises(LaunchError) as err:

@@ -9,9 +9,9 @@ import socket
 
 import pytest
 
-import plan3d.launch as launcher
+import plan3d.run.launch as launcher
 from plan3d.cli import main
-from plan3d.tokens import BUNDLED
+from plan3d.run.tokens import BUNDLED
 
 STEPS = 30
 WINDOW = 5  # steps averaged at each end of the curve

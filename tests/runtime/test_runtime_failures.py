@@ -21,7 +21,7 @@ def _survivors(marker: str) -> list[str]:
 
 
 def _two_launchers(plan, run_dir, env_for_node=lambda node: None, extra=()):
-    from plan3d.launch import free_port
+    from plan3d.run.launch import free_port
 
     port, results = free_port(), {}
 
@@ -212,7 +212,7 @@ def test_non_finite_loss_stops_before_saving_and_damaged_checkpoints_are_refused
 
 def test_a_missing_node_and_a_duplicate_node_rank_are_bounded_and_named(tmp_path):
     from plan3d.errors import LaunchError
-    from plan3d.launch import free_port, port_in_use
+    from plan3d.run.launch import free_port, port_in_use
 
     plan, port, results = make_plan(nodes=2, gpus_per_node=1, dp=2), free_port(), {}
     node0 = threading.Thread(target=lambda: results.setdefault(0, run(

@@ -190,7 +190,7 @@ def _with_moe(plan, **moe_update):
 
 
 def test_launcher_refuses_what_the_moe_runtime_cannot_run_in_one_line_each():
-    from plan3d.launch import runtime_problems
+    from plan3d.run.launch import runtime_problems
     from plan3d.specs.model import MLASpec
 
     assert runtime_problems(_moe_plan(ep=2, dp=2)) == []

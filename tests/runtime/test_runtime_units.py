@@ -91,7 +91,7 @@ def test_placement_problems_name_the_misplaced_rank():
 
 def test_launch_rejects_what_the_runtime_cannot_place():
     from plan3d.errors import LaunchError
-    from plan3d.launch import node_layout
+    from plan3d.run.launch import node_layout
 
     plan = make_plan(nodes=2, gpus_per_node=4, tp=2, pp=2, dp=2)
     with pytest.raises(LaunchError, match="need --nnodes 2"):
@@ -101,7 +101,7 @@ def test_launch_rejects_what_the_runtime_cannot_place():
 
 
 def test_diagnose_names_the_killed_rank(tmp_path):
-    from plan3d.launch import diagnose
+    from plan3d.run.launch import diagnose
 
     log = ("Root Cause (first observed failure):\n[0]:\n  time      : x\n  host      : h\n"
            "  rank      : 5 (local_rank: 5)\n  exitcode  : -9 (pid: 42)\n")
@@ -111,7 +111,7 @@ def test_diagnose_names_the_killed_rank(tmp_path):
 def test_diagnose_names_the_rank_without_a_record_when_a_timeout_came_first(tmp_path):
     import json
 
-    from plan3d.launch import diagnose
+    from plan3d.run.launch import diagnose
 
     (tmp_path / "errors").mkdir()
     for rank, when in ((0, 3.0), (1, 1.0), (3, 2.0)):
@@ -126,7 +126,7 @@ def test_diagnose_names_the_rank_without_a_record_when_a_timeout_came_first(tmp_
 def test_dry_run_prints_exactly_the_commands_launch_runs(capsys, tmp_path):
     from plan3d.cli import main
     from plan3d.emit.torchrun import torchrun_commands
-    from plan3d.launch import worker_argv
+    from plan3d.run.launch import worker_argv
 
     run_dir = tmp_path / "r"
     with pytest.raises(SystemExit) as exit_info:
@@ -214,7 +214,7 @@ def test_token_file_batches_are_the_global_windows_cut_over_dp():
     import numpy as np
 
     from plan3d.runtime.data import replica_batch
-    from plan3d.tokens import global_windows
+    from plan3d.run.tokens import global_windows
 
     corpus = (np.arange(5000) * 7) % 256
     full = global_windows(corpus, seed=5, step=3, batch=8, seq=16)

@@ -36,10 +36,10 @@ from plan3d.errors import (
     refuse_special_target,
 )
 from plan3d.plan import Plan
-from plan3d.runtime_limits import RUNTIME_CP_COMM, moe_problems, runtime_problems  # noqa: F401  (re-exported)
+from plan3d.run.limits import RUNTIME_CP_COMM, moe_problems, runtime_problems  # noqa: F401  (re-exported)
 from plan3d.run.compare import predicted_for_run
 from plan3d.run.record import PLAN, is_digest, plan_path
-from plan3d.tokens import BUNDLED, open_tokens
+from plan3d.run.tokens import BUNDLED, open_tokens
 
 STOP_GRACE_S = 10.0
 AFTER_ERROR_S = 20.0

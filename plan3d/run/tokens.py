@@ -22,7 +22,7 @@ import numpy as np
 
 from plan3d.errors import SpecError
 
-BUNDLED = Path(__file__).parent / "bundled" / "data"
+BUNDLED = Path(__file__).parents[1] / "bundled" / "data"
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
                    7: np.float32, 8: np.uint16}

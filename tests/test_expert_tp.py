@@ -161,7 +161,7 @@ def test_emit_and_launch(mixtral):
     cluster, training = load_cluster("dgx-h100", 1), TrainingSpec(global_batch=64)
     plan = build_plan(cluster, mixtral, training, Layout(tp=2, dp=4, ep=8, etp=1, zero=1, sequence_parallel=True))
     assert "--expert-tensor-parallel-size 1" in emit_megatron(plan).text
-    assert "the bundled runtime splits experts over tp: drop etp=1" in runtime_problems(plan)
+    assert "plan3d-runtime splits experts over tp only: drop etp (expert tensor parallel = tp)" in runtime_problems(plan)
     from plan3d.emit.torchtitan import emit_torchtitan
 
     with pytest.raises(InfeasibleError, match="splits experts over tp only"):

@@ -165,3 +165,26 @@ def test_a_fifo_where_the_run_plan_goes_is_refused_not_read(tmp_path):
     with pytest.raises(Plan3dError):
         _write_once(fifo, "{}")
     assert fifo.is_fifo()
+
+
+@pytest.mark.parametrize("recompute", ["partial", "moe-act"])
+def test_launch_refuses_a_recompute_mode_the_runtime_profile_lacks(tmp_path, capsys, recompute):
+    """What the bundled runtime runs is its profile (engine_specs/plan3d-runtime.yaml: none,
+    selective, full recompute), read by the same evaluator as every engine's: a Megatron-Core plan
+    with another mode is refused before any rank starts, naming the modes it has."""
+    from plan3d.layout import Layout
+    from plan3d.plan import build_plan, save_plan
+    from plan3d.specs.catalog import load_cluster, load_engine, load_model
+    from plan3d.specs.model import MoESpec
+    from plan3d.specs.training import TrainingSpec
+
+    model = load_model("tiny-gpt")
+    if recompute == "moe-act":
+        model = model.model_copy(update={"moe": MoESpec(experts=4, top_k=2)})
+    plan = build_plan(load_cluster("local-cpu"), model, TrainingSpec(global_batch=8, precision="fp32"),
+                      Layout(tp=1, pp=2, dp=2, recompute=recompute), engine=load_engine("megatron-core"))
+    path = tmp_path / "plan.json"
+    save_plan(plan, path)
+    code, err = _launch(capsys, str(path), "--steps", "1", "--run-dir", str(tmp_path / "run"))
+    assert code == 1 and f"plan3d-runtime has no {recompute} recompute; use one of none, selective, full" in err
+    assert not (tmp_path / "run" / "logs").exists()

@@ -36,7 +36,7 @@ from plan3d.errors import (
     refuse_special_target,
 )
 from plan3d.plan import Plan
-from plan3d.run.limits import RUNTIME_CP_COMM, moe_problems, runtime_problems  # noqa: F401  (re-exported)
+from plan3d.run.limits import runtime_problems  # noqa: F401  (re-exported)
 from plan3d.run.compare import predicted_for_run
 from plan3d.run.record import PLAN, is_digest, plan_path
 from plan3d.run.tokens import BUNDLED, open_tokens

@@ -183,3 +183,10 @@ def test_cli_sbatch_starts_each_engine(tmp_path, capsys, engine_name, launched):
     assert run.returncode == 0, run.stderr
     assert any(a.endswith(launched) for a in run.argv) and flags(run.torchrun_options(launched))["--nnodes"] == "4"
     assert "predictions are for" not in err
+
+
+def test_the_runtime_sbatch_states_the_nccl_settings_too(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    save_plan(megatron_plan(), path)
+    code, out, _ = run_cli(capsys, "emit", "slurm", path, "--engine", "plan3d-runtime")
+    assert code == 0 and 'export NCCL_IB_HCA="${NCCL_IB_HCA:-mlx5}"' in out and "plan3d launch" in out

@@ -25,6 +25,7 @@ from __future__ import annotations
 import shlex
 
 from plan3d.emit.launch_script import JobScript, sbatch_body
+from plan3d.emit.nccl_env import nccl_lines
 from plan3d.plan import Plan
 from plan3d.run.flags import check_run_flags, check_script_flags, shell_line
 
@@ -66,6 +67,7 @@ def sbatch_script(plan: Plan, plan_path: str, steps: int = 100, run_dir: str = "
         *_header(plan, nnodes, per_node, cpus, job_name, time_limit, partition),
         "set -euo pipefail",
         *_master_address(),
+        *([] if is_cpu_cluster(plan) else nccl_lines(plan, nnodes)),  # gloo on CPU clusters: no NCCL
         "# single quotes on purpose: NODE_RANK and the $ variables expand in each node's bash",
         "# shellcheck disable=SC2016",
         f"srun --ntasks={nnodes} --ntasks-per-node=1 --cpus-per-task={srun_cpus} bash -c {shlex.quote(inner)}",

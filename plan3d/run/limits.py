@@ -4,11 +4,13 @@ apply before starting (torch-free, and free of prediction code, so the runtime m
 The runtime's capabilities are its engine profile, engine_specs/plan3d-runtime.yaml, read by the
 one evaluator every engine has (`EngineSpec.layout_problems`: ZeRO with pp, recompute modes,
 orders, etp, the model code it builds) and its `can_run.cp_comm`; the layout rules themselves
-(ep dividing the experts, seq divisible by 2 * cp, ...) are `plan3d.layout.LAYOUT_RULES`, which a
-plan passed when it was loaded. What is left here is what only this runtime's code cannot do.
+(ep dividing the experts, seq divisible by 2 * cp, ...) are `plan3d.layout.layout_problems`, read
+here too (a plan passed them when it was loaded; one edited in memory may not have). What is left
+here is what only this runtime's code cannot do.
 """
 from __future__ import annotations
 
+from plan3d.layout import layout_problems
 from plan3d.plan import Plan
 from plan3d.specs.catalog import RUNTIME_ENGINE, load_engine
 
@@ -22,7 +24,8 @@ def runtime_problems(plan: Plan) -> list[str]:
     """What the bundled runtime cannot run (each says what to change)."""
     layout, model = plan.layout, plan.model
     runtime = load_engine(RUNTIME_ENGINE)
-    problems = runtime.layout_problems(layout, model) + moe_problems(plan)
+    problems = layout_problems(layout, model, plan.training, plan.cluster.world_size)  # a hand-edited plan too
+    problems += runtime.layout_problems(layout, model) + moe_problems(plan)
     if layout.cp > 1 and plan.cp_comm not in runtime.can_run.cp_comm:
         exchanges = runtime_cp_comm()
         problems.append(f"the bundled runtime exchanges K/V by {' or '.join(exchanges)}, not {plan.cp_comm}; "

@@ -75,7 +75,7 @@ def test_a_sequence_not_divisible_by_2cp_is_refused_in_one_line(seq, cp):
     plan = make_plan(cp=cp)
     plan = plan.model_copy(update={"training": plan.training.model_copy(update={"seq_len": seq})})
     problems = runtime_problems(plan)
-    assert any(f"cp={cp}" in p and f"seq={seq}" in p for p in problems), problems
+    assert any(f"cp={cp}" in p and f"sequence length {seq} is not divisible by {2 * cp}" in p for p in problems), problems
     assert not runtime_problems(make_plan(cp=cp))
 
 

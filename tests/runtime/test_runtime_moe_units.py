@@ -197,11 +197,12 @@ def test_launcher_refuses_what_the_moe_runtime_cannot_run_in_one_line_each():
     assert runtime_problems(_moe_plan(ep=4, dp=4, tp=2, zero=1)) == []
     ep2 = _moe_plan(ep=2, dp=2)  # a plan file edited by hand: ep=2 on a dense model (check_layout refuses it too)
     dense = ep2.model_copy(update={"model": ep2.model.model_copy(update={"moe": None})})
-    assert any("ep=2 needs MoE layers" in p for p in runtime_problems(dense))
+    assert any("ep=2 needs a mixture-of-experts model" in p for p in runtime_problems(dense))
     assert runtime_problems(make_plan(dp=2)) == []
     assert runtime_problems(_moe_plan(ep=2, dp=2, zero=3)) == []  # FSDP2 units per expert over edp
     assert any("capacity_factor" in p for p in runtime_problems(_with_moe(_moe_plan(), capacity_factor=1.25)))
-    assert any("does not divide experts=6" in p for p in runtime_problems(_with_moe(_moe_plan(ep=4, dp=4), experts=6)))
+    assert any("ep=4 does not divide the 6 routed experts" in p
+               for p in runtime_problems(_with_moe(_moe_plan(ep=4, dp=4), experts=6)))
     assert any("expert_ffn_hidden=66" in p for p in runtime_problems(_with_moe(_moe_plan(tp=4), expert_ffn_hidden=66)))
     plan = _moe_plan()
     mla = plan.model.model_copy(update={"mla": MLASpec(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16)})
@@ -271,7 +272,7 @@ def test_a_worker_started_by_an_emitted_script_refuses_what_the_runtime_cannot_t
                       Layout(tp=2, dp=4, ep=8, etp=1, zero=1, sequence_parallel=True))
     path = tmp_path / "plan.json"
     save_plan(plan, path)
-    with pytest.raises(LaunchError, match="^the bundled runtime splits experts over tp: drop etp=1$"):
+    with pytest.raises(LaunchError, match=r"^plan3d-runtime splits experts over tp only: drop etp \(expert tensor parallel = tp\)$"):
         _read_plan(str(path))
     save_plan(make_plan(dp=2), tmp_path / "ok.json")
     assert _read_plan(str(tmp_path / "ok.json")).layout.dp == 2

@@ -233,7 +233,24 @@ def moe_layer_activation_bytes(ctx: CostContext, la: LayoutArrays):
     experts = 2 * routed * ctx.expert_ffn * ctx.mlp_mats / la.tp
     dispatch = 2 * routed * la.expert_tp / la.tp * ctx.hidden + 2 * sb * ctx.experts / la.sp_div  # elements
     return ((attention + shared + experts) * ctx.act_bytes / 2 + dispatch * ctx.act_bytes + norm_mask_bytes(ctx, la)
-            + attention_score_store_bytes(ctx, la) + cp_saved_kv_bytes(ctx, la))
+            + attention_score_store_bytes(ctx, la) + cp_saved_kv_bytes(ctx, la) - fp8_moe_saved_input_bytes(ctx, la))
+
+
+def fp8_moe_saved_input_bytes(ctx: CostContext, la: LayoutArrays):
+    """Bytes an MoE layer saves in FP8 instead of bf16 (one byte less per element), as Transformer
+    Engine's Linear and GroupedLinear keep the FP8 cast of their input for the weight gradient:
+    the attention's QKV input (the norm output, h wide, sequence-split under SP) and projection
+    input (q_dim / tp), and the routed experts' FC1 input (the permuted tokens, routed x h x etp /
+    tp) -- except under moe recompute, which drops the whole block (`moe_block_discarded_bytes`,
+    at bf16). Left at bf16: the pre-MLP norm output (the router reads it in bf16), the experts'
+    FC2 input (moe-act recompute discards it; its FP8 copy is not modelled either way), the shared
+    experts. Zero unless fp8."""
+    if not ctx.fp8:
+        return 0.0
+    sb = ctx.seq * la.mb_share
+    attention = sb * (ctx.hidden / la.sp_div + ctx.q_dim / la.tp)
+    fc1 = routed_tokens(ctx, la) * la.expert_tp / la.tp * ctx.hidden
+    return attention + np.where(la.recompute == RECOMPUTE_CODES["moe"], 0.0, fc1)
 
 
 def moe_act_discarded_elements(ctx: CostContext, la: LayoutArrays):

@@ -400,6 +400,15 @@ def layout_problems(layout: Layout, model: ModelSpec, training: TrainingSpec, wo
             + recompute_problems(layout.recompute, model, training))
 
 
+def job_problems(layout: Layout, model: ModelSpec, training: TrainingSpec, world_size: int,
+                 engine=None) -> list[str]:
+    """Every reason `layout` cannot run as a job: the layout rules (`layout_problems`), then what
+    `engine` (an EngineSpec, or None) cannot run (`EngineSpec.layout_problems`, its profile's
+    `can_run`). The one call for the pair; `check` keeps them apart only to label its findings."""
+    engine_problems = engine.layout_problems(layout, model) if engine is not None else []
+    return layout_problems(layout, model, training, world_size) + engine_problems
+
+
 def problem_codes(layout: Layout, model: ModelSpec, training: TrainingSpec, world_size: int) -> list[int | None]:
     """The rule codes behind `layout_problems`, one per sentence (None: a rule the search has no code for)."""
     return ([rule.code for rule in broken_rules(RuleFacts.of(layout, model, training, world_size))]

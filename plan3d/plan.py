@@ -28,7 +28,7 @@ from pydantic import (
 
 from plan3d import __version__
 from plan3d.errors import SpecError, refuse_special_target
-from plan3d.layout import Layout, layout_problems
+from plan3d.layout import Layout, job_problems
 from plan3d.rankmap import MAX_PLAN_RANKS, RankMap, rankmap_for
 from plan3d.specs.base import StrictModel, Text
 from plan3d.specs.cluster import ClusterSpec
@@ -320,10 +320,8 @@ def plan_problems(plan: Plan, sections: dict[str, dict] | None = None) -> list[s
     if sections is None:
         sections = plan.model_dump(mode="json", include=set(SECTIONS))
 
-    problems = [f"layout: {p}" for p in layout_problems(plan.layout, plan.model, plan.training,
-                                                         plan.cluster.world_size)]
-    if plan.engine is not None:
-        problems += [f"layout: {p}" for p in plan.engine.layout_problems(plan.layout, plan.model)]
+    problems = [f"layout: {p}" for p in job_problems(plan.layout, plan.model, plan.training,
+                                                      plan.cluster.world_size, plan.engine)]
     if problems:  # a rank map of an impossible layout says nothing more
         return problems
     return _rankmap_problems(plan, sections.get("rankmap", {})) + _estimate_problems(sections.get("estimate", {}))

@@ -27,7 +27,7 @@ import numpy as np
 from plan3d.cost.estimate import estimate, idle_gpus_warning
 from plan3d.errors import LayoutError
 from plan3d.fit_rules import FitFacts, Thresholds, broken_fit_rules
-from plan3d.layout import Layout, layout_problems
+from plan3d.layout import Layout, job_problems, layout_problems
 from plan3d.search import (
     DEFAULT_ORDERS,
     LAYOUT_KNOBS,
@@ -294,9 +294,7 @@ def layout_suggestions(cluster, model, training, base, orders: tuple[str, ...] =
             continue  # e.g. doubling pp of an explicit pp_layers split
         if engine is not None:
             layout = engine.resolve_split(layout, model)
-            if engine.layout_problems(layout, model):
-                continue
-        if layout_problems(layout, model, training, cluster.world_size):
+        if job_problems(layout, model, training, cluster.world_size, engine):
             continue
         est = estimate(cluster, model, training, layout, engine).to_dict()
         out.append(Suggestion(label, layout, float(est["peak_memory_bytes"]), float(est["capacity_bytes"]),

@@ -194,3 +194,17 @@ def test_the_search_drops_an_order_exactly_when_same_groups_as_says_so():
         layout = Layout(tp=tp, pp=pp, dp=dp, order=orders[i])
         assert drop == any(layout.same_groups_as(earlier) for earlier in orders[:i]), layout.short()
     assert 0 < dropped.sum() < len(rows)
+
+
+def test_job_problems_are_the_layout_rules_then_the_engines():
+    """One call for the pair every job check makes: a layout breaking a rule (tp=5 of 96 heads) and
+    something the engine cannot run (ZeRO-3 with pp on Megatron-DeepSpeed) gives both sentences,
+    the rule's first; without an engine only the rule's."""
+    from plan3d.layout import job_problems
+    from plan3d.specs.catalog import load_engine
+
+    model, training = load_model("gpt3-175b"), TrainingSpec(global_batch=1536)
+    layout = Layout(tp=5, pp=2, dp=4, zero=3)
+    both = job_problems(layout, model, training, 512, load_engine("megatron-deepspeed"))
+    assert "tp=5" in both[0] and any("ZeRO-3" in p and "megatron-deepspeed" in p for p in both[1:])
+    assert job_problems(layout, model, training, 512) == layout_problems(layout, model, training, 512)

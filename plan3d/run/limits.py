@@ -10,7 +10,7 @@ here is what only this runtime's code cannot do.
 """
 from __future__ import annotations
 
-from plan3d.layout import layout_problems
+from plan3d.layout import job_problems
 from plan3d.plan import Plan
 from plan3d.specs.catalog import RUNTIME_ENGINE, load_engine
 
@@ -24,8 +24,8 @@ def runtime_problems(plan: Plan) -> list[str]:
     """What the bundled runtime cannot run (each says what to change)."""
     layout, model = plan.layout, plan.model
     runtime = load_engine(RUNTIME_ENGINE)
-    problems = layout_problems(layout, model, plan.training, plan.cluster.world_size)  # a hand-edited plan too
-    problems += runtime.layout_problems(layout, model) + moe_problems(plan)
+    problems = job_problems(layout, model, plan.training, plan.cluster.world_size, runtime)  # a hand-edited plan too
+    problems += moe_problems(plan)
     if layout.cp > 1 and plan.cp_comm not in runtime.can_run.cp_comm:
         exchanges = runtime_cp_comm()
         problems.append(f"the bundled runtime exchanges K/V by {' or '.join(exchanges)}, not {plan.cp_comm}; "

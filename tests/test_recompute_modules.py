@@ -76,18 +76,23 @@ def test_moe_act_is_refused_for_a_dense_model_not_with_fp8():
     assert "moe-act" not in recompute_modes(RECOMPUTE_MODES, gpt, TrainingSpec(global_batch=1536))
 
 
-def test_the_search_offers_moe_act_only_where_the_engine_runs_it_and_the_model_has_experts(cluster, mixtral):
+@pytest.mark.parametrize("mode", ["moe-act", "moe"])
+def test_the_search_offers_module_recompute_only_where_the_engine_runs_it_and_the_model_has_experts(
+        cluster, mixtral, mode):
     training = TrainingSpec(global_batch=256)
     space = Space(max_micro_batch=1, max_vpp=1)
     moe = search(cluster, mixtral, training, space, engine=load_engine("megatron-core"))
-    assert "moe-act" in {moe.layout(i).recompute for i in range(moe.size)}
+    assert mode in {moe.layout(i).recompute for i in range(moe.size)}
     titan = search(cluster, mixtral, training, space, engine=load_engine("torchtitan"))
-    assert "moe-act" not in {titan.layout(i).recompute for i in range(titan.size)}
+    assert mode not in {titan.layout(i).recompute for i in range(titan.size)}
     dense = search(cluster, load_model("llama3-8b"), TrainingSpec(global_batch=64), space,
                    engine=load_engine("megatron-core"))
-    assert "moe-act" not in {dense.layout(i).recompute for i in range(dense.size)}
+    assert mode not in {dense.layout(i).recompute for i in range(dense.size)}
     with pytest.raises(LayoutError, match="dense"):
-        search(cluster, load_model("llama3-8b"), TrainingSpec(global_batch=64), Space(recompute=("moe-act",)))
+        search(cluster, load_model("llama3-8b"), TrainingSpec(global_batch=64), Space(recompute=(mode,)))
+    problems = layout_problems(Layout(tp=8, pp=8, dp=8, recompute=mode, sequence_parallel=True),
+                               load_model("gpt3-175b"), TrainingSpec(global_batch=1536), 512)
+    assert any("dense" in p and f"recompute {mode}" in p for p in problems)
 
 
 def test_emit_megatron_writes_the_recompute_modules(cluster, mixtral):
@@ -128,18 +133,6 @@ def test_moe_recompute_repeats_the_block_and_its_all_to_alls(cluster, mixtral):
     assert block["time_s"]["ep_comm"] == pytest.approx(1.5 * none["time_s"]["ep_comm"], rel=1e-9)
     assert block["mfu"] * block["step_time_s"] == pytest.approx(none["mfu"] * none["step_time_s"], rel=1e-9)
     assert block["hfu"] * block["step_time_s"] > 1.05 * none["hfu"] * none["step_time_s"]
-
-
-def test_moe_recompute_is_searched_for_moe_models_on_megatron_core_only(cluster, mixtral):
-    training = TrainingSpec(global_batch=256)
-    space = Space(max_micro_batch=1, max_vpp=1)
-    moe = search(cluster, mixtral, training, space, engine=load_engine("megatron-core"))
-    assert "moe" in {moe.layout(i).recompute for i in range(moe.size)}
-    titan = search(cluster, mixtral, training, space, engine=load_engine("torchtitan"))
-    assert "moe" not in {titan.layout(i).recompute for i in range(titan.size)}
-    problems = layout_problems(Layout(tp=8, pp=8, dp=8, recompute="moe", sequence_parallel=True),
-                               load_model("gpt3-175b"), TrainingSpec(global_batch=1536), 512)
-    assert any("dense" in p and "recompute moe" in p for p in problems)
 
 
 def test_emit_megatron_writes_the_moe_module_and_a_recipe_megatron_takes_with_fp8(cluster, mixtral):

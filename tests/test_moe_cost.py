@@ -353,3 +353,15 @@ def test_expert_tp_token_gather_by_hand(h100_512, mixtral):
         pytest.approx(2 * (pair(routed / 2, 2) - 0.5 * pair(tokens, 4)))
     alone = layout_arrays(1024, [1], [1], [512], [1], [1], [1], [RECOMPUTE_CODES["none"]], [0.0], [1], [8])
     assert _expert_tp_gather_s(ctx, alone, links, np.array([False]))[0] == 0.0
+
+
+def test_an_all_to_all_across_nodes_sends_what_stays_over_nvlink_and_what_leaves_over_the_nic():
+    """By hand: 32 ranks, 8 per node, NVLink 360 GB/s and a 45 GB/s NIC share per GPU. Of the 31/32
+    of its data a rank sends, 7/32 stays in the node (7/32 / 360e9 s per byte) and 24/32 leaves it
+    (24/32 / 45e9 s per byte), at once: the NIC part is slower, so the effective bandwidth that
+    prices 31/32 of the data is 31/24 x 45 GB/s. Inside one node it is the node's link."""
+    from plan3d.cost.comm import all_to_all_bandwidth
+
+    assert all_to_all_bandwidth(32, 8, 360e9, 45e9) == pytest.approx(31 / 24 * 45e9)
+    assert all_to_all_bandwidth(8, 8, 360e9, 45e9) == pytest.approx(360e9)  # nothing leaves the node
+    assert all_to_all_bandwidth(4, 1, 360e9, 45e9) == pytest.approx(45e9)  # one rank per node: all over the NIC

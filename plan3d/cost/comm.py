@@ -28,8 +28,9 @@ GROUPS = ("tp", "pp", "dp")
 # what an engine that issues one small collective per parameter gets (RunsAs.zero3_collectives);
 # the context-parallel ring (`cp`) and the group gradients are reduced over (`dp_cp`: dp x cp,
 # Megatron-Core's dp_cp_group). With cp = 1, dp_cp is the dp group and the cp ring carries nothing.
-# Expert parallelism: the all-to-all group (`ep`, one NIC share per GPU across nodes: each rank
-# exchanges with every other, no multi-rail rings) and the expert-data-parallel group its experts'
+# Expert parallelism: the all-to-all group (`ep`: each rank exchanges with every other, no rings;
+# across nodes a GPU sends what leaves the node over its own NIC share and what stays over the
+# node's link, `all_to_all_bandwidth`) and the expert-data-parallel group its experts'
 # gradients are reduced over (`edp`, dp*cp/ep ranks). With ep = 1, edp is dp_cp and ep carries nothing.
 # With an expert tensor-parallel degree other than tp (MoE Parallel Folding) the experts' token
 # all-gather / reduce-scatter runs on their own group (`etp`); otherwise etp is the tp group.
@@ -57,9 +58,10 @@ class GroupLink:
 
 
 def group_link(layout: Layout, name: str, tiers: tuple[ResolvedTier, ...], gpus_per_node: int,
-               single_rail: bool = False) -> GroupLink:
+               single_rail: bool = False, all_to_all: bool = False) -> GroupLink:
     """The tier a group spans (rank map) and its effective bandwidth and latency per collective
-    (`single_rail`: across domains each GPU gets its own share of the outer tier only)."""
+    (`single_rail`: across domains each GPU gets its own share of the outer tier only;
+    `all_to_all`: the group exchanges pairwise, `all_to_all_bandwidth`)."""
     rankmap = rankmap_for(layout, gpus_per_node)
     index = rankmap.tier_index(name, list(tiers))
     tier = tiers[index]
@@ -67,12 +69,26 @@ def group_link(layout: Layout, name: str, tiers: tuple[ResolvedTier, ...], gpus_
         return GroupLink(tier.name, tuple(tier.cost(op) for op in COLLECTIVE_KINDS))
     inner = tiers[index - 1]
     group = rankmap.group_array(name)[0]
-    per_domain = 1 if single_rail else len(group) / len(np.unique(group // inner.domain_gpus))
+    members = len(group) / len(np.unique(group // inner.domain_gpus))  # of the group in each inner domain
+    per_domain = 1 if single_rail else members
     costs = []
     for op in COLLECTIVE_KINDS:
         (inner_bw, _), (outer_bw, latency) = inner.cost(op), tier.cost(op)
-        costs.append((min(inner_bw, per_domain * outer_bw), latency))
+        bandwidth = (all_to_all_bandwidth(len(group), members, inner_bw, outer_bw) if all_to_all
+                     else min(inner_bw, per_domain * outer_bw))
+        costs.append((bandwidth, latency))
     return GroupLink(tier.name, tuple(costs))
+
+
+def all_to_all_bandwidth(n: int, members: float, inner_bw: float, outer_bw: float) -> float:
+    """Effective per-GPU bandwidth of a pairwise all-to-all over `n` ranks, `members` of them in
+    each inner domain (a node): of the (n - 1)/n of its data a rank sends, (members - 1)/n goes to
+    its own domain over the inner link and (n - members)/n leaves over its own share of the outer
+    tier, both at once (Thakur et al. 2005's pairwise exchange; NCCL's all-to-all is one send/recv
+    per peer, each on the link to that peer). Priced as all_gather_s prices (n - 1)/n of the data,
+    this is the bandwidth that gives the slower of the two parts:
+    (n - 1) / max((members - 1) / inner_bw, (n - members) / outer_bw)."""
+    return (n - 1) / max((members - 1) / inner_bw, (n - members) / outer_bw)
 
 
 @lru_cache(maxsize=65536)
@@ -88,7 +104,7 @@ def layout_links(tp: int, pp: int, dp: int, order: str, tiers: tuple[ResolvedTie
     links["dp_nic"] = group_link(layout, reduce_group, tiers, gpus_per_node, single_rail=True)
     links["cp"] = group_link(layout, "cp", tiers, gpus_per_node) if cp > 1 else links["tp"]
     links["dp_cp"] = group_link(layout, "dp_cp", tiers, gpus_per_node) if cp > 1 else links["dp"]
-    links["ep"] = group_link(layout, "ep", tiers, gpus_per_node, single_rail=True) if ep > 1 else links["tp"]
+    links["ep"] = group_link(layout, "ep", tiers, gpus_per_node, all_to_all=True) if ep > 1 else links["tp"]
     links["edp"] = group_link(layout, "edp", tiers, gpus_per_node) if ep > 1 or layout.etp else links["dp_cp"]
     links["etp"] = group_link(layout, "etp", tiers, gpus_per_node) if layout.etp else links["tp"]
     return links

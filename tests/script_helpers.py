@@ -12,7 +12,7 @@ from pathlib import Path
 SENTINEL = "sentinel-from-the-environment"  # CUDA_DEVICE_MAX_CONNECTIONS before the script runs
 REQUIRED_DEFAULTS = {"MEGATRON_LM": "/opt/Megatron-LM", "DATA_PATH": "mock", "TOKENIZER": "null",
                      "TRAIN_ITERS": "10", "LR": "0.0003", "MASTER_ADDR": "10.0.0.1", "TRAIN_STEPS": "10",
-                     "TRAIN_SCRIPT": "/work/train.py"}
+                     "TRAIN_SCRIPT": "/work/train.py", "HF_ASSETS": "/assets/hf/Llama-3.1-8B"}
 RECORDER = """#!/usr/bin/env bash
 printf '%s\\0' "$@" > "$STUB_DIR/$(basename "$0").argv"
 env -0 > "$STUB_DIR/$(basename "$0").env"

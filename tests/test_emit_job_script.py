@@ -156,6 +156,12 @@ def test_torchtitan_job_writes_its_module_and_runs_torchtitan_train():
     args = flags(run.program_args("torchtitan.train"))
     assert (args["--module"], args["--config"], args["--training.steps"]) == ("plan3d_job", "plan3d_job", "25")
     assert args["--dump_folder"].endswith("/run") and run.env["PYTHONPATH"].split(":")[0].endswith("/run/job")
+    assert args["--hf_assets_path"] == "/assets/hf/Llama-3.1-8B"  # required from the environment
+    stopped = run_script(node_script(plan, job), {"TRAIN_STEPS": "3", "MASTER_ADDR": "h"}, fill_required=False)
+    assert stopped.returncode != 0 and "set HF_ASSETS " in stopped.stderr
+    given, _ = torchtitan_job(plan, "torchtitan", 25, "/models/llama3-8b")
+    assert flags(run_script(node_script(plan, given)).program_args("torchtitan.train"))["--hf_assets_path"] == \
+        "/models/llama3-8b"
 
 
 def test_deepspeed_job_runs_the_users_script_with_the_plans_config():

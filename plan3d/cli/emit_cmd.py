@@ -126,8 +126,9 @@ def _engine_job(loaded, engine, data_path, tokenizer, train_iters, lr):
         print(f"note: {choice.note}", file=sys.stderr)
     if choice.launcher == "runtime":
         return None
-    given = {"--data-path": data_path, "--tokenizer": tokenizer, "--lr": lr,
-             "--train-iters": None if choice.launcher == "torchtitan" else train_iters}
+    titan = choice.launcher == "torchtitan"
+    given = {"--data-path": data_path, "--tokenizer": None if titan and tokenizer != "null" else tokenizer, "--lr": lr,
+             "--train-iters": None if titan else train_iters}
     unused = [flag for flag, value in given.items() if value is not None and choice.launcher != "megatron"]
     if unused:
         print(f"note: {', '.join(unused)} not used: {choice.engine} takes them from its own config (torchtitan: the "

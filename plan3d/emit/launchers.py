@@ -59,16 +59,21 @@ def choose_engine(plan: Plan, engine: str | None) -> Choice:
     return Choice(chosen, LAUNCHER_OF[chosen], note)
 
 
-def torchtitan_job(plan: Plan, engine: str, train_steps: int | None) -> tuple[JobScript, list[str]]:
+def torchtitan_job(plan: Plan, engine: str, train_steps: int | None,
+                   hf_assets: str | None = None) -> tuple[JobScript, list[str]]:
     """`torchrun -m torchtitan.train --module plan3d_job --config plan3d_job`, the module written into
-    $RUN_DIR/job and put on PYTHONPATH; torchtitan's dump folder (checkpoints, tensorboard) is RUN_DIR."""
+    $RUN_DIR/job and put on PYTHONPATH; torchtitan's dump folder (checkpoints, tensorboard) is RUN_DIR
+    and its tokenizer the Hugging Face assets folder HF_ASSETS (`--hf_assets_path`; `emit --tokenizer`
+    gives it a default). The data set is the recipe's (override after the script's name)."""
     emitted = emit_torchtitan(plan, compile=engine == "torchtitan-compile", module=DEFAULT_MODULE)
     steps = ScriptVariable("TRAIN_STEPS", "set TRAIN_STEPS to the number of training steps",
                            None if train_steps is None else str(train_steps))
+    assets = ScriptVariable("HF_ASSETS", "set HF_ASSETS to the folder of the model tokenizer files from Hugging "
+                            "Face (tokenizer.json)", hf_assets)
     job = JobScript(engine=f"{engine} {TORCHTITAN_VERSIONS}", program=["-m", "torchtitan.train"],
-                    args=["--module", DEFAULT_MODULE, "--config", CONFIG_FUNCTION], variables=[steps],
+                    args=["--module", DEFAULT_MODULE, "--config", CONFIG_FUNCTION], variables=[steps, assets],
                     environment=['export PYTHONPATH="$RUN_DIR/job${PYTHONPATH:+:$PYTHONPATH}"  # the job module'],
-                    run_lines=['ARGS+=(--dump_folder "$RUN_DIR" --training.steps "$TRAIN_STEPS")'],
+                    run_lines=['ARGS+=(--dump_folder "$RUN_DIR" --training.steps "$TRAIN_STEPS" --hf_assets_path "$HF_ASSETS")'],
                     run_dirs=("job", "logs"), files=[(f"job/{DEFAULT_MODULE}.py", emitted.text)])
     return job, emitted.notes
 
@@ -91,5 +96,6 @@ def engine_job(plan: Plan, choice: Choice, run: MegatronRun) -> tuple[JobScript,
     if choice.launcher == "megatron":
         return megatron_job(plan, run)
     if choice.launcher == "torchtitan":
-        return torchtitan_job(plan, choice.engine, run.train_iters)
+        hf_assets = run.tokenizer if run.tokenizer not in (None, "null") else None
+        return torchtitan_job(plan, choice.engine, run.train_iters, hf_assets)
     return deepspeed_job(plan)

@@ -286,6 +286,7 @@ def test_torchtitan_job_script_is_what_torchtitan_and_torchrun_parse(tmp_path, c
     sys.modules.pop("plan3d_job", None)
     config = ConfigManager().parse_args(ran.program_args("torchtitan.train"))
     assert config.training.steps == 12 and config.dump_folder.endswith("/run")
+    assert config.hf_assets_path == "/assets/hf/Llama-3.1-8B"
     assert config.parallelism.data_parallel_shard_degree == 32
     parsed = run.get_args_parser().parse_args(ran.argv)
     assert parsed.module and parsed.training_script == "torchtitan.train" and parsed.rdzv_backend == "static"

@@ -49,7 +49,7 @@ from published_runs import DATA, EXTRA, Run, load, load_extra  # noqa: E402
 
 import yaml  # noqa: E402
 
-from plan3d.cost.bands import BAND_FILE, REGION_FIELDS, BandData, MeasuredRun, Region, band_of, load_band_data, without_source  # noqa: E402
+from plan3d.cost.bands import BAND_FILE, REGION_FIELDS, BandData, MeasuredRun, Region, band_of, load_band_data, sharded_stages, without_source  # noqa: E402
 from plan3d.cost.estimate import estimate  # noqa: E402
 from plan3d.errors import LayoutError  # noqa: E402
 from plan3d.layout import Layout  # noqa: E402
@@ -431,9 +431,9 @@ def measured_run(run: Run, layout: Layout | None, error_pct: float, how: str, pa
     if layout is None or not np.isfinite(error_pct) or not run.ran_on_engine:
         return None
     gpu = _cluster(run.cluster, run.gpus, tuple(sorted(params.items()))).gpu.generation_name
-    sharded = tuple(load_engine(run.engine).runs_as.sharded_zero) if run.engine in bundled_names("engine") else (3,)
+    engine = load_engine(run.engine) if run.engine in bundled_names("engine") else None
     region = Region.of(run.engine, gpu, layout.zero, layout.cp, run.model.moe is not None, run.training.precision,
-                       sharded)
+                       sharded_stages(engine))
     return MeasuredRun(id=run.id, source=run.source, gpus=run.gpus, error_pct=float(error_pct), how=how,
                        **{k: getattr(region, k) for k in REGION_FIELDS})
 

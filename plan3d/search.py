@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from plan3d.cost.bands import Band, BandArrays, band_arrays
+from plan3d.cost.bands import Band, BandArrays, band_arrays, sharded_stages
 from plan3d.cost.batch import Candidates, estimate_batch
 from plan3d.cost.estimate import estimate
 from plan3d.cost.memory import chunk_moe_layers
@@ -437,10 +437,10 @@ def expert_tp_choices(space: Space, model: ModelSpec, engine: EngineSpec | None)
     experts; `--etp N` that; a LayoutError where it cannot be."""
     runs = model.moe is not None and (engine is None or engine.can_run.expert_tensor_parallel)
     if space.etp_fixed is not None:
-        if space.etp_fixed != 1 and not runs:
+        if not runs:
             why = f"{model.name} is dense" if model.moe is None else f"{engine.name} splits experts over tp only"
             raise LayoutError(f"--etp {space.etp_fixed}: {why}; drop --etp")
-        return (space.etp_fixed,) if runs else ()
+        return (space.etp_fixed,)
     if space.etp is None:
         return (1,) if runs and engine is not None else ()
     return space.etp if runs else ()
@@ -744,7 +744,7 @@ def search_bands(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec,
     n = len(layouts["tp"])
     return band_arrays(engine.name if engine else "", cluster.gpu.generation_name, layouts["zero"],
                        layouts.get("cp", np.ones(n)), model.moe is not None, training.precision, cluster.world_size,
-                       sharded_zero=tuple(engine.runs_as.sharded_zero) if engine else (3,))
+                       sharded_zero=sharded_stages(engine))
 
 
 def drop_idle_partial(layouts: dict[str, np.ndarray], metrics: dict[str, np.ndarray],

@@ -9,7 +9,7 @@ from plan3d.cost.context import make_context
 from plan3d.cost.estimate import estimate
 from plan3d.errors import LayoutError
 from plan3d.layout import Layout
-from plan3d.specs.catalog import bundled_names, load_cluster, load_engine, load_model
+from plan3d.specs.catalog import bundled_names, load_cluster, load_engine
 from plan3d.specs.engine import EngineSpec
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec

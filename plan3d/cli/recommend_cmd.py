@@ -1,7 +1,6 @@
 """`plan3d recommend` and `plan3d explain`: parse -> load -> search -> rank -> render (issue 5)."""
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 

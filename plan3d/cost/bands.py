@@ -76,6 +76,16 @@ def load_band_data(path: Path = BAND_FILE) -> BandData:
 
 
 # ---- regions ---------------------------------------------------------------------------------
+def sharded_stages(engine) -> tuple[int, ...]:
+    """The ZeRO stages an engine (an EngineSpec, or None) runs fully sharded: `runs_as.sharded_zero`."""
+    return tuple(engine.runs_as.sharded_zero) if engine is not None else (3,)
+
+
+def is_sharded(zero, sharded_zero: tuple[int, ...]):
+    """Whether ZeRO stage `zero` (a number or an array) is in the ZeRO-3/FSDP region."""
+    return (np.asarray(zero) >= 3) | np.isin(np.asarray(zero), sharded_zero)
+
+
 @dataclass(frozen=True)
 class Region:
     """What a prediction's accuracy depends on (a published run's, or a layout's)."""
@@ -90,9 +100,9 @@ class Region:
     @classmethod
     def of(cls, engine: str, gpu: str, zero: int, cp: int, moe: bool, precision: str,
            sharded_zero: tuple[int, ...] = (3,)) -> Region:
-        """`sharded_zero`: the stages the engine runs fully sharded (EngineSpec RunsAs.sharded_zero)."""
-        sharded = zero >= 3 or zero in sharded_zero
-        return cls(engine, gpu, "zero3" if sharded else "zero0-2", cp > 1, moe, precision == "fp8")
+        """`sharded_zero`: the stages the engine runs fully sharded (`sharded_stages`)."""
+        sharding = "zero3" if bool(is_sharded(zero, sharded_zero)) else "zero0-2"
+        return cls(engine, gpu, sharding, cp > 1, moe, precision == "fp8")
 
     @property
     def name(self) -> str:
@@ -315,8 +325,7 @@ class BandArrays:
 def band_arrays(engine: str, gpu: str, zero: np.ndarray, cp: np.ndarray, moe: bool, precision: str,
                 gpus: int, data: BandData | None = None, sharded_zero: tuple[int, ...] = (3,)) -> BandArrays:
     """The bands of many layouts of one search (a few distinct regions: sharded or not, cp or not)."""
-    sharded = (np.asarray(zero) >= 3) | np.isin(np.asarray(zero), sharded_zero)
-    keys = np.stack([sharded, np.asarray(cp) > 1], axis=1).astype(np.int8)
+    keys = np.stack([is_sharded(zero, sharded_zero), np.asarray(cp) > 1], axis=1).astype(np.int8)
     distinct, index = np.unique(keys, axis=0, return_inverse=True)
     bands = [band_of(Region.of(engine, gpu, 3 if z else 0, 2 if c else 1, moe, precision), gpus, data)
              for z, c in distinct]

@@ -73,8 +73,8 @@ def recompute_flops_per_step(ctx: CostContext, recompute, partial_share=0.0):
     layers = ctx.layers * layer_gemm_flops(ctx, tokens) + attention
     if ctx.moe_layers:
         layers += ctx.moe_layers * (moe_active_gemm_flops(ctx, tokens) - layer_gemm_flops(ctx, tokens))
-    moe_block = ctx.moe_layers * 2 * tokens * ctx.hidden * (
-        ctx.mlp_mats * (ctx.top_k * ctx.expert_ffn + ctx.shared_ffn) + ctx.experts) if ctx.moe_layers else 0.0
+    # the moe module reruns an MoE layer's expert, shared-expert and router GEMMs, not its attention
+    moe_block = ctx.moe_layers * (moe_active_gemm_flops(ctx, tokens) - 2 * tokens * ctx.attn_weight_params)
     recompute = np.asarray(recompute)
     return np.where(recompute >= RECOMPUTE_CODES["full"], layers,
                     np.where(recompute == RECOMPUTE_CODES["selective"], attention,

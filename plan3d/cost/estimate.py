@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 from plan3d.cost.arrays import layout_arrays
-from plan3d.cost.bands import Band, Region, band_of
+from plan3d.cost.bands import Band, Region, band_of, sharded_stages
 from plan3d.cost.comm import GROUPS, layout_links
 from plan3d.cost.finite import require_finite
 from plan3d.cost.memory import rank_layer_counts
@@ -103,8 +103,7 @@ def layout_band(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, 
                 engine: EngineSpec | None) -> Band:
     """The error band of a prediction of `layout` (plan3d.cost.bands): its region's left-out errors."""
     region = Region.of(engine.name if engine else "", cluster.gpu.generation_name, layout.zero, layout.cp,
-                       model.moe is not None, training.precision,
-                       tuple(engine.runs_as.sharded_zero) if engine else (3,))
+                       model.moe is not None, training.precision, sharded_stages(engine))
     return band_of(region, layout.world_size)
 
 

@@ -228,12 +228,19 @@ def moe_layer_activation_bytes(ctx: CostContext, la: LayoutArrays):
     logits and probabilities (tokens x experts, sequence-split under sequence parallelism)."""
     sb = ctx.seq * la.mb_share
     attention = 2 * sb * (2 * ctx.q_dim + 2 * ctx.kv_dim) / la.tp
-    shared = 2 * sb * ctx.shared_ffn * ctx.mlp_mats / la.tp
-    routed = routed_tokens(ctx, la)
-    experts = 2 * routed * ctx.expert_ffn * ctx.mlp_mats / la.tp
-    dispatch = 2 * routed * la.expert_tp / la.tp * ctx.hidden + 2 * sb * ctx.experts / la.sp_div  # elements
-    return ((attention + shared + experts) * ctx.act_bytes / 2 + dispatch * ctx.act_bytes + norm_mask_bytes(ctx, la)
+    return (attention * ctx.act_bytes / 2 + moe_block_bytes(ctx, la) + norm_mask_bytes(ctx, la)
             + attention_score_store_bytes(ctx, la) + cp_saved_kv_bytes(ctx, la) - fp8_moe_saved_input_bytes(ctx, la))
+
+
+def moe_block_bytes(ctx: CostContext, la: LayoutArrays):
+    """What the MoE block of a layer (MoELayer.forward) stores per micro-batch at 16 bits: the
+    shared and routed experts' FFN tensors, the permuted tokens each way and the router's logits
+    and probabilities (`moe_layer_activation_bytes`)."""
+    sb = ctx.seq * la.mb_share
+    routed = routed_tokens(ctx, la)
+    ffn = 2 * sb * ctx.shared_ffn * ctx.mlp_mats / la.tp + 2 * routed * ctx.expert_ffn * ctx.mlp_mats / la.tp
+    dispatch = 2 * routed * la.expert_tp / la.tp * ctx.hidden + 2 * sb * ctx.experts / la.sp_div  # elements
+    return ffn * ctx.act_bytes / 2 + dispatch * ctx.act_bytes
 
 
 def fp8_moe_saved_input_bytes(ctx: CostContext, la: LayoutArrays):
@@ -273,12 +280,8 @@ def moe_block_discarded_bytes(ctx: CostContext, la: LayoutArrays):
     logits and probabilities: MoELayer.forward runs under one tensor_parallel.checkpoint, which
     keeps only its input) and that input, the pre-MLP norm's output (an output-discarding
     checkpoint of the layernorm module, as in moe-act). The attention half of the layer is kept."""
-    sb = ctx.seq * la.mb_share
-    routed = routed_tokens(ctx, la)
-    ffn = 2 * sb * ctx.shared_ffn * ctx.mlp_mats / la.tp + 2 * routed * ctx.expert_ffn * ctx.mlp_mats / la.tp
-    dispatch = 2 * routed * la.expert_tp / la.tp * ctx.hidden + 2 * sb * ctx.experts / la.sp_div
-    norm = sb * ctx.hidden / la.sp_div
-    return ffn * ctx.act_bytes / 2 + (dispatch + norm) * ctx.act_bytes
+    norm_output = ctx.seq * la.mb_share * ctx.hidden / la.sp_div
+    return moe_block_bytes(ctx, la) + norm_output * ctx.act_bytes
 
 
 def in_flight(la: LayoutArrays, pp_rank):

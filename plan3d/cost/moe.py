@@ -11,6 +11,8 @@ layout sets its own etp (MoE Parallel Folding; `LayoutArrays.expert_tp`).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from plan3d.cost import comm
@@ -35,40 +37,52 @@ def moe_layer_forward_s(ctx: CostContext, la: LayoutArrays):
     tokens x experts, and the permutation: every routed copy read and written once to gather it
     by expert before the dispatch and once more to restore token order after the combine."""
     tokens = la.mb_share * ctx.seq
+    block = moe_block_work(ctx, la)
+    attention_linear = 2 * tokens * ctx.attn_weight_params / la.tp
+    linear = linear_s(ctx, attention_linear + block.gemm_flops, 2 + ctx.attn_extra_gemms + block.gemms)
+    scores = gemm_s(ctx, layer_attention_flops(ctx, la.mb_share) / la.tp, ATTENTION_GEMMS)
+    elements = tokens * ctx.hidden / la.sp_div + tokens * (ctx.q_dim + 2 * ctx.kv_dim) / la.tp + block.elements
+    score_traffic = memory_bound_s(ctx, la.mb_share * ctx.heads / la.tp * ctx.seq**2, ctx.attention_score_bytes)
+    return (linear + block.router_s + scores + block.permute_s + score_traffic
+            + memory_bound_s(ctx, elements, ctx.elementwise_bytes))
+
+
+@dataclass(frozen=True)
+class BlockWork:
+    """The MoE block's work per micro-batch on one rank (MoELayer.forward without its all-to-alls)."""
+
+    gemm_flops: object  # shared and routed expert GEMMs
+    gemms: object  # how many GEMMs they are (the saturating curve prices each at its own size)
+    router_s: object
+    permute_s: object
+    elements: object  # elementwise work, in elements
+
+
+def moe_block_work(ctx: CostContext, la: LayoutArrays) -> BlockWork:
+    """Shared experts as a dense MLP of their width, the local experts as experts/ep GEMM pairs
+    over the rank's `routed_tokens`, the router (h x experts per token, sequence-split under SP),
+    the permutation (every routed copy read and written twice) and the block's elementwise work."""
+    tokens = la.mb_share * ctx.seq
     routed = routed_tokens(ctx, la)
     h, mats = ctx.hidden, ctx.mlp_mats
-    attention_linear = 2 * tokens * ctx.attn_weight_params / la.tp
-    shared = 2 * tokens * mats * h * ctx.shared_ffn / la.tp
-    experts = 2 * routed * mats * h * ctx.expert_ffn / la.tp
-    linear = linear_s(ctx, attention_linear + shared + experts,
-                      2 + ctx.attn_extra_gemms + (2 if ctx.shared_ffn else 0) + 2 * ctx.experts / la.ep)
-    router = gemm_s(ctx, 2 * tokens * h * ctx.experts / la.sp_div, 1)
-    scores = gemm_s(ctx, layer_attention_flops(ctx, la.mb_share) / la.tp, ATTENTION_GEMMS)
-    elements = (tokens * h / la.sp_div + tokens * (ctx.q_dim + 2 * ctx.kv_dim + mats * ctx.shared_ffn) / la.tp
-                + routed * mats * ctx.expert_ffn / la.tp + tokens * ctx.experts / la.sp_div)
-    permute = memory_bound_s(ctx, 2 * routed * h / la.sp_div, 2 * ctx.act_bytes)
-    score_traffic = memory_bound_s(ctx, la.mb_share * ctx.heads / la.tp * ctx.seq**2, ctx.attention_score_bytes)
-    return (linear + router + scores + permute + score_traffic
-            + memory_bound_s(ctx, elements, ctx.elementwise_bytes))
+    flops = 2 * tokens * mats * h * ctx.shared_ffn / la.tp + 2 * routed * mats * h * ctx.expert_ffn / la.tp
+    return BlockWork(gemm_flops=flops, gemms=(2 if ctx.shared_ffn else 0) + 2 * ctx.experts / la.ep,
+                     router_s=gemm_s(ctx, 2 * tokens * h * ctx.experts / la.sp_div, 1),
+                     permute_s=memory_bound_s(ctx, 2 * routed * h / la.sp_div, 2 * ctx.act_bytes),
+                     elements=(tokens * mats * ctx.shared_ffn / la.tp + routed * mats * ctx.expert_ffn / la.tp
+                               + tokens * ctx.experts / la.sp_div))
 
 
 def moe_block_redo_s(ctx: CostContext, la: LayoutArrays):
     """Seconds per MoE layer and micro-batch that moe recompute adds (its all-to-alls are in
-    `ep_comm_s`): the MoE block of `moe_layer_forward_s` again -- shared and routed expert GEMMs,
-    router, permutation and the block's elementwise work -- and the pre-MLP norm (read its input,
-    write its output). The block's GEMMs are priced on their own here, not merged with the
-    attention GEMMs as in the forward (a slightly lower efficiency for the smaller set)."""
-    tokens = la.mb_share * ctx.seq
-    routed = routed_tokens(ctx, la)
-    h, mats = ctx.hidden, ctx.mlp_mats
-    shared = 2 * tokens * mats * h * ctx.shared_ffn / la.tp
-    experts = 2 * routed * mats * h * ctx.expert_ffn / la.tp
-    linear = linear_s(ctx, shared + experts, (2 if ctx.shared_ffn else 0) + 2 * ctx.experts / la.ep)
-    router = gemm_s(ctx, 2 * tokens * h * ctx.experts / la.sp_div, 1)
-    elements = tokens * mats * ctx.shared_ffn / la.tp + routed * mats * ctx.expert_ffn / la.tp + tokens * ctx.experts / la.sp_div
-    permute = memory_bound_s(ctx, 2 * routed * h / la.sp_div, 2 * ctx.act_bytes)
-    norm = memory_bound_s(ctx, tokens * h / la.sp_div, 2 * ctx.act_bytes)
-    return linear + router + permute + norm + memory_bound_s(ctx, elements, ctx.elementwise_bytes)
+    `ep_comm_s`): the MoE block of `moe_layer_forward_s` again (`moe_block_work`) and the pre-MLP
+    norm (read its input, write its output). The block's GEMMs are priced on their own here, not
+    merged with the attention GEMMs as in the forward (a slightly lower efficiency for the smaller
+    set)."""
+    block = moe_block_work(ctx, la)
+    norm = memory_bound_s(ctx, la.mb_share * ctx.seq * ctx.hidden / la.sp_div, 2 * ctx.act_bytes)
+    return (linear_s(ctx, block.gemm_flops, block.gemms) + block.router_s + block.permute_s + norm
+            + memory_bound_s(ctx, block.elements, ctx.elementwise_bytes))
 
 
 def ep_a2a_bytes(ctx: CostContext, la: LayoutArrays):

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from plan3d.cost.estimate import Estimate as Prediction
 from plan3d.cost.estimate import estimate
 from plan3d.errors import InfeasibleError, LayoutError
-from plan3d.layout import Layout
 from plan3d.plan import Plan
 from plan3d.render.units import gib
 from plan3d.specs.catalog import load_engine

@@ -36,6 +36,7 @@ from plan3d.specs.catalog import load_cluster
 from plan3d.specs.cluster import ClusterSpec
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
+from plan3d.vocab import RECOMPUTE_CODES
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO.parent / "shared" / "data" / "vtrain"
@@ -90,7 +91,7 @@ def predict(cluster: ClusterSpec, rows: list[dict], engine=None) -> np.ndarray:
         col = lambda k: np.array([r[k] for r in group])  # noqa: E731
         n = len(group)
         cands = Candidates(col("tp"), col("pp"), col("dp"), col("mb"), np.ones(n), np.zeros(n),
-                           np.full(n, 2), np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64))
+                           np.full(n, RECOMPUTE_CODES["full"]), np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64))
         times = estimate_batch(sized, model, training, cands, (DEFAULT_ORDER,), engine)["step_time_s"]
         for row, t in zip(group, times):
             out[position[id(row)]] = t

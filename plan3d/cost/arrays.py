@@ -18,7 +18,7 @@ class LayoutArrays:
     mb: np.ndarray
     vpp: np.ndarray
     zero: np.ndarray
-    recompute: np.ndarray  # plan3d.vocab.RECOMPUTE_CODES: 0 none, 1 selective, 2 full
+    recompute: np.ndarray  # plan3d.vocab.RECOMPUTE_CODES (the position in RECOMPUTE_MODES)
     sp: np.ndarray  # 1.0 with sequence parallelism
     m: np.ndarray
     cp: np.ndarray | float = 1.0  # context parallel degree: each rank holds seq / cp tokens of a sequence

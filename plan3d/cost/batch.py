@@ -33,7 +33,7 @@ class Candidates:
     micro_batch: np.ndarray
     vpp: np.ndarray
     zero: np.ndarray
-    recompute: np.ndarray  # 0 none, 1 selective, 2 full
+    recompute: np.ndarray  # plan3d.vocab.RECOMPUTE_CODES of each candidate
     sequence_parallel: np.ndarray  # bool
     order: np.ndarray  # index into the `orders` tuple
     cp: np.ndarray | None = None  # context parallel degree (None: 1 for every candidate)

@@ -43,7 +43,7 @@ def test_every_row_is_a_case_with_the_layout_it_states(data, memory):
 
 
 # The open error of the MoE activation model (issue 31): Qwen3-235B in MXFP8 on GB200 with its stated
-# moe_act + layernorm recompute, predicted at 157-249 GiB of activations on 186 GiB GPUs.
+# moe_act + layernorm recompute, predicted to need 198-285 GiB of the 176.7 GiB usable.
 # Before the benchmark read the stated recompute modules these were "fits only with full recompute",
 # which their measured step rules out. A refusal outside this set fails.
 KNOWN_OPEN_REFUSALS = {"zoo-qwen3-235b-gb200-mxfp8", "zoo-qwen3-235b-gb200-mxfp8-128k"}

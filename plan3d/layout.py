@@ -17,6 +17,7 @@ import numpy as np
 from pydantic import BeforeValidator, Field, PositiveInt, field_validator, model_validator
 
 from plan3d.errors import LayoutError
+from plan3d.specs import schedule as schedules
 from plan3d.specs.base import FrozenModel
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.order import AXES, DEFAULT_ORDER, parse_order  # noqa: F401  (re-exported)
@@ -67,6 +68,9 @@ class Layout(FrozenModel):
                                     "None: tp.")
     micro_batch: PositiveInt = 1
     vpp: PositiveInt = Field(1, description="Virtual pipeline stages per pipeline rank.")
+    schedule: str | None = Field(None, description="Pipeline schedule (bundled/pipeline_schedules.yaml: 1f1b, "
+                                 "interleaved-1f1b, zb1p, zbv, dualpipev, dualpipe); None: 1f1b, or "
+                                 "interleaved-1f1b with vpp > 1.")
     zero: Literal[0, 1, 2, 3] = 0
     recompute: Recompute = "none"
     sequence_parallel: bool = False
@@ -85,6 +89,12 @@ class Layout(FrozenModel):
             raise ValueError("vpp > 1 needs pp > 1: set vpp=1 or raise pp")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1: drop it or raise tp")
+        if self.schedule is not None:
+            if self.pp == 1:
+                raise ValueError(f"schedule {self.schedule} needs pp > 1: drop it or raise pp")
+            problem = schedules.chunk_problem(self.schedule, self.vpp)
+            if problem:
+                raise ValueError(problem)
         if self.pp_layers is not None and len(self.pp_layers) != self.pp * self.vpp:
             raise ValueError(f"pp_layers needs pp*vpp = {self.pp * self.vpp} entries, got {len(self.pp_layers)}")
         if self.etp is None and (self.dp * self.cp) % self.ep:
@@ -92,6 +102,17 @@ class Layout(FrozenModel):
         if self.etp is not None and (self.tp * self.cp * self.dp) % (self.ep * self.etp):
             raise ValueError(f"ep*etp={self.ep * self.etp} must divide tp*cp*dp={self.tp * self.cp * self.dp}")
         return self
+
+    @field_validator("schedule")
+    @classmethod
+    def _known_schedule_default_none(cls, value, info):
+        """A known schedule; the default for the layout's vpp is stored as None (one name for one job)."""
+        if value is None:
+            return None
+        names = schedules.schedule_names()
+        if value not in names:
+            raise ValueError(f"schedule {value!r}: choose from {', '.join(names)}")
+        return None if value == schedules.default_schedule(info.data.get("vpp", 1)) else value
 
     @field_validator("etp")
     @classmethod
@@ -131,8 +152,18 @@ class Layout(FrozenModel):
         return same_groups(self.order, order, self.degrees)
 
     @property
-    def schedule(self) -> str:
-        return "interleaved-1f1b" if self.vpp > 1 else "1f1b"
+    def pipeline_schedule(self) -> str:
+        """The schedule the layout runs: its own, or the default for its vpp."""
+        return self.schedule or schedules.default_schedule(self.vpp)
+
+    @property
+    def v_shape(self) -> bool:
+        """Its schedule places stages r and 2 pp - 1 - r on rank r (ZBV, DualPipeV)."""
+        return schedules.schedules()[self.pipeline_schedule].placement == "v"
+
+    def rank_of_stage(self, stage: int) -> int:
+        """The pipeline rank that runs virtual stage `stage` (`plan3d.specs.schedule.stage_rank`)."""
+        return schedules.stage_rank(stage, self.pp, self.v_shape)
 
     def stage_layers(self, layers: int) -> tuple[int, ...]:
         """Layers per virtual stage, in pipeline order (stage k*pp + r lives on pipeline rank r)."""
@@ -156,6 +187,8 @@ class Layout(FrozenModel):
             parts.append(f"etp{self.etp}")
         if self.vpp > 1:
             parts.append(f"vpp{self.vpp}")
+        if self.schedule is not None:
+            parts.append(self.schedule)
         parts += [f"zero{self.zero}", self.recompute] + (["sp"] if self.sequence_parallel else [])
         if self.order != DEFAULT_ORDER:
             parts.append(f"order {short_order(self.order)}")
@@ -182,7 +215,7 @@ class RuleFacts:
     """
 
     def __init__(self, model: ModelSpec, training: TrainingSpec, *, tp, pp, dp, micro_batch, vpp, sequence_parallel,
-                 uneven, cp=1, ep=1, etp=None, world_size=None, split_sum=None):
+                 uneven, cp=1, ep=1, etp=None, schedule=None, world_size=None, split_sum=None):
         self.heads, self.kv_heads, self.ffn_hidden = model.heads, model.kv_heads_, model.ffn_hidden_
         self.etp = tp if etp is None else etp  # the experts' tensor-parallel degree
         self.expert_ffn = (model.moe.expert_ffn_hidden or model.ffn_hidden_) if model.moe is not None else 0
@@ -193,6 +226,8 @@ class RuleFacts:
         self.sp, self.uneven = sequence_parallel, uneven
         self.even = ~uneven if isinstance(uneven, np.ndarray) else not uneven
         self.chunks = pp * vpp
+        code = schedules.default_codes(vpp) if schedule is None else schedule  # schedule codes (the table's order)
+        self.schedule_min_micro_batches = schedules.column("min_micro_batches_per_stage", code) * self.chunks
         self.per_replica = self.batch // dp
         self.micro_batches = self.per_replica // micro_batch
         self.gpus = tp * pp * dp * cp
@@ -205,7 +240,7 @@ class RuleFacts:
         split = layout.pp_layers
         return cls(model, training, tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp, ep=layout.ep,
                    etp=layout.etp, micro_batch=layout.micro_batch, vpp=layout.vpp, sequence_parallel=layout.sequence_parallel,
-                   uneven=split is not None, world_size=world_size, split_sum=sum(split) if split else None)
+                   schedule=schedules.code_of(layout.pipeline_schedule), uneven=split is not None, world_size=world_size, split_sum=sum(split) if split else None)
 
 
 @dataclass(frozen=True)
@@ -346,6 +381,12 @@ LAYOUT_RULES = (
                lambda x: (x.etp != x.tp) & (x.experts == 0), _etp_without_experts),
     LayoutRule(23, "expert-tp", "etp does not divide the expert FFN",
                lambda x: (x.experts > 0) & (x.etp != x.tp) & (x.expert_ffn % x.etp != 0), _etp_not_dividing_ffn),
+    # The pipeline schedule's own need of micro-batches (bundled/pipeline_schedules.yaml)
+    LayoutRule(24, "batch", "fewer micro-batches than the pipeline schedule needs",
+               lambda x: (x.pp > 1) & (x.micro_batches < x.schedule_min_micro_batches),
+               lambda x: f"the pipeline schedule needs at least {int(x.schedule_min_micro_batches)} micro-batches "
+                         f"per step, the layout has {x.micro_batches}: lower the micro-batch size or dp, or choose "
+                         "another schedule"),
 )
 SEARCHED_RULES = tuple(rule for rule in LAYOUT_RULES if rule.code is not None)  # what the search's grid can break
 

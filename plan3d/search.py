@@ -56,6 +56,7 @@ from plan3d.layout import (
     recompute_problems,
     same_groups,
 )
+from plan3d.specs import schedule as schedules
 from plan3d.specs.cluster import MAX_NODES, ClusterSpec
 from plan3d.specs.engine import EngineSpec, balanced_split  # noqa: F401 (balanced_split: part of this module's API)
 from plan3d.specs.model import ModelSpec
@@ -63,11 +64,12 @@ from plan3d.specs.training import TrainingSpec
 from plan3d.vocab import RECOMPUTE_CODES, RECOMPUTE_MODES, UTILISATION
 
 DEFAULT_ORDERS = (DEFAULT_ORDER, "tp-cp-ep-pp-dp")
-SHAPE_KNOBS = ("tp", "pp", "dp", "cp", "ep", "etp", "micro_batch", "vpp", "sequence_parallel")
+DEFAULT_SCHEDULES = ("1f1b", "interleaved-1f1b")  # what vpp alone selects (Space.schedules = ())
+SHAPE_KNOBS = ("tp", "pp", "dp", "cp", "ep", "etp", "micro_batch", "vpp", "schedule", "sequence_parallel")
 CP_AUTO_MIN_TOKENS = 8192  # default bound on cp: each rank keeps at least this many tokens of a sequence
 LAYOUT_KNOBS = SHAPE_KNOBS + ("uneven", "zero", "recompute", "order")
 
-# (code, short reason); code 0 is "valid". Codes 1-9, 17-18 and 23 are the layout rules (LAYOUT_RULES,
+# (code, short reason); code 0 is "valid". Codes 1-9, 17-18, 23 and 24 are the layout rules (LAYOUT_RULES,
 # in order), 10-12 the fit rules (FIT_RULES), 13-16 and 19-22 the search's own.
 REASONS = {
     **{rule.code: rule.reason for rule in SEARCHED_RULES},
@@ -101,6 +103,7 @@ class Space:
     max_micro_batch: int = 8
     min_vpp: int = 1
     max_vpp: int = 8
+    schedules: tuple[str, ...] = ()  # pipeline schedules searched (the engine's; () : 1F1B and interleaved 1F1B)
     zero: tuple[int, ...] = (0, 1, 2, 3)
     recompute: tuple[str, ...] = RECOMPUTE_MODES
     sequence_parallel: tuple[bool, ...] = (False, True)
@@ -239,7 +242,23 @@ def shape_grid(world_size: int, space: Space, layers: int = 0, seq_len: int = 0,
     well_formed = ((grid["vpp"] == 1) | (grid["pp"] > 1)) & (~grid["sequence_parallel"] | (grid["tp"] > 1))
     if space.sequence_parallel_required:
         well_formed &= grid["sequence_parallel"] | (grid["tp"] == 1)
-    return {k: a[well_formed] for k, a in grid.items()}
+    return with_schedules({k: a[well_formed] for k, a in grid.items()}, space.schedules)
+
+
+def with_schedules(grid: dict[str, np.ndarray], names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Each shape once per schedule of `names` that runs its vpp (`plan3d.specs.schedule`), as
+    schedule codes; a shape without a pipeline once, as 1F1B. () : the default schedule of each
+    vpp (1F1B, interleaved 1F1B), so an engine with only those adds no rows."""
+    vpp, piped = grid["vpp"], grid["pp"] > 1
+    if not names:
+        return dict(grid, schedule=schedules.default_codes(vpp))
+    parts = []
+    for code in (schedules.code_of(n) for n in names):
+        rows = np.where(piped, schedules.chunks_fit(code, vpp), code == schedules.code_of("1f1b"))
+        parts.append(({k: a[rows] for k, a in grid.items()}, code))
+    out = {k: np.concatenate([p[k] for p, _ in parts]) for k in grid}
+    out["schedule"] = np.concatenate([np.full(len(p["tp"]), code, dtype=np.int64) for p, code in parts])
+    return out
 
 
 # ---- the budget: a search takes seconds, never minutes (issue 19) -----------------------------
@@ -304,7 +323,7 @@ def shape_reasons(grid: dict[str, np.ndarray], model: ModelSpec, training: Train
     uneven = grid.get("uneven")
     facts = RuleFacts(model, training, tp=grid["tp"], pp=grid["pp"], dp=grid["dp"], cp=grid.get("cp", 1),
                       ep=grid.get("ep", 1), etp=grid.get("etp"),
-                      micro_batch=grid["micro_batch"],
+                      micro_batch=grid["micro_batch"], schedule=grid.get("schedule"),
                       vpp=grid["vpp"], sequence_parallel=grid["sequence_parallel"],
                       uneven=np.zeros(len(grid["tp"]), dtype=bool) if uneven is None else uneven)
     codes = np.zeros(len(grid["tp"]), dtype=np.int8)
@@ -354,11 +373,12 @@ def layout_at(layouts: dict[str, np.ndarray], orders: tuple[str, ...], i: int, l
     """The Layout of row i (recompute, order and an uneven split of `layers` decoded)."""
     pp, vpp = int(layouts["pp"][i]), int(layouts["vpp"][i])
     split = balanced_split(layers, pp * vpp) if layouts.get("uneven", np.zeros(i + 1, bool))[i] else None
+    schedule = schedules.schedule_names()[int(layouts["schedule"][i])] if "schedule" in layouts and pp > 1 else None
     cp = int(layouts["cp"][i]) if "cp" in layouts else 1
     ep = int(layouts["ep"][i]) if "ep" in layouts else 1
     etp = int(layouts["etp"][i]) if "etp" in layouts else None
     return Layout(tp=int(layouts["tp"][i]), pp=pp, dp=int(layouts["dp"][i]), cp=cp, ep=ep, etp=etp, pp_layers=split,
-                  micro_batch=int(layouts["micro_batch"][i]), vpp=int(layouts["vpp"][i]),
+                  micro_batch=int(layouts["micro_batch"][i]), vpp=int(layouts["vpp"][i]), schedule=schedule,
                   zero=int(layouts["zero"][i]), recompute=RECOMPUTE_MODES[int(layouts["recompute"][i])],
                   sequence_parallel=bool(layouts["sequence_parallel"][i]),
                   order=orders[int(layouts["order"][i])])
@@ -372,7 +392,8 @@ def layout_row(layout: Layout, orders: tuple[str, ...]) -> dict[str, int | bool]
     """The inverse of `layout_at` for one Layout (its order must be in `orders`)."""
     return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "ep": layout.ep,
             "etp": layout.expert_tp, "micro_batch": layout.micro_batch,
-            "vpp": layout.vpp, "sequence_parallel": layout.sequence_parallel, "uneven": is_uneven(layout),
+            "vpp": layout.vpp, "schedule": schedules.code_of(layout.pipeline_schedule),
+            "sequence_parallel": layout.sequence_parallel, "uneven": is_uneven(layout),
             "zero": layout.zero,
             "recompute": RECOMPUTE_CODES[layout.recompute], "order": orders.index(layout.order)}
 
@@ -480,7 +501,7 @@ def engine_space(space: Space, engine: EngineSpec) -> Space:
     bounds = {}
     for knob, allowed, what in (("tp", can.tensor_parallel, "tensor parallelism: tp 1 only"),
                                 ("pp", can.pipeline_parallel, "pipeline parallelism: pp 1 only"),
-                                ("vpp", can.interleaving, "interleaved pipeline schedule: vpp 1 only")):
+                                ("vpp", can.max_chunks != 1, "interleaved or multi-chunk pipeline schedule: vpp 1 only")):
         if not allowed:
             _require(space.bounds(knob)[0] == 1, f"{name} has no {what}")
             bounds[f"max_{knob}"] = 1
@@ -498,7 +519,10 @@ def engine_space(space: Space, engine: EngineSpec) -> Space:
     # as its partition for BLOOM's 70 layers on 12 or 24 stages); `--even` keeps the others even
     uneven = can.uneven_pipeline == "embedding-as-layer" or (
         can.uneven_pipeline != "none" if space.uneven is None else space.uneven)
+    names = tuple(s for s in space.schedules or can.schedules if s in can.schedules)
+    _require(names, f"{name} has no {' or '.join(space.schedules)} pipeline schedule; it runs {', '.join(can.schedules)}")
     return replace(space, zero=zero, recompute=recompute, orders=orders, sequence_parallel=sp, uneven=uneven,
+                   schedules=() if not space.schedules and set(names) <= set(DEFAULT_SCHEDULES) else names,
                    sequence_parallel_required=space.sequence_parallel_required or can.sequence_parallel_required,
                    zero_with_pp=tuple(z for z in space.zero_with_pp if z in can.zero_with_pp),
                    tensor_parallel_with_pp=space.tensor_parallel_with_pp and can.tensor_parallel_with_pp,
@@ -614,27 +638,34 @@ def evaluate_uneven(cluster: ClusterSpec, model: ModelSpec, training: TrainingSp
     for pp in np.unique(layouts["pp"]):
         rows = layouts["pp"] == pp
         part = {k: a[rows] for k, a in layouts.items()}
+        v_shape = schedules.column("v_shape", part["schedule"]) if "schedule" in part else np.zeros(len(part["tp"]), bool)
         metrics = evaluate_even(cluster, model, training, part, orders, engine,
-                                rank_layers(model.layers, int(pp), part["vpp"]),
-                                rank_moe_layers(model, int(pp), part["vpp"]) if model.moe is not None else None)
+                                rank_layers(model.layers, int(pp), part["vpp"], v_shape),
+                                rank_moe_layers(model, int(pp), part["vpp"], v_shape) if model.moe is not None else None)
         for k, values in metrics.items():
             out.setdefault(k, np.empty(len(rows), dtype=values.dtype))[rows] = values
     return out
 
 
-def rank_layers(layers: int, pp: int, vpps: np.ndarray) -> np.ndarray:
-    """(pp, n) layers on each pipeline rank (its chunks r, r + pp, ...) of the balanced split."""
-    per_vpp = {int(v): [sum(balanced_split(layers, pp * int(v))[r::pp]) for r in range(pp)] for v in np.unique(vpps)}
-    return np.array([per_vpp[int(v)] for v in vpps], dtype=np.float64).reshape(len(vpps), pp).T
+def rank_layers(layers: int, pp: int, vpps: np.ndarray, v_shape: np.ndarray | None = None) -> np.ndarray:
+    """(pp, n) layers on each pipeline rank of the balanced split, its chunks placed as the
+    schedule places them (r, r + pp, ...; or r and 2 pp - 1 - r under a V-shaped one)."""
+    keys = _placements(vpps, v_shape)
+    per = {k: schedules.per_rank(balanced_split(layers, pp * k[0]), pp, k[1]) for k in set(keys)}
+    return np.array([per[k] for k in keys], dtype=np.float64).reshape(len(keys), pp).T
 
 
-def rank_moe_layers(model: ModelSpec, pp: int, vpps: np.ndarray) -> np.ndarray:
+def rank_moe_layers(model: ModelSpec, pp: int, vpps: np.ndarray, v_shape: np.ndarray | None = None) -> np.ndarray:
     """(pp, n) MoE layers on each pipeline rank of the balanced split (`rank_layers`' layers)."""
-    per_vpp = {}
-    for v in np.unique(vpps):
-        moe = chunk_moe_layers(model, balanced_split(model.layers, pp * int(v)))
-        per_vpp[int(v)] = [sum(moe[r::pp]) for r in range(pp)]
-    return np.array([per_vpp[int(v)] for v in vpps], dtype=np.float64).reshape(len(vpps), pp).T
+    keys = _placements(vpps, v_shape)
+    per = {k: schedules.per_rank(chunk_moe_layers(model, balanced_split(model.layers, pp * k[0])), pp, k[1])
+           for k in set(keys)}
+    return np.array([per[k] for k in keys], dtype=np.float64).reshape(len(keys), pp).T
+
+
+def _placements(vpps: np.ndarray, v_shape: np.ndarray | None) -> list[tuple[int, bool]]:
+    shapes = np.zeros(len(vpps), dtype=bool) if v_shape is None else np.asarray(v_shape, dtype=bool)
+    return [(int(v), bool(s)) for v, s in zip(vpps, shapes)]
 
 
 def evaluate_scalar(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec,
@@ -666,7 +697,8 @@ def evaluate_even(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec
     cands = Candidates(tp=layouts["tp"], pp=layouts["pp"], dp=layouts["dp"],
                        micro_batch=layouts["micro_batch"], vpp=layouts["vpp"], zero=layouts["zero"],
                        recompute=layouts["recompute"], sequence_parallel=layouts["sequence_parallel"],
-                       order=layouts["order"], cp=layouts.get("cp"), ep=layouts.get("ep"), etp=layouts.get("etp"))
+                       order=layouts["order"], cp=layouts.get("cp"), ep=layouts.get("ep"), etp=layouts.get("etp"),
+                       schedule=layouts.get("schedule"))
     return estimate_batch(cluster, model, training, cands, tuple(orders), engine, layers_per_rank,
                           moe_layers_per_rank)
 

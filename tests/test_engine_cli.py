@@ -67,7 +67,7 @@ def test_the_default_engine_is_one_that_builds_the_model(capsys):
 def test_explain_refuses_a_layout_the_engine_cannot_run(capsys):
     line = one_error_line(capsys, "explain", *SMALL, "--tp", "2", "--pp", "2", "--vpp", "2",
                           "--engine", "megatron-deepspeed")
-    assert "megatron-deepspeed has no interleaved pipeline schedule" in line
+    assert "megatron-deepspeed has no interleaved-1f1b pipeline schedule; it runs 1f1b: use vpp=1" in line
 
 
 @pytest.mark.parametrize("command", [["estimate", *GPT3, *SEED], ["explain", *GPT3, *SEED],

@@ -12,6 +12,7 @@ from plan3d.cost.estimate import estimate
 from plan3d.errors import LayoutError
 from plan3d.search import ENGINE_ZERO_PP_CODE, REASONS, Space, engine_space, search
 from plan3d.vocab import RECOMPUTE_CODES
+from plan3d.specs.schedule import schedule_names
 from plan3d.specs.catalog import bundled_names, load_cluster, load_engine, load_model
 from plan3d.specs.training import TrainingSpec
 from cli_helpers import run_cli  # noqa: E402
@@ -29,7 +30,7 @@ def case():
 def free(case):
     """Every layout of the case, no engine, with the balanced split where pp*vpp does not divide
     the layers (the engines that take per-stage counts are searched with it by default)."""
-    return search(*case, Space(uneven=True))
+    return search(*case, Space(uneven=True, schedules=schedule_names()))
 
 
 def layouts(result) -> list:

@@ -151,7 +151,7 @@ def test_the_search_reasons_are_the_rule_table():
     coded = [rule for rule in LAYOUT_RULES if rule.code is not None]
     codes = [rule.code for rule in coded]
     assert codes == sorted(set(codes)) and codes[:9] == list(range(1, 10))  # table order is the search's order
-    assert set(codes[9:]) == {17, 18, 23}  # the expert rules, after the fit (10-12) and search (13-16, 19-22) codes
+    assert set(codes[9:]) == {17, 18, 23, 24}  # the expert rules and the schedule's micro-batches, after the fit (10-12) and search (13-16, 19-22) codes
     assert all(REASONS[rule.code] == rule.reason for rule in coded)
     # a shape breaking rules 2 (ffn) and 5 (batch) carries the first, as layout_problems lists it first
     import numpy as np

@@ -9,6 +9,8 @@ from plan3d.layout import Layout, layout_problems, problem_codes
 from plan3d.search import (REASONS, SHAPE_KNOBS, Space, degree_triples, expand_layouts, layout_at, layout_row,
                            shape_grid, shape_reasons)
 from plan3d.specs.catalog import load_model
+from plan3d.specs.order import DEFAULT_ORDER
+from plan3d.specs.schedule import schedule_names
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
 
@@ -35,7 +37,7 @@ CASES = [
 def test_vectorised_rules_agree_with_layout_problems(model_name, world, batch, seq):
     model = load_model(model_name) if isinstance(model_name, str) else model_name
     training = TrainingSpec(global_batch=batch, seq_len=seq)
-    grid = shape_grid(world, Space(max_micro_batch=6, max_vpp=4))
+    grid = shape_grid(world, Space(max_micro_batch=6, max_vpp=4, schedules=schedule_names()))
     codes = shape_reasons(grid, model, training)
     assert 0 < (codes == 0).sum() < len(codes), "the case should have valid and invalid shapes"
     assert len(set(codes.tolist())) > 3, "the case should break several rules"
@@ -44,7 +46,8 @@ def test_vectorised_rules_agree_with_layout_problems(model_name, world, batch, s
         return layout_problems(layout, model, training, world)
 
     for i in range(len(codes)):
-        layout = Layout(**{k: grid[k][i].item() for k in SHAPE_KNOBS})
+        layout = layout_at(dict(grid, zero=np.zeros(len(codes), int), recompute=np.zeros(len(codes), int),
+                                order=np.zeros(len(codes), int)), (DEFAULT_ORDER,), i)
         assert codes[i] == first_code(layout, model, training, world), (layout.short(), problems(layout))
 
 
@@ -94,5 +97,5 @@ def test_bad_space_says_what_to_change(kwargs, match):
 
 
 def test_every_reason_has_a_sentence():
-    assert set(range(1, 24)) == set(REASONS)  # 17, 18, 23: the expert layout rules; 19, 20 the engine's MoE rules; 21 a2a CP heads; 22 idle partial recompute
+    assert set(range(1, 25)) == set(REASONS)  # 17, 18, 23: the expert layout rules; 24 the schedule's micro-batches; 19, 20 the engine's MoE rules; 21 a2a CP heads; 22 idle partial recompute
     assert np.int8(max(REASONS)) == max(REASONS)

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from plan3d.specs import schedule as schedules
 from plan3d.vocab import RECOMPUTE_CODES  # noqa: F401  (re-exported: the codes of `recompute` below)
 
 
@@ -24,6 +25,23 @@ class LayoutArrays:
     cp: np.ndarray | float = 1.0  # context parallel degree: each rank holds seq / cp tokens of a sequence
     ep: np.ndarray | float = 1.0  # expert parallel degree: MoE layers split their experts over ep of the dp*cp ranks
     etp: np.ndarray | None = None  # expert tensor-parallel degree (None: tp; MoE Parallel Folding)
+    schedule: np.ndarray | None = None  # pipeline schedule codes (plan3d.specs.schedule; None: the default for vpp)
+
+    @property
+    def schedule_codes(self) -> np.ndarray:
+        """Each row's schedule code: its own, or 1F1B / interleaved 1F1B by vpp."""
+        return schedules.default_codes(self.vpp) if self.schedule is None else self.schedule.astype(np.int64)
+
+    @property
+    def v_shape(self) -> np.ndarray:
+        """True where the schedule places stages r and 2 pp - 1 - r on rank r (ZBV, DualPipeV)."""
+        return schedules.column("v_shape", self.schedule_codes)
+
+    @property
+    def last_rank(self) -> np.ndarray:
+        """The pipeline rank holding the last stage (the output layer and the loss): pp - 1, or 0
+        under a V-shaped schedule."""
+        return np.where(self.v_shape, 0.0, self.pp - 1)
 
     @property
     def expert_tp(self) -> np.ndarray:
@@ -58,8 +76,9 @@ class LayoutArrays:
         return self.tp * self.cp * self.dp / (self.ep * self.expert_tp)
 
 
-def layout_arrays(global_batch: int, tp, pp, dp, mb, vpp, zero, recompute, sp, cp=1, ep=1, etp=None) -> LayoutArrays:
+def layout_arrays(global_batch: int, tp, pp, dp, mb, vpp, zero, recompute, sp, cp=1, ep=1, etp=None,
+                  schedule=None) -> LayoutArrays:
     f = lambda x: np.asarray(x, dtype=np.float64)  # noqa: E731
     m = global_batch // (np.asarray(mb, dtype=np.int64) * np.asarray(dp, dtype=np.int64))
     return LayoutArrays(f(tp), f(pp), f(dp), f(mb), f(vpp), f(zero), f(recompute), f(sp), f(m), f(cp), f(ep),
-                        None if etp is None else f(etp))
+                        None if etp is None else f(etp), None if schedule is None else np.asarray(schedule))

@@ -16,6 +16,7 @@ from plan3d.cost.context import make_context
 from plan3d.cost.core import Links, evaluate, link_row
 from plan3d.cost.finite import require_finite
 from plan3d.cost.memory import chunk_moe_layers
+from plan3d.specs import schedule as schedules
 from plan3d.specs.cluster import ClusterSpec
 from plan3d.specs.engine import EngineSpec
 from plan3d.specs.model import ModelSpec
@@ -39,6 +40,7 @@ class Candidates:
     cp: np.ndarray | None = None  # context parallel degree (None: 1 for every candidate)
     ep: np.ndarray | None = None  # expert parallel degree (None: 1 for every candidate)
     etp: np.ndarray | None = None  # expert tensor-parallel degree (None: tp for every candidate)
+    schedule: np.ndarray | None = None  # pipeline schedule codes (None: the default for each vpp)
 
     def __len__(self) -> int:
         return len(self.tp)
@@ -87,18 +89,20 @@ def listed_stages(pp: np.ndarray, rank_layers: np.ndarray):
     return pp_rank, rank_layers, (pp_rank < pp).astype(np.float64)
 
 
-def even_moe_rank_layers(model: ModelSpec, pp: np.ndarray, vpp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(P, n) layers and MoE layers on each pipeline rank of each candidate's even split: an MoE
-    model's stages differ (first dense layers, one MoE layer every n), so every rank is listed."""
+def even_moe_rank_layers(model: ModelSpec, pp: np.ndarray, vpp: np.ndarray,
+                         v_shape: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(P, n) layers and MoE layers on each pipeline rank of each candidate's even split (chunks
+    placed as its schedule places them, `v_shape`): an MoE model's stages differ (first dense
+    layers, one MoE layer every n), so every rank is listed."""
     pp, vpp = np.asarray(pp, dtype=np.int64), np.asarray(vpp, dtype=np.int64)
+    v_shape = np.zeros(len(pp), dtype=bool) if v_shape is None else np.asarray(v_shape, dtype=bool)
     rows = int(pp.max()) if len(pp) else 1
     layers, moe = np.zeros((rows, len(pp))), np.zeros((rows, len(pp)))
-    for p, v in {(int(a), int(b)) for a, b in zip(pp, vpp)}:
+    for p, v, shape in {(int(a), int(b), bool(c)) for a, b, c in zip(pp, vpp, v_shape)}:
         chunks = (model.layers // (p * v),) * (p * v)
-        moe_chunks = chunk_moe_layers(model, chunks)
-        hit = (pp == p) & (vpp == v)
-        for r in range(p):
-            layers[r, hit], moe[r, hit] = sum(chunks[r::p]), sum(moe_chunks[r::p])
+        hit = (pp == p) & (vpp == v) & (v_shape == shape)
+        layers[:p, hit] = np.array(schedules.per_rank(chunks, p, shape))[:, None]
+        moe[:p, hit] = np.array(schedules.per_rank(chunk_moe_layers(model, chunks), p, shape))[:, None]
     return layers, moe
 
 
@@ -121,12 +125,12 @@ def estimate_batch(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpe
     ctx = make_context(cluster, model, training, engine)
     la = layout_arrays(training.global_batch, cands.tp, cands.pp, cands.dp, cands.micro_batch, cands.vpp,
                        cands.zero, cands.recompute, np.asarray(cands.sequence_parallel, dtype=np.float64),
-                       cands.cp_degrees, cands.ep_degrees, cands.etp)
+                       cands.cp_degrees, cands.ep_degrees, cands.etp, cands.schedule)
     moe_layers = 0.0
     if model.moe is not None:
         even = rank_layers is None
         if even:
-            rank_layers, rank_moe_layers = even_moe_rank_layers(model, cands.pp, cands.vpp)
+            rank_layers, rank_moe_layers = even_moe_rank_layers(model, cands.pp, cands.vpp, la.v_shape)
         moe_layers = np.asarray(rank_moe_layers, dtype=np.float64)
         if even and _same_on_every_rank(moe_layers, la.pp):  # e.g. every layer an MoE layer: three stage kinds do
             pp_rank, layers, weights = even_stages(la.pp, model.layers)

@@ -66,6 +66,8 @@ class CostContext:
     fp8_cast_bytes: float = 0.0
     ep_overlap_fraction: float = 0.0  # share of the expert-parallel all-to-alls hidden behind compute
     shared_expert_overlap: bool = False  # the shared experts hide the all-to-alls up to their own time
+    f_b_overlap: bool = False  # a paired-chunk schedule's forward and backward run concurrently (RunsAs.f_b_overlap)
+    f_b_comm_sm_share: float = 0.0  # share of the SMs the overlapped all-to-alls take from the GEMMs then
     cp_comm: str = "p2p"  # context parallelism's K/V exchange: p2p ring, all_gather or a2a (EngineSpec RunsAs.cp_comm)
     cp_kv_saved: bool = False  # all_gather: the gathered K/V are saved for the backward (no second gather)
     cp_ring_overlap: bool = True  # p2p: each ring transfer overlaps a block of attention
@@ -184,6 +186,8 @@ def make_context(cluster: ClusterSpec | None, model: ModelSpec, training: Traini
         param_gather_overlap=bool(runs_as and runs_as.param_gather_overlap),
         ep_overlap_fraction=runs_as.ep_overlap_fraction if runs_as else 0.0,
         shared_expert_overlap=bool(runs_as and runs_as.shared_expert_overlap),
+        f_b_overlap=bool(runs_as and runs_as.f_b_overlap),
+        f_b_comm_sm_share=runs_as.f_b_comm_sm_share if runs_as else 0.0,
         cp_comm=runs_as.cp_comm if runs_as else "p2p",
         cp_kv_saved=bool(runs_as and runs_as.cp_gathered_kv_saved),
         cp_ring_overlap=runs_as.cp_ring_overlap if runs_as else True,

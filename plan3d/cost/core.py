@@ -15,6 +15,7 @@ from plan3d.cost.arrays import LayoutArrays
 from plan3d.cost.context import CostContext
 from plan3d.cost.pipeline import masked_argmax, masked_max, pipeline_s
 from plan3d.cost.comm import LINK_GROUPS
+from plan3d.specs import schedule as schedules
 from plan3d.vocab import COLLECTIVE_KINDS, MEMORY_TERMS, PER_MICRO_BATCH_TERMS, RECOMPUTE_CODES, TIME_TERMS
 
 FULL, SELECTIVE, MOE_ACT = RECOMPUTE_CODES["full"], RECOMPUTE_CODES["selective"], RECOMPUTE_CODES["moe-act"]
@@ -62,7 +63,7 @@ def stage_micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_ran
     rank the same GEMM and causal-attention work), and the exposed exchange of K/V
     (`cp_exposed_s`: p2p ring, all-gather or all-to-all, as the engine runs it) is added to
     `tp_comm`: the model-parallel traffic inside a layer."""
-    first, last = pp_rank == 0, pp_rank == la.pp - 1
+    first, last = pp_rank == 0, pp_rank == la.last_rank
     share = la.mb_share
     layer_fwd = compute.layer_forward_s(ctx, share, la.tp, la.sp_div)
     boundary_bytes = share * ctx.seq * ctx.hidden * ctx.act_bytes
@@ -280,8 +281,8 @@ def stage_step_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, para
         all_reduce = all_reduce + _collective_s(links, "edp", "all_reduce", e_grads, e_ranks)
         optimizer_s = optimizer_s + compute.optimizer_s(ctx, expert_params, np.where(la.zero >= 1, e_ranks, 1.0))
     overlap = ctx.dp_overlap_fraction
-    shared = (pp_rank == 0) | (pp_rank == la.pp - 1)
-    tied = ctx.tied & (la.pp > 1) & shared
+    shared = (pp_rank == 0) | (pp_rank == la.last_rank)
+    tied = ctx.tied & (la.pp > 1) & shared & ~la.v_shape  # V: the embedding and the output layer share rank 0
     embed_bytes = memory.padded_vocab(ctx, la.tp) / la.tp * ctx.hidden * ctx.grad_bytes
     tied_s = np.where(tied, _collective_s(links, "pp", "all_reduce", embed_bytes, 2.0), 0.0)
     # gradient reductions (and the tied-embedding one) hide behind the last micro-batch's
@@ -337,11 +338,29 @@ def micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, lay
     return {k: (1 - share) * plain[k] + share * full[k] for k in plain}
 
 
+def f_b_overlapped(ctx: CostContext, la: LayoutArrays, per_mb: dict) -> dict:
+    """Per micro-batch times under a schedule whose paired forward and backward chunks run
+    concurrently (`RunsAs.f_b_overlap` and the schedule's `f_b_overlap`): the expert-parallel
+    all-to-alls hide behind the other micro-batch's computation, up to its length, while the
+    computation runs on the SMs the communication leaves (`f_b_comm_sm_share`). DeepSeek-V3
+    report sec. 3.2.1-3.2.2 (DualPipe; 20 of 132 SMs for the all-to-alls). The warm-up and
+    cool-down chunks, which are not paired, are not singled out."""
+    if not ctx.f_b_overlap:
+        return per_mb
+    paired = schedules.column("f_b_overlap", la.schedule_codes) & (la.pp > 1)
+    slow = np.where(paired, 1.0 / (1.0 - ctx.f_b_comm_sm_share), 1.0)
+    busy = (per_mb["compute"] + per_mb["recompute"]) * slow
+    out = dict(per_mb, compute=per_mb["compute"] * slow, recompute=per_mb["recompute"] * slow)
+    out["ep_comm"] = np.where(paired, np.maximum(per_mb["ep_comm"] - busy, 0.0), per_mb["ep_comm"])
+    return out
+
+
 def _evaluate(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, layers, weights, moe_layers) -> dict:
     mem = memory.stage_memory(ctx, la, pp_rank, layers, moe_layers)
-    per_mb = micro_batch_s(ctx, la, links, pp_rank, layers, moe_layers, mem["recompute_share"])
+    per_mb = f_b_overlapped(ctx, la, micro_batch_s(ctx, la, links, pp_rank, layers, moe_layers, mem["recompute_share"]))
     per_mb_total = sum(per_mb[k] for k in PER_MICRO_BATCH_TERMS)
-    pipe, bubble = pipeline_s(per_mb_total, weights, la.m, la.vpp, core_share(ctx, la))
+    pipe, bubble = pipeline_s(per_mb_total, weights, la.m, la.vpp, core_share(ctx, la), per_mb["compute"] / 3,
+                              schedules.bubble_weights(la.schedule_codes))
     extra = stage_step_s(ctx, la, links, pp_rank, mem["params"], per_mb["backward"],
                          la.m * (per_mb["compute"] + per_mb["recompute"]), mem["expert_params"], layers,
                          mem["recompute_share"])

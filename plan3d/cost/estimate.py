@@ -17,6 +17,7 @@ from plan3d.cost.core import Links, evaluate, link_row
 from plan3d.errors import LayoutError
 from plan3d.layout import Layout, check_layout
 from plan3d.rankmap import rankmap_for
+from plan3d.specs import schedule as schedules
 from plan3d.specs.cluster import ClusterSpec
 from plan3d.specs.engine import EngineSpec
 from plan3d.specs.model import ModelSpec
@@ -82,7 +83,7 @@ def estimate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, lay
     la = layout_arrays(training.global_batch, [layout.tp], [layout.pp], [layout.dp], [layout.micro_batch],
                        [layout.vpp], [layout.zero], [RECOMPUTE_CODES[layout.recompute]],
                        [float(layout.sequence_parallel)], [layout.cp], [layout.ep],
-                       None if layout.etp is None else [layout.etp])
+                       None if layout.etp is None else [layout.etp], [schedules.code_of(layout.pipeline_schedule)])
     link_arrays = Links.from_rows(np.array([link_row(links)], dtype=np.float64))
     counts = [rank_layer_counts(model, layout, r) for r in range(layout.pp)]
     layers = np.array([c[0] for c in counts], dtype=np.float64)[:, None]

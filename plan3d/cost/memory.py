@@ -15,6 +15,7 @@ import numpy as np
 from plan3d.cost.arrays import LayoutArrays, layout_arrays
 from plan3d.cost.context import CostContext, make_context
 from plan3d.layout import Layout
+from plan3d.specs import schedule as schedules
 from plan3d.specs.engine import EngineSpec
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
@@ -59,16 +60,17 @@ def padded_vocab(ctx: CostContext, tp):
     return np.ceil(ctx.vocab / tp) * tp
 
 
-def stage_params(ctx: CostContext, tp, pp, pp_rank, layers_on_rank, moe_on_rank=0.0):
+def stage_params(ctx: CostContext, tp, pp, pp_rank, layers_on_rank, moe_on_rank=0.0, last_rank=None):
     """Dense-part parameters one rank of pipeline rank `pp_rank` holds (all its virtual chunks):
-    its dense layers, the dense part of its `moe_on_rank` MoE layers, and the ends. Replicated
-    over ep; ZeRO shards them over dp*cp."""
+    its dense layers, the dense part of its `moe_on_rank` MoE layers, and the ends (the output
+    layer on `last_rank`: pp - 1, or 0 under a V-shaped schedule). Replicated over ep; ZeRO
+    shards them over dp*cp."""
     layers = ((layers_on_rank - moe_on_rank) * (layer_params_split(ctx) / tp + layer_params_replicated(ctx))
               + moe_on_rank * (moe_layer_params_split(ctx) / tp + moe_layer_params_replicated(ctx)))
     vocab_rows = padded_vocab(ctx, tp) / tp * ctx.hidden
     first = np.where(pp_rank == 0, vocab_rows + ctx.position_params, 0.0)
     head = np.where(ctx.tied & (pp == 1), 0.0, vocab_rows)
-    last = np.where(pp_rank == pp - 1, ctx.norm_params + head, 0.0)
+    last = np.where(pp_rank == (pp - 1 if last_rank is None else last_rank), ctx.norm_params + head, 0.0)
     return layers + first + last
 
 
@@ -118,7 +120,8 @@ def model_state_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, 
     ranks, dp*cp/ep, or tp*cp*dp/(ep*etp) with an expert tp of its own), gradients as `engine` keeps them."""
     ctx = make_context(None, model, training, engine)
     layers, moe = rank_layer_counts(model, layout, pp_rank)
-    params = stage_params(ctx, float(layout.tp), float(layout.pp), float(pp_rank), float(layers), float(moe))
+    params = stage_params(ctx, float(layout.tp), float(layout.pp), float(pp_rank), float(layers), float(moe),
+                          float(layout.rank_of_stage(layout.pp * layout.vpp - 1)))
     experts = moe * expert_rank_params(ctx, float(layout.expert_tp), float(layout.ep))
     dp_cp = float(layout.dp * layout.cp)
     states = model_states(ctx, params, dp_cp, float(layout.zero), experts, float(layout.expert_dp), float(layout.pp))
@@ -135,9 +138,12 @@ def chunk_moe_layers(model: ModelSpec, chunks: tuple[int, ...]) -> list[int]:
 
 
 def rank_layer_counts(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[int, int]:
-    """(layers, MoE layers) on pipeline rank `pp_rank`: its chunks pp_rank, pp_rank + pp, ..."""
+    """(layers, MoE layers) on pipeline rank `pp_rank`: the chunks its schedule places there
+    (pp_rank, pp_rank + pp, ...; or pp_rank and 2 pp - 1 - pp_rank, V-shaped)."""
     chunks = layout.stage_layers(model.layers)
-    return sum(chunks[pp_rank::layout.pp]), sum(chunk_moe_layers(model, chunks)[pp_rank::layout.pp])
+    mine = [layout.rank_of_stage(s) == pp_rank for s in range(len(chunks))]
+    return (sum(n for n, m in zip(chunks, mine) if m),
+            sum(n for n, m in zip(chunk_moe_layers(model, chunks), mine) if m))
 
 
 # ---- activations ---------------------------------------------------------------------------
@@ -286,11 +292,11 @@ def moe_block_discarded_bytes(ctx: CostContext, la: LayoutArrays):
 
 def in_flight(la: LayoutArrays, pp_rank):
     """Micro-batches whose activations rank `pp_rank` holds at its peak, in units of its full
-    stage: p - r under 1F1B (Narayanan et al. 2021); with v chunks Megatron warms up
-    2(p - r - 1) + (v - 1)p + 1 chunks, i.e. p(1 + (p-1)/(pv)) on the first rank (Korthikanti)."""
-    plain = la.pp - pp_rank
-    interleaved = (2 * (la.pp - pp_rank - 1) + (la.vpp - 1) * la.pp + 1) / la.vpp
-    return np.minimum(np.where(la.vpp > 1, interleaved, plain), la.m)
+    stage, as its schedule keeps them (`plan3d.specs.schedule.in_flight`): p - r under 1F1B
+    (Narayanan et al. 2021); with v chunks Megatron warms up 2(p - r - 1) + (v - 1)p + 1 chunks,
+    i.e. p(1 + (p-1)/(pv)) on the first rank (Korthikanti); p on every rank under ZB-V, p + 1/2
+    under DualPipeV."""
+    return schedules.in_flight(la.schedule_codes, la.pp, pp_rank, la.vpp, la.m)
 
 
 def stage_activation_bytes(ctx: CostContext, la: LayoutArrays, pp_rank, layers_on_rank, moe_on_rank=0.0,
@@ -325,7 +331,7 @@ def stage_activation_bytes(ctx: CostContext, la: LayoutArrays, pp_rank, layers_o
     largest = np.where(moe_on_rank > 0, np.maximum(per_layer, per_moe), per_layer)
     working = np.where(full | partial, largest, np.where(moe_block & (moe_on_rank > 0), redone_moe, 0.0))
     kept = in_flight(la, pp_rank) * ((layers_on_rank - moe_on_rank) * stored + moe_on_rank * stored_moe)
-    logits = np.where(pp_rank == la.pp - 1, ctx.seq * la.mb_share * padded_vocab(ctx, la.tp) / la.tp
+    logits = np.where(pp_rank == la.last_rank, ctx.seq * la.mb_share * padded_vocab(ctx, la.tp) / la.tp
                       * ctx.logit_bytes, 0.0)
     return kept + np.maximum(working, logits) + pipeline_output_bytes(ctx, la, pp_rank)
 
@@ -354,7 +360,7 @@ def partial_recompute_layers(ctx: CostContext, la: LayoutArrays, pp_rank, layers
     dense = layer_activation_bytes(ctx, la)
     per_layer = np.where(moe_on_rank > 0, np.maximum(dense, moe_layer_activation_bytes(ctx, la)), dense) \
         if ctx.moe_layers else dense  # the working set stage_activation_bytes holds
-    logits = np.where(pp_rank == la.pp - 1, ctx.seq * la.mb_share * padded_vocab(ctx, la.tp) / la.tp * ctx.logit_bytes, 0.0)
+    logits = np.where(pp_rank == la.last_rank, ctx.seq * la.mb_share * padded_vocab(ctx, la.tp) / la.tp * ctx.logit_bytes, 0.0)
     working_extra = np.maximum(per_layer, logits) - logits
     layers = np.maximum(layers_on_rank, 1.0)
     saved_per_layer = np.maximum((act_none + working_extra - act_full) / layers, 1.0)
@@ -381,7 +387,7 @@ def pipeline_output_bytes(ctx: CostContext, la: LayoutArrays, pp_rank):
     if not ctx.pipeline_outputs_kept:
         return 0.0 * pp_rank
     boundary = ctx.seq * la.mb_share * ctx.hidden / la.tp * ctx.act_bytes
-    return np.where(pp_rank < la.pp - 1, in_flight(la, pp_rank) * boundary, 0.0)
+    return np.where(pp_rank != la.last_rank, in_flight(la, pp_rank) * boundary, 0.0)
 
 
 def buffer_bytes(ctx: CostContext, la: LayoutArrays):
@@ -468,9 +474,11 @@ def stage_memory(ctx: CostContext, la: LayoutArrays, pp_rank, layers_on_rank, mo
     """Every memory category of one rank of pipeline rank `pp_rank` holding `layers_on_rank`
     layers of which `moe_on_rank` are MoE layers, and their total; `params` is the dense part,
     `expert_params` the routed experts' (ZeRO-sharded over dp*cp and dp*cp/ep respectively)."""
-    params = stage_params(ctx, la.tp, la.pp, pp_rank, layers_on_rank, moe_on_rank)
+    params = stage_params(ctx, la.tp, la.pp, pp_rank, layers_on_rank, moe_on_rank, la.last_rank)
     experts = moe_on_rank * expert_rank_params(ctx, la.expert_tp, la.ep) if ctx.moe_layers else 0.0 * params
     out = model_states(ctx, params, la.grad_ranks, la.zero, experts, la.expert_grad_ranks, la.pp)
+    copies = schedules.column("parameter_copies", la.schedule_codes)  # DualPipe: both directions' copies
+    out["weights"], out["gradients"] = out["weights"] * copies, out["gradients"] * copies
     out["buffers"] = (buffer_bytes(ctx, la) + fp8_weight_cache_bytes(ctx, la, layers_on_rank, moe_on_rank)
                       + gradient_work_bytes(ctx, la, params, experts) + 0.0 * pp_rank)
     share, n = 0.0 * pp_rank, 0.0 * la.tp

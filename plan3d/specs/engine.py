@@ -28,6 +28,7 @@ from plan3d.errors import LayoutError
 from plan3d.specs.base import BYTES_PER_ELEMENT, EFFICIENCY, FRACTION, OVERHEAD_S, Name, SpecModel, Text, bounded
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.order import DEFAULT_ORDER, LayoutShape, parse_order
+from plan3d.specs.schedule import schedule_names, schedules
 from plan3d.specs.training import TrainingSpec
 
 
@@ -168,7 +169,10 @@ class CanRun(SpecModel):
     sequence_parallel: bool = True
     sequence_parallel_required: bool = Field(False, description="Tensor parallelism always shards the "
                                              "norms and dropout over the sequence (torchtitan).")
-    interleaving: bool = True
+    interleaving: bool | None = Field(None, description="Legacy (profiles and plans before `schedules`): false "
+                                      "drops the schedules with several model chunks per rank from `schedules`.")
+    schedules: list[str] = Field(["1f1b", "interleaved-1f1b"], min_length=1, description="The pipeline schedules it "
+                                 "runs (bundled/pipeline_schedules.yaml); the first two are what vpp alone selects.")
     recompute: list[Recompute] = Field(["none", "selective", "full"], min_length=1)
     orders: list[str] = Field([DEFAULT_ORDER, "tp-cp-ep-pp-dp"], min_length=1)
     uneven_pipeline: UnevenSplit = Field("explicit", description="none: layers must divide pp*vpp; explicit: "
@@ -197,6 +201,28 @@ class CanRun(SpecModel):
     moe_bias_with_tp: bool = Field(True, description="An MoE model whose experts carry biases with an expert tp > 1 "
                                    "(Megatron-Core 0.19: expert biases need expert tensor parallel 1; false).")
     models: ModelSupport = ModelSupport()
+
+    @field_validator("schedules")
+    @classmethod
+    def _known_schedules(cls, value: list[str]) -> list[str]:
+        names = schedule_names()
+        unknown = [s for s in value if s not in names]
+        if unknown:
+            raise ValueError(f"unknown pipeline schedule {unknown[0]!r}: choose from {', '.join(names)}")
+        return value
+
+    @model_validator(mode="after")
+    def _legacy_interleaving(self) -> "CanRun":
+        if self.interleaving is False:
+            kept = [s for s in self.schedules if schedules()[s].chunks[0] == 1]
+            object.__setattr__(self, "schedules", kept or ["1f1b"])
+        return self
+
+    @property
+    def max_chunks(self) -> int | None:
+        """The most model chunks per rank any of its schedules runs (None: no bound)."""
+        highs = [schedules()[s].chunks[1] for s in self.schedules]
+        return None if None in highs else max(highs)
 
     @field_validator("orders")
     @classmethod
@@ -287,6 +313,15 @@ class RunsAs(SpecModel):
     shared_expert_overlap: bool = Field(False, description="The shared experts run on a side stream while "
                                         "the dispatch and combine all-to-alls are in flight, hiding them up to the "
                                         "shared experts' time (Megatron-Core --moe-shared-expert-overlap).")
+    f_b_overlap: bool = Field(False, description="Under a schedule that pairs one micro-batch's forward chunk with "
+                              "another's backward chunk (f_b_overlap in bundled/pipeline_schedules.yaml: DualPipe, "
+                              "DualPipeV), the pair runs concurrently, so the expert-parallel all-to-alls of one "
+                              "hide behind the other's computation (DeepSeek-V3 report sec. 3.2.1); false: the pair "
+                              "runs one after the other (torch's ScheduleDualPipeV without an OVERLAP_F_B callback, "
+                              "torchtitan 0.3 eager).")
+    f_b_comm_sm_share: float = bounded(0.0, FRACTION, description="Share of the GPU's SMs the overlapped "
+                                       "all-to-alls occupy, slowing the computation they hide behind (DeepSeek-V3 "
+                                       "report sec. 3.2.2: 20 of the H800's 132 SMs, 0.15).")
     cp_comm: CpComm = Field("p2p", description="The K/V exchange it runs with context parallelism, one of "
                             "can_run.cp_comm (`--cp-comm` chooses another).")
     cp_gathered_kv_saved: bool = Field(False, description="The other ranks' K/V are saved for the backward "
@@ -456,8 +491,10 @@ class EngineSpec(SpecModel):
             out.append(f"{name} has no sequence parallelism: drop it")
         if can.sequence_parallel_required and layout.tp > 1 and not layout.sequence_parallel:
             out.append(f"{name} always shards norms over the sequence with tp > 1: set sequence_parallel")
-        if layout.vpp > 1 and not can.interleaving:
-            out.append(f"{name} has no interleaved pipeline schedule: use vpp=1")
+        if layout.pp > 1 and layout.pipeline_schedule not in can.schedules:
+            fix = "use vpp=1" if can.max_chunks == 1 else "set the schedule (and vpp) to one of them"
+            out.append(f"{name} has no {layout.pipeline_schedule} pipeline schedule; it runs "
+                       f"{', '.join(can.schedules)}: {fix}")
         if layout.recompute not in can.recompute:
             out.append(f"{name} has no {layout.recompute} recompute; use one of {', '.join(can.recompute)}")
         if layout.order not in can.orders:

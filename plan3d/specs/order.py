@@ -53,5 +53,6 @@ class LayoutShape(Protocol):
     recompute: str
     order: str
     pp_layers: tuple[int, ...] | None
+    pipeline_schedule: str
 
     def model_copy(self, *, update: dict | None = None, deep: bool = False) -> "LayoutShape": ...

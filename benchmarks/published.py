@@ -45,7 +45,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fitting import nelder_mead  # noqa: E402
-from published_runs import DATA, EXTRA, Run, load, load_extra  # noqa: E402
+from published_runs import DATA, EXTRA, FRAMEWORK_CHANGES, Run, load, load_extra  # noqa: E402
 
 import yaml  # noqa: E402
 
@@ -135,8 +135,14 @@ def _cluster(name: str, gpus: int, params: tuple):
 
 
 @lru_cache(maxsize=64)
-def _engine(name: str, params: tuple):
+def _engine(name: str, params: tuple, framework: str = ""):
+    """The engine profile `name` with the fitted `params`, and what `framework` (a
+    FRAMEWORK_CHANGES key) runs on top of it."""
     base = load_engine(name)
+    changes = FRAMEWORK_CHANGES.get(framework, {})
+    if changes:
+        base = base.model_copy(update={"can_run": base.can_run.model_copy(update=changes.get("can_run", {})),
+                                       "runs_as": base.runs_as.model_copy(update=changes.get("runs_as", {}))})
     theta = dict(params)
     def updates(section: str) -> dict:
         return {field: theta[key] for key, (kind, names, field) in FIT_KEYS.items() if kind == section and name in names}
@@ -151,7 +157,7 @@ def candidates(run: Run, engine) -> list[Layout]:
     per_replica = run.training.global_batch // run.knobs["dp"]
     choices = {
         "micro_batch": [b for b in (1, 2, 4, 8, 16) if per_replica % b == 0],
-        "vpp": [v for v in run.vpp_choices or (1, 2, 3, 4, 6, 8) if v == 1 or engine.can_run.interleaving],
+        "vpp": [v for v in run.vpp_choices or (1, 2, 3, 4, 6, 8) if v == 1 or engine.can_run.max_chunks != 1],
         "recompute": list(engine.can_run.recompute),
         "sequence_parallel": [False, True] if engine.can_run.sequence_parallel else [False],
         "zero": list(engine.can_run.zero_with_pp if run.knobs["pp"] > 1 else engine.can_run.zero),
@@ -170,7 +176,7 @@ def candidates(run: Run, engine) -> list[Layout]:
 def predict_run(run: Run, params: tuple) -> tuple[float, Layout | None]:
     """Predicted step time (s) and the layout it was predicted for (fastest that fits among the
     candidates; the fastest of all if none fits)."""
-    cluster, engine = _cluster(run.cluster, run.gpus, params), _engine(run.engine, params)
+    cluster, engine = _cluster(run.cluster, run.gpus, params), _engine(run.engine, params, run.framework_key)
     best_fit, best_any = (np.inf, None), (np.inf, None)
     for layout in candidates(run, engine):
         try:
@@ -203,7 +209,7 @@ def predict_fixed(runs: list[Run], layouts: list[Layout | None], params: dict) -
         if layout is None:
             out.append(np.nan)
             continue
-        est = estimate(_cluster(run.cluster, run.gpus, key), run.model, run.training, layout, _engine(run.engine, key))
+        est = estimate(_cluster(run.cluster, run.gpus, key), run.model, run.training, layout, _engine(run.engine, key, run.framework_key))
         out.append(est.step_time_s)
     return np.array(out)
 
@@ -361,7 +367,7 @@ def held_out(params: dict, path: Path = EXTRA) -> dict:
 def _not_predicted(run: Run, layout: Layout | None, key: tuple) -> str | None:
     """Why a held-out run gets no prediction: no candidate layout estimates, or estimate() says a
     feature of the run is not modelled yet."""
-    cluster, engine = _cluster(run.cluster, run.gpus, key), _engine(run.engine, key)
+    cluster, engine = _cluster(run.cluster, run.gpus, key), _engine(run.engine, key, run.framework_key)
     if layout is None:
         try:
             estimate(cluster, run.model, run.training, Layout(**run.knobs), engine)
@@ -383,7 +389,7 @@ def fp8_pairs(rows: list[dict], runs: dict[str, Run], layouts: dict[str, Layout]
         if base:
             run = runs[r["id"]]
             est = estimate(_cluster(run.cluster, run.gpus, key), run.model, run.training, layouts[base["id"]],
-                           _engine(run.engine, key))
+                           _engine(run.engine, key, run.framework_key))
             out.append({"fp8": r["id"], "bf16": base["id"], "layout": layouts[base["id"]].short(),
                         "measured_speedup": base["measured_s"] / r["measured_s"],
                         "predicted_speedup": base["predicted_s"] / est.step_time_s})
@@ -433,7 +439,7 @@ def measured_run(run: Run, layout: Layout | None, error_pct: float, how: str, pa
     gpu = _cluster(run.cluster, run.gpus, tuple(sorted(params.items()))).gpu.generation_name
     engine = load_engine(run.engine) if run.engine in bundled_names("engine") else None
     region = Region.of(run.engine, gpu, layout.zero, layout.cp, run.model.moe is not None, run.training.precision,
-                       sharded_stages(engine))
+                       sharded_stages(engine), layout.pipeline_schedule)
     return MeasuredRun(id=run.id, source=run.source, gpus=run.gpus, error_pct=float(error_pct), how=how,
                        **{k: getattr(region, k) for k in REGION_FIELDS})
 

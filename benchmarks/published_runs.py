@@ -45,6 +45,15 @@ EXTRA_CLUSTERS = {"h100": "dgx-h100", "h800": "h800", "gb200": "gb200-nvl72",
 # software without a profile, DeepSeek's HAI-LLM, get megatron-core's and stay out of the bands).
 EXTRA_ENGINES = (("deepspeed", "deepspeed-0.19"),  # DeepSpeed 0.6+ ZeRO-3: bucketed all-gathers (the 2022-on code)
                  ("megatron", "megatron-core"))
+# What a framework without a profile of its own runs, as its source states it, on top of the
+# profile it is predicted with (that profile's values for everything the source does not state).
+FRAMEWORK_CHANGES = {
+    # DeepSeek-V3 report sec. 3.2.1: DualPipe, forward and backward chunks of two micro-batches
+    # overlapped so the all-to-all hides behind computation; sec. 3.2.2: 20 of the H800's 132 SMs
+    # run the communication
+    "hai-llm": {"can_run": {"schedules": ["1f1b", "interleaved-1f1b", "dualpipe"]},
+                "runs_as": {"f_b_overlap": True, "f_b_comm_sm_share": 0.1515}},
+}
 
 
 @dataclass
@@ -64,6 +73,11 @@ class Run:
     vpp_choices: tuple[int, ...] | None = None  # interleaving depths to try when unstated (None: 1, 2, 3, 4, 6, 8)
     measured_alt_s: float | None = None  # held-out: the step time under the other reading of the FLOP count
     framework: str = ""  # the software that ran it, as the source names it (held-out rows)
+
+    @property
+    def framework_key(self) -> str:
+        """The FRAMEWORK_CHANGES entry of its software ('' : none)."""
+        return next((key for key in FRAMEWORK_CHANGES if key in self.framework.lower()), "")
 
     @property
     def ran_on_engine(self) -> bool:
@@ -356,6 +370,9 @@ def extra_knobs(par: dict, batch: dict, train: dict) -> tuple[dict, tuple[str, .
         knobs["etp"] = int(par["etp"])  # MoE Parallel Folding: the experts' own tensor-parallel degree
     if par.get("pp_layers"):
         knobs["pp_layers"] = tuple(par["pp_layers"])
+    schedule = str(par.get("pipeline_schedule") or "").lower()
+    if schedule.startswith("dualpipe"):
+        knobs["schedule"] = "dualpipev" if schedule.startswith("dualpipev") else "dualpipe"
     unknown = []
     for name, value in (("micro_batch", batch.get("micro_batch")), ("vpp", par.get("vpp"))):
         if isinstance(value, int):

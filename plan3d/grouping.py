@@ -76,6 +76,8 @@ def difference(head: Layout, other: Layout) -> str:
         parts.append(f"etp{other.expert_tp}")
     if other.vpp != head.vpp:
         parts.append(f"vpp{other.vpp}")
+    if other.pipeline_schedule != head.pipeline_schedule and other.pp > 1:
+        parts.append(other.pipeline_schedule)
     if other.recompute != head.recompute:
         parts.append(f"{other.recompute} recompute")
     if other.sequence_parallel != head.sequence_parallel:

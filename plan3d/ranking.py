@@ -63,6 +63,7 @@ def moving_parts(layouts: dict[str, np.ndarray]) -> np.ndarray:
     """How many optional mechanisms a layout switches on (fewer is simpler to run and debug)."""
     return ((layouts["zero"] > 0).astype(int) + layouts["zero"] // 3 + (layouts["recompute"] > 0)
             + (layouts["vpp"] > 1) + layouts["sequence_parallel"].astype(int) + (layouts["order"] > 0)
+            + ((layouts["schedule"] > 1) if "schedule" in layouts else 0)  # beyond 1F1B / interleaved (table order)
             + (layouts["pp"] > 1) + (layouts["tp"] > 1) + layouts["uneven"].astype(int)
             + ((layouts["cp"] > 1) if "cp" in layouts else 0) + ((layouts["ep"] > 1) if "ep" in layouts else 0))
 

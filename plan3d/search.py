@@ -76,7 +76,7 @@ REASONS = {
     **{rule.code: rule.reason for rule in FIT_RULES},
     13: "same rank placement as an earlier order (its differing axes have size 1)",
     14: "ZeRO with dp = 1 has nothing to shard (same as ZeRO-0)",
-    15: "the engine cannot run this ZeRO stage with pipeline parallelism",
+    15: "the engine cannot run this ZeRO stage with pipeline parallelism (or with this pipeline schedule)",
     16: "the engine runs tensor parallelism only without a pipeline",
     19: "the engine needs sequence parallelism for MoE with tp > 1",
     20: "an engine rule on experts or rank order (ep with tp or ZeRO; pp-dp order needs ep = cp; expert biases with tp)",
@@ -111,6 +111,7 @@ class Space:
     uneven: bool | None = None  # give pp*vpp that do not divide the layers a balanced split; None: as the engine
     sequence_parallel_required: bool = False  # tp > 1 only with sequence parallelism (the engine's rule)
     zero_with_pp: tuple[int, ...] = (0, 1, 2, 3)  # ZeRO stages allowed with pp > 1 (the engine's rule)
+    zero_with_zero_bubble: tuple[int, ...] = (0, 1, 2, 3)  # ... under a zero-bubble schedule (the engine's rule)
     tensor_parallel_with_pp: bool = True  # tp > 1 together with pp > 1 (the engine's rule)
     sequence_parallel_with_moe: bool = False  # tp > 1 only with sequence parallelism (the engine's rule for MoE models)
     expert_parallel_with_tp: bool = True  # ep > 1 together with tp > 1 (the engine's rule)
@@ -133,6 +134,9 @@ class Space:
         bad = [r for r in self.recompute if r not in RECOMPUTE_MODES]
         if bad or not self.recompute:
             raise LayoutError(f"recompute {bad[0] if bad else 'set'!r}: choose from {', '.join(RECOMPUTE_MODES)}")
+        unknown = [s for s in self.schedules if s not in schedules.schedule_names()]
+        if unknown:
+            raise LayoutError(f"--schedule {unknown[0]}: choose from {', '.join(schedules.schedule_names())}")
         if not self.zero or any(z not in (0, 1, 2, 3) for z in self.zero):
             raise LayoutError(f"ZeRO stages {self.zero}: choose from 0, 1, 2, 3")
         for knob in ("tp", "pp", "dp", "cp", "ep", "micro_batch", "vpp"):
@@ -404,7 +408,10 @@ def drop_duplicates(layouts: dict[str, np.ndarray], space: Space, rejected: dict
     same_order = same_placement(layouts, space.orders)
     shards = layouts["dp"] * layouts["cp"] if "cp" in layouts else layouts["dp"]  # ZeRO shards over dp x cp
     zero_dp1 = ~same_order & (layouts["zero"] > 0) & (shards == 1) & (0 in space.zero)
-    zero_pp = ~(same_order | zero_dp1) & (layouts["pp"] > 1) & ~np.isin(layouts["zero"], space.zero_with_pp)
+    zero_bubble = (schedules.column("bubble_weight_grads", layouts["schedule"]) > 0 if "schedule" in layouts
+                   else np.zeros(len(layouts["tp"]), dtype=bool))
+    zero_pp = ~(same_order | zero_dp1) & (layouts["pp"] > 1) & (
+        ~np.isin(layouts["zero"], space.zero_with_pp) | (zero_bubble & ~np.isin(layouts["zero"], space.zero_with_zero_bubble)))
     rejected[SAME_ORDER_CODE] = int(same_order.sum())
     rejected[ZERO_DP1_CODE] = int(zero_dp1.sum())
     tp_pp = (~(same_order | zero_dp1 | zero_pp) & (not space.tensor_parallel_with_pp)
@@ -525,6 +532,7 @@ def engine_space(space: Space, engine: EngineSpec) -> Space:
                    schedules=() if not space.schedules and set(names) <= set(DEFAULT_SCHEDULES) else names,
                    sequence_parallel_required=space.sequence_parallel_required or can.sequence_parallel_required,
                    zero_with_pp=tuple(z for z in space.zero_with_pp if z in can.zero_with_pp),
+                   zero_with_zero_bubble=tuple(z for z in space.zero_with_zero_bubble if z in can.zero_with_zero_bubble),
                    tensor_parallel_with_pp=space.tensor_parallel_with_pp and can.tensor_parallel_with_pp,
                    sequence_parallel_with_moe=space.sequence_parallel_with_moe or can.sequence_parallel_with_moe,
                    expert_parallel_with_tp=space.expert_parallel_with_tp and can.expert_parallel_with_tp,
@@ -776,7 +784,7 @@ def search_bands(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec,
     n = len(layouts["tp"])
     return band_arrays(engine.name if engine else "", cluster.gpu.generation_name, layouts["zero"],
                        layouts.get("cp", np.ones(n)), model.moe is not None, training.precision, cluster.world_size,
-                       sharded_zero=sharded_stages(engine))
+                       sharded_zero=sharded_stages(engine), schedule=layouts.get("schedule"))
 
 
 def drop_idle_partial(layouts: dict[str, np.ndarray], metrics: dict[str, np.ndarray],

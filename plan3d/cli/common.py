@@ -85,6 +85,10 @@ EtpOpt = Annotated[Optional[int], typer.Option("--etp", help="Expert tensor-para
                                                 "stage; default tp. Megatron-Core only.")]
 MicroBatchOpt = Annotated[int, typer.Option("--micro-batch", help="Sequences per micro-batch.")]
 VppOpt = Annotated[int, typer.Option("--vpp", help="Virtual pipeline stages per rank (interleaved 1F1B).")]
+SCHEDULE_HELP = ("Pipeline schedule: 1f1b, interleaved-1f1b (vpp > 1), zb1p (zero bubble, vpp > 1), zbv or dualpipev "
+                 "(V-shaped, vpp 2), dualpipe (DeepSeek's, two parameter copies); default: 1f1b, or interleaved-1f1b "
+                 "with vpp > 1. Which ones an engine runs: its profile's can_run.schedules.")
+ScheduleOpt = Annotated[Optional[str], typer.Option("--schedule", help=SCHEDULE_HELP)]
 ZeroOpt = Annotated[int, typer.Option("--zero", help="ZeRO stage 0-3.")]
 RecomputeOpt = Annotated[str, typer.Option("--recompute", help="none, selective, moe-act (Megatron-Core: the MoE activation and norm, MoE models), moe (Megatron-Core: the whole MoE layer and norm, MoE models), partial (Megatron-Core: full recompute of the fewest layers per virtual chunk that fit) or full.")]
 SeqParallelOpt = Annotated[bool, typer.Option("--sequence-parallel", help="Megatron sequence parallelism.")]

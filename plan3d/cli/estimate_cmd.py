@@ -9,7 +9,7 @@ from plan3d.cli.app import app
 from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, CpCommOpt, CpOpt, EngineOpt, EpOpt, EtpOpt, GlobalBatchOpt, GpnOpt,
                                GpuMemoryOpt, JsonOpt, MicroBatchOpt,
                                ModelOpt, NodesOpt, OrderOpt, PlotOpt, PpOpt, RecomputeOpt,
-                               SeqLenOpt, SeqParallelOpt, TpOpt, VppOpt, ZeroOpt, load_engine_opt, load_specs,
+                               SeqLenOpt, SeqParallelOpt, ScheduleOpt, TpOpt, VppOpt, ZeroOpt, load_engine_opt, load_specs,
                                make_layout)
 from plan3d.cli.recommend_cmd import PrecisionOpt
 from plan3d.cost.estimate import estimate
@@ -38,6 +38,7 @@ def estimate_command(
     global_batch: GlobalBatchOpt = None,
     seq_len: SeqLenOpt = None,
     vpp: VppOpt = 1,
+    schedule: ScheduleOpt = None,
     zero: ZeroOpt = 0,
     recompute: RecomputeOpt = "none",
     sequence_parallel: SeqParallelOpt = False,
@@ -56,7 +57,7 @@ def estimate_command(
                                                     seq_len, precision, gpu_memory)
     training = with_precision(training, cluster_spec.gpu, precision)
     engine_spec = load_engine_opt(engine, cluster_spec, cp_comm, model_spec)
-    flags = dict(tp=tp, pp=pp, cp=cp, micro_batch=micro_batch, vpp=vpp, zero=zero, recompute=recompute,
+    flags = dict(tp=tp, pp=pp, cp=cp, micro_batch=micro_batch, vpp=vpp, schedule=schedule, zero=zero, recompute=recompute,
                  sequence_parallel=sequence_parallel, order=order)
     if dp is None:
         dp = _fill_dp(cluster_spec.world_size, make_layout(dp=1, **flags), model_spec, training)

@@ -13,7 +13,7 @@ import typer
 from plan3d.cli.app import app
 from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, CpOpt, GlobalBatchOpt, GpnOpt, MicroBatchOpt, ModelOpt,
                                NodesOpt, OrderOpt, PpOpt, RecomputeOpt, SeqLenOpt, SeqParallelOpt, TpOpt,
-                               VppOpt, ZeroOpt, load_specs, make_layout)
+                               ScheduleOpt, VppOpt, ZeroOpt, load_specs, make_layout)
 from plan3d.errors import InfeasibleError, LaunchError, LayoutError, Plan3dError
 from plan3d.run.flags import check_run_flags
 
@@ -133,7 +133,7 @@ def launch_command(
     ep: Annotated[int, typer.Option("--ep", help="Expert-parallel degree of an MoE model: each ep rank holds "
                                     "experts/ep experts; carved out of dp*cp (must divide it).")] = 1,
     micro_batch: MicroBatchOpt = 1, global_batch: GlobalBatchOpt = None, seq_len: SeqLenOpt = None,
-    vpp: VppOpt = 1, zero: ZeroOpt = 0, recompute: RecomputeOpt = "none",
+    vpp: VppOpt = 1, schedule: ScheduleOpt = None, zero: ZeroOpt = 0, recompute: RecomputeOpt = "none",
     sequence_parallel: SeqParallelOpt = False, order: OrderOpt = DEFAULT_ORDER,
     nodes: NodesOpt = None, gpus_per_node: GpnOpt = None,
     precision: Annotated[Optional[str], typer.Option("--precision", help="Default fp32 on CPU clusters, else bf16.")] = None,
@@ -153,7 +153,8 @@ def launch_command(
                               f"planned with: re-plan with --cp-comm {cp_comm}")
         plan = load_plan(plan_file)
     else:
-        flags = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, micro_batch=micro_batch, vpp=vpp, zero=zero, recompute=recompute,
+        flags = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, micro_batch=micro_batch, vpp=vpp, schedule=schedule, zero=zero,
+                     recompute=recompute,
                      sequence_parallel=sequence_parallel, order=order)
         plan = _plan_from_flags(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision, flags,
                                 cp_comm)

@@ -8,8 +8,8 @@ import typer
 
 from plan3d.cli.app import app
 from plan3d.render.units import json_text
-from plan3d.cli.common import (ClusterOpt, CpCommOpt, CpOpt, EngineOpt, GlobalBatchOpt, GpnOpt, GpuMemoryOpt, JsonOpt, ModelOpt,
-                               NodesOpt, PlotOpt, SeqLenOpt, load_engine_opt, load_specs, make_layout)
+from plan3d.cli.common import (SCHEDULE_HELP, ClusterOpt, CpCommOpt, CpOpt, EngineOpt, GlobalBatchOpt, GpnOpt,
+                               GpuMemoryOpt, JsonOpt, ModelOpt, ScheduleOpt, NodesOpt, PlotOpt, SeqLenOpt, load_engine_opt, load_specs, make_layout)
 from plan3d.errors import InfeasibleError, LayoutError
 from plan3d.specs.training import with_precision
 
@@ -79,6 +79,8 @@ def recommend(
     max_micro_batch: Annotated[int, _opt("--max-micro-batch", "Largest micro-batch tried.")] = 8,
     vpp: Annotated[IntOpt, _opt("--vpp", "Fix the virtual pipeline stages per rank.")] = None,
     max_vpp: Annotated[int, _opt("--max-vpp", "Most virtual stages per rank tried.")] = 8,
+    schedule: Annotated[Optional[list[str]], _opt("--schedule", "Allowed pipeline schedule(s); repeat the flag "
+                                                  "(default: every schedule the engine runs). " + SCHEDULE_HELP)] = None,
     zero: Annotated[Optional[list[int]], _opt("--zero", "Allowed ZeRO stage(s); repeat the flag.")] = None,
     recompute: Annotated[Optional[list[str]], _opt("--recompute", "Allowed recompute mode(s).")] = None,
     no_recompute: Annotated[bool, _opt("--no-recompute", "Never recompute activations.")] = False,
@@ -168,7 +170,7 @@ def space_from_flags(flags: dict):
                  **bound("micro_batch", 1, max(flags["max_micro_batch"], flags["micro_batch"] or 1)),
                  **bound("vpp", 1, max(flags["max_vpp"], flags["vpp"] or 1)),
                  zero=tuple(flags["zero"] or (0, 1, 2, 3)), recompute=recompute, sequence_parallel=sp, orders=orders,
-                 uneven=flags["uneven"], etp_fixed=_etp_flag(flags))
+                 uneven=flags["uneven"], etp_fixed=_etp_flag(flags), schedules=tuple(flags.get("schedule") or ()))
 
 
 def _etp_flag(flags: dict) -> int | None:
@@ -270,6 +272,7 @@ def explain_cmd(
     ep: Annotated[int, _opt("--ep", "Expert-parallel degree (mixture-of-experts models).")] = 1,
     micro_batch: Annotated[int, _opt("--micro-batch", "Sequences per micro-batch.")] = 1,
     vpp: Annotated[int, _opt("--vpp", "Virtual pipeline stages per rank.")] = 1,
+    schedule: ScheduleOpt = None,
     zero: Annotated[int, _opt("--zero", "ZeRO stage 0-3.")] = 0,
     recompute: Annotated[str, _opt("--recompute", "none, selective, moe-act, moe (Megatron-Core, MoE models), partial (Megatron-Core: the fewest layers per chunk that fit) or full.")] = "none",
     sequence_parallel: Annotated[bool, _opt("--sequence-parallel", "Megatron sequence parallelism.")] = False,
@@ -297,8 +300,8 @@ def explain_cmd(
     world = specs[0].world_size
     if dp is None:  # a tp or pp below 1 is left for make_layout to reject
         dp = max(1, world // max(tp * pp * cp, 1))
-    layout = make_layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, micro_batch=micro_batch, vpp=vpp, zero=zero, recompute=recompute,
-                         sequence_parallel=sequence_parallel, order=order)
+    layout = make_layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, micro_batch=micro_batch, vpp=vpp, schedule=schedule, zero=zero,
+                         recompute=recompute, sequence_parallel=sequence_parallel, order=order)
     problems = engine_spec.layout_problems(layout, specs[1])
     if problems:
         raise LayoutError("; ".join(problems))

@@ -104,7 +104,7 @@ def layout_band(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, 
                 engine: EngineSpec | None) -> Band:
     """The error band of a prediction of `layout` (plan3d.cost.bands): its region's left-out errors."""
     region = Region.of(engine.name if engine else "", cluster.gpu.generation_name, layout.zero, layout.cp,
-                       model.moe is not None, training.precision, sharded_stages(engine))
+                       model.moe is not None, training.precision, sharded_stages(engine), layout.pipeline_schedule)
     return band_of(region, layout.world_size)
 
 

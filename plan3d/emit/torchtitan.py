@@ -23,12 +23,14 @@ distributed/fsdp.py, distributed/pipeline_parallel.py):
   `data_parallel_replicate_degree = dp` (replication; composes with tp and pp in 0.3), `"never"`.
   ZeRO-1 (optimizer states sharded, parameters and gradients replicated) has no setting.
 - `enable_sequence_parallel` = the plan's sequence parallelism (0.3 defaults it on).
-- the stage split is always explicit, `module_fqns_per_model_part`: stage k*pp + r on pipeline
-  rank r (`_get_pp_rank_to_stage_indices_mapping`, loop style), the embedding in the first stage
+- the stage split is always explicit, `module_fqns_per_model_part` in stage order: stage k*pp + r
+  on pipeline rank r (`_get_pp_rank_to_stage_indices_mapping`, loop style; stages r and 2pp-1-r
+  for ZBVZeroBubble and DualPipeV, V style, as plan3d's cost model places them), the embedding in the first stage
   and the final norm and output head in the last, next to the plan's layer counts. (torchtitan's
   own split counts the embedding and the head as one layer each, and `pipeline_parallel_layers_per_stage`
   needs ceil((layers + 2) / per_stage) divisible by pp: an explicit split avoids both.)
-  `1F1B` with one stage per rank, `Interleaved1F1B` with vpp; `training.disable_cuda_graphs`
+  `pipeline_parallel_schedule`: the plan's schedule by its torch name (bundled/pipeline_schedules.yaml:
+  1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV); `training.disable_cuda_graphs`
   with pp > 1 (Trainer.Config refuses CUDA graphs with pipelining).
 - batch: with a pipeline `local_batch_size` = global / dp split into micro-batches of
   `pipeline_parallel_microbatch_size`; without one `local_batch_size` = micro-batch and torchtitan
@@ -65,6 +67,7 @@ from plan3d.emit.common import Emitted, target_engine
 from plan3d.errors import InfeasibleError
 from plan3d.layout import Layout
 from plan3d.plan import Plan
+from plan3d.specs import schedule as schedules
 from plan3d.specs.model import ModelSpec
 
 VERSIONS = "0.3.x"
@@ -176,7 +179,7 @@ def _check_schedule(plan: Plan) -> None:
                               f"plan has {micro}: raise the global batch or lower the micro-batch")
     rounds = max(1, micro // layout.pp)
     if layout.vpp > 1 and micro % rounds:
-        raise InfeasibleError(f"torch's ScheduleInterleaved1F1B needs the {micro} micro-batches to be a multiple "
+        raise InfeasibleError(f"torch's Schedule{torch_schedule(layout)} needs the {micro} micro-batches to be a multiple "
                               f"of {rounds} rounds (micro-batches // pp): make them a multiple of pp={layout.pp}")
 
 
@@ -343,10 +346,20 @@ def parallelism_settings(plan: Plan) -> dict:
     if layout.ep > 1:
         out["expert_parallel_degree"] = layout.ep
     if layout.pp > 1:
-        out |= {"pipeline_parallel_schedule": "Interleaved1F1B" if layout.vpp > 1 else "1F1B",
+        out |= {"pipeline_parallel_schedule": torch_schedule(layout),
                 "pipeline_parallel_microbatch_size": layout.micro_batch,
                 "module_fqns_per_model_part": stage_modules(layout, plan.model.layers)}
     return out
+
+
+def torch_schedule(layout: Layout) -> str:
+    """The plan's schedule as torch.distributed.pipelining names it (get_schedule_class), from the
+    schedule table; a schedule torch lacks (DualPipe) is refused."""
+    name = schedules.schedules()[layout.pipeline_schedule].torch
+    if name is None:
+        raise InfeasibleError(f"torch.distributed.pipelining has no {layout.pipeline_schedule} schedule: re-plan with "
+                              "--engine torchtitan, which searches only the schedules it runs")
+    return name
 
 
 def stage_modules(layout: Layout, layers: int) -> list[list[str]]:

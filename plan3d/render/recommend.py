@@ -17,6 +17,7 @@ from plan3d.ranking import pareto_front
 from plan3d.render.engine import engine_line, provenance_lines
 from plan3d.render.units import GIB, gib, ms, printable
 from plan3d.search import SearchResult
+from plan3d.specs.schedule import default_codes
 from plan3d.vocab import UTILISATION, seconds_column
 
 SCHEMA_VERSION = 1
@@ -277,7 +278,9 @@ def layout_cells(result: SearchResult, row: int) -> list[str]:
     cp = [str(lay.cp)] if shows_cp(result) else []
     ep = [str(lay.ep)] if shows_ep(result) else []
     etp = [str(lay.expert_tp)] if shows_etp(result) else []
-    return [str(lay.tp), pp, str(lay.dp), *cp, *ep, *etp, str(lay.micro_batch), str(lay.vpp), str(lay.zero),
+    schedule = [SCHEDULE_LABELS.get(lay.pipeline_schedule, lay.pipeline_schedule) if lay.pp > 1 else ""
+                ] if shows_schedule(result) else []
+    return [str(lay.tp), pp, str(lay.dp), *cp, *ep, *etp, str(lay.micro_batch), str(lay.vpp), *schedule, str(lay.zero),
             recompute_cell(lay.recompute, result.metrics.get("recompute_layers"), row),
             "y" if lay.sequence_parallel else "", order]
 
@@ -301,6 +304,16 @@ def shows_ep(result: SearchResult) -> bool:
     return ep is not None and bool((ep > 1).any())
 
 
+SCHEDULE_LABELS = {"interleaved-1f1b": "i-1f1b"}  # the table's short names (--json: the full one)
+
+
+def shows_schedule(result: SearchResult) -> bool:
+    """Whether the table has a schedule column: only when the search evaluated a schedule other
+    than the one vpp alone selects (1F1B, interleaved 1F1B)."""
+    codes = result.layouts.get("schedule")
+    return codes is not None and bool((codes != default_codes(result.layouts["vpp"])).any())
+
+
 def shows_etp(result: SearchResult) -> bool:
     """Whether the table has an etp column: only when the search evaluated experts split over
     another tensor-parallel degree than tp (MoE Parallel Folding)."""
@@ -322,7 +335,7 @@ HEADERS = ["#", "tp", "pp", "dp", "mb", "vpp", "zero", "recompute", "sp", "order
            "step", "band", "validated", "tokens/s", "MFU", "bubble", "top comm"]
 # the short names of a band's extrapolated features in the table (plan3d.cost.bands.AXES)
 AXIS_LABELS = {"engine": "engine", "gpu": "gpu", "sharding": "ZeRO-3", "cp": "cp", "moe": "MoE", "fp8": "fp8",
-               "scale": "scale"}
+               "zero_bubble": "zero-bubble", "scale": "scale"}
 
 
 def band_cells(result: SearchResult, row: int) -> list[str]:
@@ -339,9 +352,11 @@ ALSO_SHOWN = 3  # alternatives named per row under the table; --json lists all
 def layouts_table(result: SearchResult, rows, title: str, tokens: float | None = None) -> Table:
     table = Table(title=title)
     headers = (HEADERS[:4] + (["cp"] if shows_cp(result) else []) + (["ep"] if shows_ep(result) else [])
-               + (["etp"] if shows_etp(result) else []) + HEADERS[4:])
+               + (["etp"] if shows_etp(result) else []) + HEADERS[4:6] + (["schedule"] if shows_schedule(result) else [])
+               + HEADERS[6:])
     for header in headers + (["days"] if tokens else []):
-        table.add_column(header, justify="left" if header in ("recompute", "order", "top comm", "validated") else "right")
+        table.add_column(header, justify="left" if header in ("recompute", "order", "top comm", "validated", "schedule")
+                         else "right")
     for i, row in enumerate(rows):
         table.add_row(str(i + 1), *layout_cells(result, int(row)), *metric_cells(result, int(row), tokens))
     return table

@@ -1,9 +1,12 @@
-"""Pipeline parallelism: stage assignment and the 1F1B / interleaved 1F1B schedules.
+"""Pipeline parallelism: stage assignment and the schedule of the layout.
 
-Schedules are torch-native (`torch.distributed.pipelining`: Schedule1F1B, Narayanan et al. 2021,
-arXiv:2104.04473 section 2.2; ScheduleInterleaved1F1B, same paper section 2.2.2). Stage modules
-are built by hand (`model.Stage`), not traced: virtual stage k*pp + r lives on pipeline rank r and
-holds the layers the layout's `stage_layers` gives it (uneven splits included). Shapes are passed
+Schedules are torch-native (`torch.distributed.pipelining`), the class the schedule table names
+(bundled/pipeline_schedules.yaml `torch`: Schedule1F1B, Narayanan et al. 2021, arXiv:2104.04473
+section 2.2; ScheduleInterleaved1F1B, same paper section 2.2.2; the zero-bubble and DualPipeV
+schedules where the runtime's profile lists them). Stage modules are built by hand
+(`model.Stage`), not traced: virtual stage k*pp + r lives on pipeline rank r (stages r and
+2pp - 1 - r under a V-shaped schedule) and holds the layers the layout's `stage_layers` gives it
+(uneven splits included). Shapes are passed
 statically, so no metadata exchange or shape inference runs inside tensor-parallel stages.
 With pp == 1 there is no schedule: micro-batches are accumulated in a plain loop.
 """
@@ -14,6 +17,7 @@ from itertools import accumulate
 import torch
 
 from plan3d.runtime.context import ParallelContext
+from plan3d.specs import schedule as schedules
 from plan3d.runtime.model import Stage, init_stage
 from plan3d.runtime.tp import cross_entropy
 
@@ -26,8 +30,9 @@ def stage_ranges(plan) -> list[range]:
 
 
 def my_stage_ids(plan, pp_rank: int) -> list[int]:
+    """The virtual stages pipeline rank `pp_rank` runs, as the layout's schedule places them."""
     layout = plan.layout
-    return [chunk * layout.pp + pp_rank for chunk in range(layout.vpp)]
+    return [s for s in range(layout.pp * layout.vpp) if layout.rank_of_stage(s) == pp_rank]
 
 
 def build_stages(plan, ctx: ParallelContext, seed: int, amp_dtype=None) -> tuple[list[Stage], list[int]]:
@@ -61,7 +66,8 @@ def make_schedule(plan, ctx: ParallelContext, stages, ids, seq: int, n_micro: in
     gradients live outside `param.grad` (mixed precision) and are divided by the engine."""
     if plan.layout.pp == 1:
         return None
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
     total = plan.layout.pp * plan.layout.vpp
     pipe_stages = []
@@ -73,9 +79,10 @@ def make_schedule(plan, ctx: ParallelContext, stages, ids, seq: int, n_micro: in
     def loss_fn(output, target):
         return cross_entropy(output, target, ctx.tp)
 
-    if plan.layout.vpp == 1:
-        return Schedule1F1B(pipe_stages[0], n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=scale_grads)
-    return ScheduleInterleaved1F1B(pipe_stages, n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=scale_grads)
+    schedule = get_schedule_class(schedules.schedules()[plan.layout.pipeline_schedule].torch)
+    if issubclass(schedule, PipelineScheduleSingle):
+        return schedule(pipe_stages[0], n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=scale_grads)
+    return schedule(pipe_stages, n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=scale_grads)
 
 
 def forward_backward(schedule, stages, ids, ctx: ParallelContext, inputs, targets, n_micro: int,

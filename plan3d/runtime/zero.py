@@ -97,6 +97,9 @@ class FlatZeroDP:
         param.grad = None
 
     def reduce_grads(self) -> None:
+        for e in self.entries:  # written to param.grad without autograd's accumulation (and so its hook):
+            if e.param.grad is not None:  # torch's split weight backward of the zero-bubble schedules
+                self._accumulate(e.param)
         grad = (self.main_grad if self.main_grad is not None else self._new_main_grad()).div_(self.grad_divisor)
         self.main_grad = grad
         reduce_model_parallel_grads(self.entries, self.ctx, lambda e: self.view(grad, e))

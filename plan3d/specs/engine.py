@@ -173,6 +173,9 @@ class CanRun(SpecModel):
                                       "drops the schedules with several model chunks per rank from `schedules`.")
     schedules: list[str] = Field(["1f1b", "interleaved-1f1b"], min_length=1, description="The pipeline schedules it "
                                  "runs (bundled/pipeline_schedules.yaml); the first two are what vpp alone selects.")
+    zero_with_zero_bubble: list[Literal[0, 1, 2, 3]] = Field([0, 1, 2, 3], description="ZeRO stages it runs under a "
+                                                             "zero-bubble schedule (deferred weight gradients: zb1p, "
+                                                             "zbv, dualpipev, dualpipe).")
     recompute: list[Recompute] = Field(["none", "selective", "full"], min_length=1)
     orders: list[str] = Field([DEFAULT_ORDER, "tp-cp-ep-pp-dp"], min_length=1)
     uneven_pipeline: UnevenSplit = Field("explicit", description="none: layers must divide pp*vpp; explicit: "
@@ -491,6 +494,10 @@ class EngineSpec(SpecModel):
             out.append(f"{name} has no sequence parallelism: drop it")
         if can.sequence_parallel_required and layout.tp > 1 and not layout.sequence_parallel:
             out.append(f"{name} always shards norms over the sequence with tp > 1: set sequence_parallel")
+        zero_bubble = schedules()[layout.pipeline_schedule].bubble_weight_grads > 0
+        if layout.pp > 1 and zero_bubble and layout.zero not in can.zero_with_zero_bubble:
+            out.append(f"{name} cannot run ZeRO-{layout.zero} under the {layout.pipeline_schedule} schedule; use zero "
+                       f"in {_fmt(can.zero_with_zero_bubble)} or a 1F1B schedule")
         if layout.pp > 1 and layout.pipeline_schedule not in can.schedules:
             fix = "use vpp=1" if can.max_chunks == 1 else "set the schedule (and vpp) to one of them"
             out.append(f"{name} has no {layout.pipeline_schedule} pipeline schedule; it runs "

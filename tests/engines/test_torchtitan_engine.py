@@ -51,6 +51,12 @@ EXTRA = {
                                                      sequence_parallel=True, recompute="selective"),
     "tp8-pp7-dp2-llama405b-zero3-bf16": lambda: _plan("llama3-405b", 14, 512, tp=8, pp=7, dp=2, zero=3,
                                                       sequence_parallel=True, recompute="full"),
+    "tp2-pp4-dp1-zbv-zero2": lambda: _plan("llama3-8b", 1, tp=2, pp=4, vpp=2, schedule="zbv", zero=2,
+                                           sequence_parallel=True),
+    "pp4-dp2-dualpipev-uneven-zero3": lambda: _plan(_custom_llama(30), 1, pp=4, dp=2, vpp=2, schedule="dualpipev",
+                                                    zero=3, pp_layers=(3, 4, 4, 4, 4, 4, 4, 3)),
+    "pp2-dp4-zb1p-vpp3-zero0": lambda: _plan("llama3-8b", 1, pp=2, dp=4, vpp=3, schedule="zb1p", zero=0,
+                                             pp_layers=(5, 5, 6, 6, 5, 5)),
     "tp8-cp2-dp4-llama8b-zero3": lambda: _plan("llama3-8b", 8, 64, tp=8, cp=2, dp=4, zero=3,
                                                sequence_parallel=True),
     "pp2-dp4-custom-28l-zero0": lambda: _plan(_custom_llama(28, rope_theta=10000.0), 1, pp=2, dp=4, zero=0,
@@ -185,10 +191,13 @@ def check_pipeline(plan: Plan, config, dims, titan) -> None:
     assert single == (layout.vpp == 1)
     parts = par.module_fqns_per_model_part
     assert len(parts) == layout.pp * layout.vpp
-    for rank in range(layout.pp):  # stage k*pp + r on rank r, as plan3d places virtual stages
+    assert par.pipeline_parallel_schedule == {"1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B",
+                                              "zb1p": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble",
+                                              "dualpipev": "DualPipeV"}[layout.pipeline_schedule]
+    for rank in range(layout.pp):  # loop (k*pp + r) or V (r, 2pp-1-r), as plan3d's cost model places stages
         stages = pipeline._get_pp_rank_to_stage_indices_mapping(rank, layout.pp, par.pipeline_parallel_schedule,
                                                                 len(parts))
-        assert stages == tuple(rank + k * layout.pp for k in range(layout.vpp))
+        assert tuple(stages) == tuple(s for s in range(len(parts)) if layout.rank_of_stage(s) == rank)
     counts = [sum(name.startswith("layers.") for name in part) for part in parts]
     assert tuple(counts) == layout.stage_layers(plan.model.layers)
     flat = [name for part in parts for name in part]

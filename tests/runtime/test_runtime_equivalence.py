@@ -23,6 +23,11 @@ LAYOUTS = {
                                                                 recompute="selective"),
     "dp4-zero3": dict(dp=4, zero=3),
     "pp2-dp2-zero3-uneven-3-5": dict(pp=2, dp=2, zero=3, pp_layers=(3, 5)),
+    # the schedules torch.distributed.pipelining provides beyond 1F1B (bundled/pipeline_schedules.yaml)
+    "pp4-zbv-v-shaped": dict(pp=4, vpp=2, schedule="zbv"),
+    "pp4-dualpipev": dict(pp=4, vpp=2, schedule="dualpipev"),
+    "pp2-dp2-zbv-zero1": dict(pp=2, dp=2, vpp=2, schedule="zbv", zero=1),
+    "pp4-zb1p-vpp2-selective": dict(pp=4, vpp=2, schedule="zb1p", recompute="selective"),
 }
 
 

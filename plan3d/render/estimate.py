@@ -92,6 +92,8 @@ def _layout_text(layout: dict, cp_comm: str = "", recompute_layers: int = 0) -> 
     parts = [f"tp {layout['tp']}", f"pp {layout['pp']}", f"dp {layout['dp']}", *cp, *ep, f"micro-batch {layout['micro_batch']}"]
     if layout["vpp"] > 1:
         parts.append(f"vpp {layout['vpp']}")
+    if layout.get("schedule"):
+        parts.append(f"schedule {layout['schedule']}")
     recompute = f"recompute {layout['recompute']}"
     if layout["recompute"] == "partial":
         recompute += (f" (the first {recompute_layers} layer{'s' if recompute_layers != 1 else ''} of each virtual chunk)"

@@ -160,3 +160,17 @@ def test_paired_forward_backward_hides_the_all_to_alls_where_the_engine_overlaps
     interleaved = layout.model_copy(update={"schedule": None})  # no paired chunks: nothing hidden
     assert (estimate(cluster, model, training, interleaved, overlapping).time_s
             == estimate(cluster, model, training, interleaved, titan).time_s)
+
+
+def test_the_runtime_refuses_tied_embeddings_under_a_v_shaped_schedule():
+    from plan3d.plan import build_plan
+    from plan3d.run.launch import runtime_problems
+
+    cluster, training = load_cluster("local-cpu"), TrainingSpec(global_batch=16)
+    tiny = load_model("tiny-gpt")
+    tied, untied = (tiny.model_copy(update={"tied_embeddings": flag}) for flag in (True, False))
+    vee = Layout(pp=2, dp=2, vpp=2, schedule="zbv")
+    assert any("both ends sit on rank 0" in p for p in runtime_problems(build_plan(cluster, tied, training, vee)))
+    assert not any("both ends" in p for p in runtime_problems(build_plan(cluster, untied, training, vee)))
+    loop = vee.model_copy(update={"schedule": "zb1p"})
+    assert not any("both ends" in p for p in runtime_problems(build_plan(cluster, tied, training, loop)))

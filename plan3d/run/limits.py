@@ -30,6 +30,10 @@ def runtime_problems(plan: Plan) -> list[str]:
         exchanges = runtime_cp_comm()
         problems.append(f"the bundled runtime exchanges K/V by {' or '.join(exchanges)}, not {plan.cp_comm}; "
                         f"re-plan with --cp-comm {exchanges[0]}")
+    if layout.pp > 1 and layout.v_shape and model.tied_embeddings:
+        problems.append(f"the bundled runtime sums tied embedding gradients between the first and the last pipeline "
+                        f"rank; under the V-shaped {layout.pipeline_schedule} schedule both ends sit on rank 0: untie "
+                        "the embeddings (tied_embeddings: false) or use a loop schedule (1f1b, interleaved-1f1b, zb1p)")
     if model.vocab % layout.tp:
         problems.append(f"tp={layout.tp} does not divide vocab={model.vocab} (vocabulary-parallel output)")
     return problems

@@ -35,6 +35,7 @@ from plan3d.search import (
     nodes_to_fit,
     search,
 )
+from plan3d.specs.schedule import default_codes
 from plan3d.vocab import COMM_TERMS, TIME_TERMS, UTILISATION, seconds_column
 
 OBJECTIVES = ("throughput", "mfu", "memory")
@@ -63,7 +64,7 @@ def moving_parts(layouts: dict[str, np.ndarray]) -> np.ndarray:
     """How many optional mechanisms a layout switches on (fewer is simpler to run and debug)."""
     return ((layouts["zero"] > 0).astype(int) + layouts["zero"] // 3 + (layouts["recompute"] > 0)
             + (layouts["vpp"] > 1) + layouts["sequence_parallel"].astype(int) + (layouts["order"] > 0)
-            + ((layouts["schedule"] > 1) if "schedule" in layouts else 0)  # beyond 1F1B / interleaved (table order)
+            + ((layouts["schedule"] != default_codes(layouts["vpp"])) if "schedule" in layouts else 0)  # not vpp's default
             + (layouts["pp"] > 1) + (layouts["tp"] > 1) + layouts["uneven"].astype(int)
             + ((layouts["cp"] > 1) if "cp" in layouts else 0) + ((layouts["ep"] > 1) if "ep" in layouts else 0))
 

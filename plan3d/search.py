@@ -408,7 +408,7 @@ def drop_duplicates(layouts: dict[str, np.ndarray], space: Space, rejected: dict
     same_order = same_placement(layouts, space.orders)
     shards = layouts["dp"] * layouts["cp"] if "cp" in layouts else layouts["dp"]  # ZeRO shards over dp x cp
     zero_dp1 = ~same_order & (layouts["zero"] > 0) & (shards == 1) & (0 in space.zero)
-    zero_bubble = (schedules.column("bubble_weight_grads", layouts["schedule"]) > 0 if "schedule" in layouts
+    zero_bubble = (schedules.zero_bubble(layouts["schedule"]) if "schedule" in layouts
                    else np.zeros(len(layouts["tp"]), dtype=bool))
     zero_pp = ~(same_order | zero_dp1) & (layouts["pp"] > 1) & (
         ~np.isin(layouts["zero"], space.zero_with_pp) | (zero_bubble & ~np.isin(layouts["zero"], space.zero_with_zero_bubble)))

@@ -119,8 +119,8 @@ class Region:
 
 
 def is_zero_bubble(schedule: str) -> bool:
-    """Whether a schedule fills its bubble with deferred weight gradients (bubble_weight_grads > 0)."""
-    return schedules.schedules()[schedule].bubble_weight_grads > 0
+    """Whether the named schedule fills its bubble with deferred weight gradients (`schedule.zero_bubble`)."""
+    return bool(schedules.zero_bubble(schedules.code_of(schedule)))
 
 
 @dataclass(frozen=True)
@@ -342,7 +342,7 @@ def band_arrays(engine: str, gpu: str, zero: np.ndarray, cp: np.ndarray, moe: bo
     """The bands of many layouts of one search (a few distinct regions: sharded or not, cp or not,
     a zero-bubble schedule or not; `schedule`: schedule codes, None: 1F1B / interleaved)."""
     zb = (np.zeros(np.shape(zero), dtype=bool) if schedule is None
-          else schedules.column("bubble_weight_grads", schedule) > 0)
+          else schedules.zero_bubble(schedule))
     keys = np.stack([is_sharded(zero, sharded_zero), np.asarray(cp) > 1, zb], axis=1).astype(np.int8)
     distinct, index = np.unique(keys, axis=0, return_inverse=True)
     bands = [band_of(Region.of(engine, gpu, 3 if z else 0, 2 if c else 1, moe, precision,

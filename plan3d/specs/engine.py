@@ -28,7 +28,8 @@ from plan3d.errors import LayoutError
 from plan3d.specs.base import BYTES_PER_ELEMENT, EFFICIENCY, FRACTION, OVERHEAD_S, Name, SpecModel, Text, bounded
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.order import DEFAULT_ORDER, LayoutShape, parse_order
-from plan3d.specs.schedule import schedule_names, schedules
+from plan3d.specs.schedule import code_of, schedule_names, schedules
+from plan3d.specs.schedule import zero_bubble as is_zero_bubble
 from plan3d.specs.training import TrainingSpec
 
 
@@ -494,7 +495,7 @@ class EngineSpec(SpecModel):
             out.append(f"{name} has no sequence parallelism: drop it")
         if can.sequence_parallel_required and layout.tp > 1 and not layout.sequence_parallel:
             out.append(f"{name} always shards norms over the sequence with tp > 1: set sequence_parallel")
-        zero_bubble = schedules()[layout.pipeline_schedule].bubble_weight_grads > 0
+        zero_bubble = bool(is_zero_bubble(code_of(layout.pipeline_schedule)))
         if layout.pp > 1 and zero_bubble and layout.zero not in can.zero_with_zero_bubble:
             out.append(f"{name} cannot run ZeRO-{layout.zero} under the {layout.pipeline_schedule} schedule; use zero "
                        f"in {_fmt(can.zero_with_zero_bubble)} or a 1F1B schedule")

@@ -114,6 +114,13 @@ def in_flight(codes, pp, pp_rank, vpp, m):
     return np.minimum(value, m)
 
 
+def zero_bubble(codes) -> np.ndarray:
+    """Whether each schedule fills its bubble with deferred weight gradients (the zero-bubble
+    family and DualPipe: bubble_weight_grads > 0); the one definition the engine rules, the
+    search and the error bands read."""
+    return column("bubble_weight_grads", codes) > 0
+
+
 def bubble_weights(codes):
     """(scale, weight-gradient multiple) of the fill-and-drain formula per row."""
     return column("bubble_scale", codes), column("bubble_weight_grads", codes)

@@ -150,3 +150,13 @@ def test_recommend_says_when_it_ranks_on_datasheet_values(capsys):
     assert code == 0 and "datasheet only" in out.replace("\n", " ")
     fitted = run_json(capsys, "recommend", *SMALL, "--top", "2")
     assert not any("datasheet only" in w for w in fitted["warnings"])
+
+
+def test_a_default_cp_bound_of_1_is_named_with_the_flag_that_lifts_it(capsys):
+    mcore = [*SMALL, "--engine", "megatron-core", "--top", "1"]
+    _, out, _ = run(capsys, "recommend", *mcore, "--seq-len", "8192")
+    assert "cp not searched" in out and "--max-cp 2" in " ".join(out.split())
+    _, out, _ = run(capsys, "recommend", *mcore, "--seq-len", "8192", "--max-cp", "2")
+    assert "cp not searched" not in out  # asked for: searched
+    _, out, _ = run(capsys, "recommend", *mcore, "--seq-len", "16384")
+    assert "cp not searched" not in out  # the default bound is 2 there

@@ -118,7 +118,7 @@ def recommend(
         result = next((r for r in sweep if r.feasible_count), sweep[-1])
     else:
         result = search.search(*specs, space, **thresholds)
-    notes = []
+    notes = [n for n in (_cp_bound_note(space, specs, engine_spec),) if n]
     order_ = ranking.rank(result, objective, ranking_mode)
     report = render.Recommendation(result, order_, objective, top, pick, sweep, tokens, notes, ranking=ranking_mode)
     _require_pick(report)
@@ -138,6 +138,18 @@ def recommend(
         print(json_text(render.recommendation_dict(report, explain)))
     else:
         render.print_recommendation(report, explain)
+
+
+def _cp_bound_note(space, specs, engine) -> str:
+    """Why cp was not searched when only its default bound kept it at 1 (an expert expects CP at
+    8K-32K tokens: NeMo's Llama-3-70B recipe runs CP2 at 8K)."""
+    from plan3d.search import CP_AUTO_MIN_TOKENS
+
+    seq = specs[2].seq_len or specs[1].seq_len
+    if space.max_cp is not None or not engine.can_run.context_parallel or space.cp_bound(seq) > 1:
+        return ""
+    return (f"cp not searched: by default each GPU keeps at least {CP_AUTO_MIN_TOKENS:,} tokens of a sequence "
+            f"(seq-len {seq:,} -> cp 1); --max-cp 2 searches context parallelism too")
 
 
 def space_from_flags(flags: dict):

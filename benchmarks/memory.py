@@ -258,7 +258,7 @@ def layouts_report(runs: list[Run]) -> dict:
 
 
 def layout_row(run: Run, key: tuple) -> dict:
-    cluster, engine = published._cluster(run.cluster, run.gpus, key), published._engine(run.engine, key, run.framework_key)
+    cluster, engine = published._cluster(run.cluster, run.gpus, key), published.run_engine(run, key)
     estimated, refusal = [], None
     for layout in published.candidates(run, engine):
         try:

@@ -134,10 +134,16 @@ def _cluster(name: str, gpus: int, params: tuple):
     return base.model_copy(update={"nodes": nodes, "gpu": gpu, "network": network})
 
 
+def run_engine(run: Run, params: tuple):
+    """The engine profile a run is predicted with: its own, with `params`, its framework's changes
+    and the token dispatcher it ran."""
+    return _engine(run.engine, params, run.framework_key, run.dispatcher)
+
+
 @lru_cache(maxsize=64)
-def _engine(name: str, params: tuple, framework: str = ""):
-    """The engine profile `name` with the fitted `params`, and what `framework` (a
-    FRAMEWORK_CHANGES key) runs on top of it."""
+def _engine(name: str, params: tuple, framework: str = "", dispatcher: str = "alltoall"):
+    """The engine profile `name` with the fitted `params`, what `framework` (a
+    FRAMEWORK_CHANGES key) runs on top of it, and the MoE `dispatcher` it ran."""
     base = load_engine(name)
     changes = FRAMEWORK_CHANGES.get(framework, {})
     if changes:
@@ -147,8 +153,9 @@ def _engine(name: str, params: tuple, framework: str = ""):
     def updates(section: str) -> dict:
         return {field: theta[key] for key, (kind, names, field) in FIT_KEYS.items() if kind == section and name in names}
 
-    return base.model_copy(update={"efficiency": base.efficiency.model_copy(update=updates("engine")),
-                                   "runs_as": base.runs_as.model_copy(update=updates("runs_as"))})
+    tuned = base.model_copy(update={"efficiency": base.efficiency.model_copy(update=updates("engine")),
+                                    "runs_as": base.runs_as.model_copy(update=updates("runs_as"))})
+    return tuned if dispatcher == "alltoall" else tuned.with_ep_dispatcher(dispatcher)
 
 
 def candidates(run: Run, engine) -> list[Layout]:
@@ -176,7 +183,7 @@ def candidates(run: Run, engine) -> list[Layout]:
 def predict_run(run: Run, params: tuple) -> tuple[float, Layout | None]:
     """Predicted step time (s) and the layout it was predicted for (fastest that fits among the
     candidates; the fastest of all if none fits)."""
-    cluster, engine = _cluster(run.cluster, run.gpus, params), _engine(run.engine, params, run.framework_key)
+    cluster, engine = _cluster(run.cluster, run.gpus, params), run_engine(run, params)
     best_fit, best_any = (np.inf, None), (np.inf, None)
     for layout in candidates(run, engine):
         try:
@@ -209,7 +216,7 @@ def predict_fixed(runs: list[Run], layouts: list[Layout | None], params: dict) -
         if layout is None:
             out.append(np.nan)
             continue
-        est = estimate(_cluster(run.cluster, run.gpus, key), run.model, run.training, layout, _engine(run.engine, key, run.framework_key))
+        est = estimate(_cluster(run.cluster, run.gpus, key), run.model, run.training, layout, run_engine(run, key))
         out.append(est.step_time_s)
     return np.array(out)
 
@@ -367,7 +374,7 @@ def held_out(params: dict, path: Path = EXTRA) -> dict:
 def _not_predicted(run: Run, layout: Layout | None, key: tuple) -> str | None:
     """Why a held-out run gets no prediction: no candidate layout estimates, or estimate() says a
     feature of the run is not modelled yet."""
-    cluster, engine = _cluster(run.cluster, run.gpus, key), _engine(run.engine, key, run.framework_key)
+    cluster, engine = _cluster(run.cluster, run.gpus, key), run_engine(run, key)
     if layout is None:
         try:
             estimate(cluster, run.model, run.training, Layout(**run.knobs), engine)

@@ -50,9 +50,11 @@ EXTRA_ENGINES = (("deepspeed", "deepspeed-0.19"),  # DeepSpeed 0.6+ ZeRO-3: buck
 FRAMEWORK_CHANGES = {
     # DeepSeek-V3 report sec. 3.2.1: DualPipe, forward and backward chunks of two micro-batches
     # overlapped so the all-to-all hides behind computation; sec. 3.2.2: 20 of the H800's 132 SMs
-    # run the communication
-    "hai-llm": {"can_run": {"schedules": ["1f1b", "interleaved-1f1b", "dualpipe"]},
-                "runs_as": {"f_b_overlap": True, "f_b_comm_sm_share": 0.1515}},
+    # run the communication, each token sent over IB once per node it reaches and forwarded over
+    # NVLink (the kernels DeepSeek released as DeepEP: plan3d's deepep dispatcher)
+    "hai-llm": {"can_run": {"schedules": ["1f1b", "interleaved-1f1b", "dualpipe"],
+                            "ep_dispatchers": ["alltoall", "deepep"]},
+                "runs_as": {"f_b_overlap": True, "f_b_comm_sm_share": 0.1515, "ep_dispatcher": "deepep"}},
 }
 
 
@@ -73,6 +75,7 @@ class Run:
     vpp_choices: tuple[int, ...] | None = None  # interleaving depths to try when unstated (None: 1, 2, 3, 4, 6, 8)
     measured_alt_s: float | None = None  # held-out: the step time under the other reading of the FLOP count
     framework: str = ""  # the software that ran it, as the source names it (held-out rows)
+    dispatcher: str = "alltoall"  # the MoE token dispatcher it ran (RunsAs.ep_dispatcher; held-out rows)
 
     @property
     def framework_key(self) -> str:
@@ -307,7 +310,13 @@ def extra_to_run(row: dict, require_time: bool = True) -> Run:
                measured_s=measured[0], how_measured=measured[1], pair_of=row.get("pair_of"),
                vpp_choices=vpp_depths(model.layers, knobs["pp"]),
                measured_alt_s=(row.get("derived") or {}).get("iteration_time_s_if_causal"),
-               framework=str(train.get("framework") or ""))
+               framework=str(train.get("framework") or ""), dispatcher=extra_dispatcher(train))
+
+
+def extra_dispatcher(train: dict) -> str:
+    """The token dispatcher a held-out row names (DeepEP, HybridEP; otherwise the all-to-all)."""
+    text = str(train.get("dispatcher") or "").lower()
+    return next((name for name in ("deepep", "hybridep") if name in text), "alltoall")
 
 
 def extra_engine(train: dict) -> str:

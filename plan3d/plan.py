@@ -102,6 +102,7 @@ class Estimate(_Record):
     engine: Text = ""
     provenance: list[Text] = []
     cp_comm: Text = ""
+    ep_dispatcher: Text = ""
     step_time_s_band: list[Seconds] = []  # plan3d.cost.bands: [fast end, slow end] of the measured step
     validated: bool | None = None
     region: dict[str, Any] = {}
@@ -148,6 +149,12 @@ class Plan(StrictModel):
         `load_plan` fills it in for plans saved before engines stated one, `with_stated_cp_comm`), or
         all_gather, plan3d's runtime's, for a plan without an engine."""
         return self.engine.runs_as.cp_comm if self.engine is not None else "all_gather"
+
+    @property
+    def ep_dispatcher(self) -> str:
+        """The MoE token dispatcher the plan was predicted with: its engine's (RunsAs.ep_dispatcher;
+        alltoall for plans saved before engines stated one), or alltoall for a plan without an engine."""
+        return self.engine.runs_as.ep_dispatcher if self.engine is not None else "alltoall"
 
     @property
     def grad_dtype(self) -> str:

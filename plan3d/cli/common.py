@@ -49,10 +49,12 @@ def load_specs(cluster: str, model: str, nodes: int | None, gpus_per_node: int |
     return cluster_spec, model_spec, training
 
 
-def load_engine_opt(engine: str | None, cluster: ClusterSpec, cp_comm: str | None = None, model=None):
+def load_engine_opt(engine: str | None, cluster: ClusterSpec, cp_comm: str | None = None, model=None,
+                    ep_dispatcher: str | None = None):
     """The --engine spec, or the default engine for `cluster` and `model` (catalog.engine_for),
-    running context parallelism's K/V exchange as --cp-comm where given (EngineSpec.with_cp_comm)."""
-    return engine_for(engine, cluster, model).with_cp_comm(cp_comm)
+    running context parallelism's K/V exchange as --cp-comm and MoE tokens with --ep-dispatcher
+    where given (EngineSpec.with_choice)."""
+    return engine_for(engine, cluster, model).with_cp_comm(cp_comm).with_ep_dispatcher(ep_dispatcher)
 
 
 def make_training(**fields) -> TrainingSpec:
@@ -96,5 +98,9 @@ CpCommOpt = Annotated[Optional[str], typer.Option(
     "--cp-comm", help="Context parallelism's K/V exchange: p2p (ring overlapped with attention), all_gather or a2a "
     "(Ulysses head split); default: what the engine runs (Megatron-Core p2p, torchtitan and plan3d-runtime "
     "all_gather).")]
+EpDispatcherOpt = Annotated[Optional[str], typer.Option(
+    "--ep-dispatcher", help="MoE token dispatcher with ep > 1: alltoall (every token copy to its expert's GPU), "
+    "deepep or hybridep (hierarchical: a token crosses the network once per node it reaches, then NVLink); "
+    "default: what the engine runs (alltoall).")]
 PlotOpt = Annotated[Optional[Path], typer.Option(
     "--plot", help="Also save a picture (.png, .svg or .pdf; needs matplotlib: pip install 'plan3d\\[plot]').")]

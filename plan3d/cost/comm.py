@@ -44,6 +44,12 @@ class GroupLink:
 
     tier: str  # the innermost tier holding each whole group
     costs: tuple[tuple[float, float], ...]  # (bytes_per_s, latency_s) in COLLECTIVE_KINDS order
+    # the group's split over the inner domains (nodes) of its tier: how many it spans, and the
+    # all-gather bandwidth per GPU inside one and out of one (a GPU's share of the outer tier);
+    # inside one domain: 1, and the tier's own bandwidth twice (a hierarchical dispatch reads them)
+    domains: int = 1
+    inner_bytes_per_s: float = 0.0
+    outer_bytes_per_s: float = 0.0
 
     def cost(self, op: str) -> tuple[float, float]:
         return self.costs[COLLECTIVE_KINDS.index(op)]
@@ -66,10 +72,12 @@ def group_link(layout: Layout, name: str, tiers: tuple[ResolvedTier, ...], gpus_
     index = rankmap.tier_index(name, list(tiers))
     tier = tiers[index]
     if index == 0:
-        return GroupLink(tier.name, tuple(tier.cost(op) for op in COLLECTIVE_KINDS))
+        own = tier.cost("all_gather")[0]
+        return GroupLink(tier.name, tuple(tier.cost(op) for op in COLLECTIVE_KINDS), 1, own, own)
     inner = tiers[index - 1]
     group = rankmap.group_array(name)[0]
-    members = len(group) / len(np.unique(group // inner.domain_gpus))  # of the group in each inner domain
+    domains = len(np.unique(group // inner.domain_gpus))
+    members = len(group) / domains  # of the group in each inner domain
     per_domain = 1 if single_rail else members
     costs = []
     for op in COLLECTIVE_KINDS:
@@ -77,7 +85,7 @@ def group_link(layout: Layout, name: str, tiers: tuple[ResolvedTier, ...], gpus_
         bandwidth = (all_to_all_bandwidth(len(group), members, inner_bw, outer_bw) if all_to_all
                      else min(inner_bw, per_domain * outer_bw))
         costs.append((bandwidth, latency))
-    return GroupLink(tier.name, tuple(costs))
+    return GroupLink(tier.name, tuple(costs), domains, inner.cost("all_gather")[0], tier.cost("all_gather")[0])
 
 
 def all_to_all_bandwidth(n: int, members: float, inner_bw: float, outer_bw: float) -> float:

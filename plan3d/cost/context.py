@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from plan3d.cost.fp8 import compute_dtype, fp8_fields
 from plan3d.cost.params import norm_params
 from plan3d.specs.cluster import ClusterSpec
-from plan3d.specs.engine import EngineSpec, grad_dtype
+from plan3d.specs.engine import HIERARCHICAL_DISPATCHERS, EngineSpec, grad_dtype
 from plan3d.specs.gpu import GPUSpec
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
@@ -65,6 +65,7 @@ class CostContext:
     fp8_max_fraction: float = 0.0
     fp8_cast_bytes: float = 0.0
     ep_overlap_fraction: float = 0.0  # share of the expert-parallel all-to-alls hidden behind compute
+    ep_hierarchical: bool = False  # the dispatcher sends a token once per node it reaches (RunsAs.ep_dispatcher)
     shared_expert_overlap: bool = False  # the shared experts hide the all-to-alls up to their own time
     f_b_overlap: bool = False  # a paired-chunk schedule's forward and backward run concurrently (RunsAs.f_b_overlap)
     f_b_comm_sm_share: float = 0.0  # share of the SMs the overlapped all-to-alls take from the GEMMs then
@@ -95,6 +96,8 @@ class CostContext:
     moe_layers: int = 0  # MoE layers of the whole model
     experts: int = 0  # routed experts per MoE layer
     top_k: int = 0
+    router_groups: int = 1  # group-limited routing: the experts' groups, and the best groups a token may use
+    router_group_top_k: int = 1
     expert_ffn: int = 0  # FFN width of one routed expert
     shared_ffn: int = 0  # total FFN width of the shared experts
     moe_load: float = 1.0  # tokens the busiest expert-parallel rank computes, over the even share (`moe_load_factor`)
@@ -185,6 +188,7 @@ def make_context(cluster: ClusterSpec | None, model: ModelSpec, training: Traini
         tp_overlap_off_zero=tp_overlap_off_zero(runs_as, cluster.gpu.generation_name),
         param_gather_overlap=bool(runs_as and runs_as.param_gather_overlap),
         ep_overlap_fraction=runs_as.ep_overlap_fraction if runs_as else 0.0,
+        ep_hierarchical=bool(runs_as and runs_as.ep_dispatcher in HIERARCHICAL_DISPATCHERS),
         shared_expert_overlap=bool(runs_as and runs_as.shared_expert_overlap),
         f_b_overlap=bool(runs_as and runs_as.f_b_overlap),
         f_b_comm_sm_share=runs_as.f_b_comm_sm_share if runs_as else 0.0,
@@ -276,6 +280,7 @@ def _moe_fields(model: ModelSpec) -> dict:
     h, mats, bias = model.hidden, 3 if model.activation == "swiglu" else 2, int(model.bias)
     fe, fs = moe.expert_ffn_hidden or model.ffn_hidden_, moe.shared_ffn_hidden
     return dict(moe_layers=model.moe_layers, experts=moe.experts, top_k=moe.top_k, expert_ffn=fe, shared_ffn=fs,
+                router_groups=moe.router_groups or 1, router_group_top_k=moe.router_group_top_k or 1,
                 moe_load=moe_load_factor(model),
                 moe_shared_split=(mats * h * fs + (mats - 1) * fs * bias) if fs else 0,
                 moe_replicated=h * moe.experts + moe.experts * bias + h * moe.shared_expert_gate + (h * bias if fs else 0),

@@ -29,24 +29,27 @@ class Links:
     kind: `costs[(group, op)] = (bandwidth, latency)`."""
 
     costs: dict
+    ep_split: tuple = (1.0, 0.0, 0.0)  # the ep group's nodes, bandwidth inside and out of one (GroupLink)
 
     def of(self, group: str, op: str = "all_reduce") -> tuple[np.ndarray, np.ndarray]:
         return self.costs[(group, op)]
 
     @classmethod
     def from_rows(cls, rows: np.ndarray) -> "Links":
-        """From a (n, 2 * groups * ops) table laid out by `link_row`."""
+        """From a (n, 2 * groups * ops + 3) table laid out by `link_row`."""
         costs, k = {}, 0
         for group in LINK_GROUPS:
             for op in COLLECTIVE_KINDS:
                 costs[(group, op)] = (rows[:, k], rows[:, k + 1])
                 k += 2
-        return cls(costs)
+        return cls(costs, (rows[:, k], rows[:, k + 1], rows[:, k + 2]))
 
 
 def link_row(links: dict) -> list[float]:
-    """One row of `Links.from_rows` from the GroupLink of each group."""
-    return [x for group in LINK_GROUPS for op in COLLECTIVE_KINDS for x in links[group].cost(op)]
+    """One row of `Links.from_rows` from the GroupLink of each group, then the ep group's split."""
+    ep = links["ep"]
+    return ([x for group in LINK_GROUPS for op in COLLECTIVE_KINDS for x in links[group].cost(op)]
+            + [ep.domains, ep.inner_bytes_per_s, ep.outer_bytes_per_s])
 
 
 def stage_micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, layers, moe_layers=0.0) -> dict:
@@ -77,7 +80,7 @@ def stage_micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_ran
                                moe.moe_block_redo_s(ctx, la))
         per_rank = lambda key: (layers - moe_layers) * dense[key] + moe_layers * routed[key]  # noqa: E731
         redo_moe_comm = full | (la.recompute == MOE_BLOCK)  # the recompute's forward repeats the all-to-alls
-        ep_comm = moe_layers * moe.ep_comm_s(ctx, la, links.of("ep", "all_gather"), redo_moe_comm)
+        ep_comm = moe_layers * moe.ep_comm_s(ctx, la, links.of("ep", "all_gather"), redo_moe_comm, links.ep_split)
         expert_tp = moe_layers * _expert_tp_gather_s(ctx, la, links, redo_moe_comm)
     else:
         per_rank = lambda key: layers * dense[key]  # noqa: E731

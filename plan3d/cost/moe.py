@@ -110,17 +110,57 @@ def shared_experts_forward_s(ctx: CostContext, la: LayoutArrays):
     return gemms + memory_bound_s(ctx, tokens * ctx.mlp_mats * ctx.shared_ffn / la.tp, ctx.elementwise_bytes)
 
 
-def ep_comm_s(ctx: CostContext, la: LayoutArrays, ep_link, full_recompute):
+def remote_nodes_per_token(ctx: CostContext, nodes):
+    """Expected number of other nodes one token's top_k copies reach when the ep group spans
+    `nodes` nodes, each holding experts / nodes of the experts, and the router spreads tokens
+    evenly (the balanced-routing assumption; the busiest rank's excess is `moe_load`): a node
+    gets none of the k copies with probability C(E - e, k) / C(E, k), e = E / nodes.
+
+    Group-limited routing whose groups are the ep group's nodes (DeepSeek-V3: 8 groups on 8 nodes,
+    a token in its best 4, report sec. 2.1.2 "node-limited routing") picks M of the G nodes, and
+    the k copies spread over the M * e experts there. With other groups the unlimited count is an
+    upper bound, and used."""
+    nodes = np.asarray(nodes, dtype=np.float64)
+    per_node = ctx.experts / np.maximum(nodes, 1.0)
+    limited = (ctx.router_groups > 1) & (nodes == ctx.router_groups)
+    chosen = np.where(limited, ctx.router_group_top_k / np.maximum(nodes, 1.0), 1.0)  # P(a node is a candidate)
+    pool = np.where(limited, ctx.router_group_top_k * per_node, float(ctx.experts))
+    none = np.ones_like(nodes)
+    for i in range(ctx.top_k):  # C(pool - e, k) / C(pool, k), as a product
+        none = none * np.clip((pool - per_node - i) / np.maximum(pool - i, 1.0), 0.0, 1.0)
+    return np.where(nodes > 1, (nodes - 1) * chosen * (1.0 - none), 0.0)
+
+
+def hierarchical_dispatch_s(ctx: CostContext, la: LayoutArrays, ep_split, latency_s):
+    """Seconds of one dispatch (or combine) as DeepEP's internode kernels run it (DeepSeek-V3
+    report sec. 3.2.2; deepseek-ai/DeepEP README): each token crosses the network once per other
+    node holding one of its experts (`remote_nodes_per_token`), over the GPU's own share of the
+    outer tier, and every copy bound for another GPU moves once over NVLink (within the sending
+    node, or forwarded inside the receiving one), both at once: the slower of the two, plus one
+    outer latency per other node."""
+    nodes, inner_bw, outer_bw = ep_split
+    token_bytes = ctx.seq * la.mb_share / la.sp_div * ctx.moe_load * ctx.hidden * ctx.act_bytes
+    network = token_bytes * remote_nodes_per_token(ctx, nodes) / np.maximum(outer_bw, 1.0)
+    nvlink = token_bytes * ctx.top_k * (la.ep - 1) / np.maximum(la.ep, 1) / np.maximum(inner_bw, 1.0)
+    return np.maximum(network, nvlink) + (nodes - 1) * latency_s
+
+
+def ep_comm_s(ctx: CostContext, la: LayoutArrays, ep_link, full_recompute, ep_split=None):
     """Exposed seconds of one MoE layer's all-to-alls per micro-batch: dispatch and combine in the
     forward, the same two in the backward, and again in a recompute's forward (`full_recompute`:
-    full recompute, or moe recompute of the MoE layer).
+    full recompute, or moe recompute of the MoE layer). Each is a pairwise all-to-all of the
+    routed copies, or, with a hierarchical dispatcher (deepep, hybridep) and an ep group across nodes (`ep_split`: its
+    nodes and bandwidths, `Links.ep_split`), `hierarchical_dispatch_s`.
 
     What hides them: `ep_overlap_fraction` of each (0 by default: Megatron-Core 0.19 overlaps
     them with other micro-batches only with --overlap-moe-expert-parallel-comm, torchtitan 0.3
     not at all), and, where the engine runs the shared experts on a side stream while the
     all-to-alls are in flight (`shared_expert_overlap`, Megatron-Core --moe-shared-expert-overlap),
     the shared experts' time: their forward in a forward pass, twice it in the backward."""
-    one = all_to_all_s(ep_a2a_bytes(ctx, la), la.ep, *ep_link) * (1 - ctx.ep_overlap_fraction)
+    one = all_to_all_s(ep_a2a_bytes(ctx, la), la.ep, *ep_link)
+    if ctx.ep_hierarchical and ep_split is not None:
+        one = np.where(ep_split[0] > 1, hierarchical_dispatch_s(ctx, la, ep_split, ep_link[1]), one)
+    one = one * (1 - ctx.ep_overlap_fraction)
     shared = shared_experts_forward_s(ctx, la) if ctx.shared_expert_overlap else 0.0
     forward = np.maximum(A2A_PER_LAYER_PASS * one - shared, 0.0)
     backward = np.maximum(A2A_PER_LAYER_PASS * one - 2 * shared, 0.0)

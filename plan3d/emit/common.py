@@ -20,7 +20,7 @@ from plan3d.errors import InfeasibleError, LayoutError
 from plan3d.plan import Plan
 from plan3d.render.units import gib
 from plan3d.specs.catalog import load_engine
-from plan3d.specs.engine import EngineSpec
+from plan3d.specs.engine import RUN_CHOICES, EngineSpec
 
 
 @dataclass
@@ -32,19 +32,24 @@ class Emitted:
 
 
 def _as_planned(engine: EngineSpec, plan: Plan, versions: str) -> EngineSpec:
-    """The bundled profile running context parallelism's K/V exchange as the plan was predicted
-    (`Plan.cp_comm`, `--cp-comm`). A plan made for this engine with an exchange it cannot run is
-    refused; one made for another engine keeps its exchange where this engine runs it, else this
-    engine's own (the emitter's note says the predictions were for the other engine)."""
-    if plan.layout.cp == 1 or not engine.can_run.context_parallel:
-        return engine
+    """The bundled profile running context parallelism's K/V exchange and the MoE token dispatcher
+    as the plan was predicted (`Plan.cp_comm`, `--cp-comm`; `Plan.ep_dispatcher`, `--ep-dispatcher`).
+    A plan made for this engine with a choice it cannot run is refused; one made for another
+    engine keeps its choice where this engine runs it, else this engine's own (the emitter's note
+    says the predictions were for the other engine)."""
     same = plan.engine is not None and plan.engine.name == engine.name
-    if not same and plan.cp_comm not in engine.can_run.cp_comm:
-        return engine
-    try:
-        return engine.with_cp_comm(plan.cp_comm)
-    except LayoutError as err:
-        raise InfeasibleError(f"{engine.name} {versions}: {err}") from None
+    for field, used, planned in (("cp_comm", plan.layout.cp > 1, plan.cp_comm),
+                                 ("ep_dispatcher", plan.layout.ep > 1, plan.ep_dispatcher)):
+        options, _, _, needs, _ = RUN_CHOICES[field]
+        if not used or not getattr(engine.can_run, needs):
+            continue
+        if not same and planned not in getattr(engine.can_run, options):
+            continue
+        try:
+            engine = engine.with_choice(field, planned)
+        except LayoutError as err:
+            raise InfeasibleError(f"{engine.name} {versions}: {err}") from None
+    return engine
 
 
 def read_as_engine(plan: Plan, profile: str) -> tuple[Plan, list[str]]:

@@ -15,7 +15,7 @@ What a plan's MoE spec becomes:
 - shared experts: `--moe-shared-expert-intermediate-size` (their total width),
   `--moe-shared-expert-gate` (Qwen2-MoE's sigmoid gate) and `--moe-shared-expert-overlap` (the
   shared experts run while the all-to-all dispatch is in flight; TransformerConfig allows it with
-  the alltoall dispatcher, which this emitter always picks);
+  the alltoall and flex dispatchers, the two this emitter writes);
 - router: softmax -> `--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2` (the
   GShard / Switch Transformer balance loss at the starting value Megatron's help text recommends);
   sigmoid -> `--moe-router-score-function sigmoid --moe-router-enable-expert-bias` (DeepSeek-V3's
@@ -25,7 +25,8 @@ What a plan's MoE spec becomes:
   --moe-pad-expert-input-to-capacity` (every expert computes exactly its capacity; TransformerConfig
   needs a capacity factor for the padding and an aux-loss balancing type for the factor); none: dropless;
 - `--moe-grouped-gemm` (validate_args asserts compute capability >= 8; left off before Ampere, with a
-  note) and `--moe-token-dispatcher-type alltoall`;
+  note) and the dispatcher the plan was predicted with: `--moe-token-dispatcher-type alltoall`, or
+  `flex` with `--moe-flex-dispatcher-backend deepep | hybridep` (`--ep-dispatcher`);
 - `--expert-tensor-parallel-size`: the layout's etp (MoE Parallel Folding), by default tp, each expert
   split like the dense MLP.
 
@@ -67,8 +68,9 @@ def moe_layer_freq(model: ModelSpec) -> str:
     return "(" + "+".join(runs) + ")"
 
 
-def moe_problems(plan: Plan) -> list[str]:
-    """What Megatron-Core 0.19 refuses for this plan's experts, each with the code that refuses it."""
+def moe_problems(plan: Plan, dispatcher: str = "alltoall") -> list[str]:
+    """What Megatron-Core 0.19 refuses for this plan's experts (moving tokens with `dispatcher`),
+    each with the code that refuses it."""
     model, layout, out = plan.model, plan.layout, []
     moe = model.moe
     if moe is None:
@@ -76,6 +78,10 @@ def moe_problems(plan: Plan) -> list[str]:
             out.append("expert parallelism needs a MoE model (validate_args: num_experts must be set with ep > 1); "
                        "set ep=1 or give the model spec a moe")
         return out
+    if dispatcher == "deepep" and moe.capacity_factor is not None:
+        out.append("the deepep dispatcher cannot pad experts to their capacity (TransformerConfig: 'Flex token "
+                   "dispatcher with deepep backend does not support moe_pad_expert_input_to_capacity'); use "
+                   "--ep-dispatcher alltoall or drop the model's capacity_factor")
     if moe.experts % layout.ep:
         out.append(f"ep={layout.ep} does not divide the {moe.experts} experts (validate_args: 'Number of experts "
                    "should be a multiple of expert model parallel_size'); use an ep that divides them")
@@ -93,15 +99,23 @@ def moe_problems(plan: Plan) -> list[str]:
     return out
 
 
-def moe_args(plan: Plan, gpu_arch: int) -> list[str]:
+def dispatcher_args(dispatcher: str) -> list[str]:
+    """The token dispatcher the plan was predicted with (RunsAs.ep_dispatcher): alltoall, or the
+    flex dispatcher with the DeepEP / HybridEP backend (TransformerConfig.moe_token_dispatcher_type,
+    moe_flex_dispatcher_backend)."""
+    if dispatcher == "alltoall":
+        return ["--moe-token-dispatcher-type", "alltoall"]
+    return ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", dispatcher]
+
+
+def moe_args(plan: Plan, gpu_arch: int, dispatcher: str = "alltoall") -> list[str]:
     """The MoE flags of a MoE model (none for a dense one); `moe_problems` says what is refused."""
     moe = plan.model.moe
     if moe is None:
         return []
     args = ["--num-experts", str(moe.experts), "--moe-router-topk", str(moe.top_k),
             "--moe-ffn-hidden-size", str(moe.expert_ffn_hidden or plan.model.ffn_hidden_),
-            "--moe-layer-freq", moe_layer_freq(plan.model),
-            "--moe-token-dispatcher-type", "alltoall",
+            "--moe-layer-freq", moe_layer_freq(plan.model), *dispatcher_args(dispatcher),
             "--expert-tensor-parallel-size", str(plan.layout.expert_tp)]
     if gpu_arch >= GROUPED_GEMM_MIN_ARCH:
         args.append("--moe-grouped-gemm")

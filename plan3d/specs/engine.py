@@ -61,6 +61,14 @@ CP_COMM_HELP = ("p2p: K/V chunks passed round a ring, each transfer overlapped w
                 "all_gather: the whole sequence's K/V gathered before attention (blocking), dK/dV reduce-scattered "
                 "after it; a2a: Ulysses-style all-to-alls of Q, K, V and the output that trade the sequence split "
                 "for a head split (heads / tp and kv_heads / tp must divide by cp)")
+EpDispatcher = Literal["alltoall", "deepep", "hybridep"]
+HIERARCHICAL_DISPATCHERS = ("deepep", "hybridep")  # one copy of a token per node it reaches (plan3d.cost.moe)
+EP_DISPATCHER_HELP = ("alltoall: every routed token copy sent to its expert's rank (NCCL all-to-all, Megatron-Core "
+                      "--moe-token-dispatcher-type alltoall); deepep: DeepEP's hierarchical kernels, each token sent "
+                      "once to every other node holding one of its experts (RDMA) and forwarded to those experts' "
+                      "GPUs over NVLink (Megatron-Core --moe-token-dispatcher-type flex "
+                      "--moe-flex-dispatcher-backend deepep); hybridep: NVIDIA's HybridEP, the same hierarchy over "
+                      "an NVLink domain of many GPUs (GB200 NVL72; --moe-flex-dispatcher-backend hybridep)")
 UnevenSplit = Literal["none", "explicit", "embedding-as-layer"]
 SOFTWARE_KEYS = ("elementwise_bytes", "attention_score_bytes", "layer_overhead_s", "micro_batch_overhead_s",
                  "dp_overlap_fraction")
@@ -186,6 +194,8 @@ class CanRun(SpecModel):
     context_parallel: bool = False
     cp_comm: list[CpComm] = Field(["p2p"], min_length=1, description="How it can exchange K/V with context "
                                   "parallelism (Megatron-Core --cp-comm-type): " + CP_COMM_HELP + ".")
+    ep_dispatchers: list[EpDispatcher] = Field(["alltoall"], min_length=1, description="How it can move tokens "
+                                               "to their experts with ep > 1: " + EP_DISPATCHER_HELP + ".")
     expert_parallel: bool = Field(False, description="Expert parallelism for mixture-of-experts models "
                                   "(ep > 1: each MoE layer's experts split over ep of the dp*cp ranks).")
     sequence_parallel_with_moe: bool = Field(False, description="A mixture-of-experts model with tp > 1 needs "
@@ -326,6 +336,8 @@ class RunsAs(SpecModel):
     f_b_comm_sm_share: float = bounded(0.0, FRACTION, description="Share of the GPU's SMs the overlapped "
                                        "all-to-alls occupy, slowing the computation they hide behind (DeepSeek-V3 "
                                        "report sec. 3.2.2: 20 of the H800's 132 SMs, 0.15).")
+    ep_dispatcher: EpDispatcher = Field("alltoall", description="The token dispatcher it runs with ep > 1, one of "
+                                        "can_run.ep_dispatchers (`--ep-dispatcher` chooses another).")
     cp_comm: CpComm = Field("p2p", description="The K/V exchange it runs with context parallelism, one of "
                             "can_run.cp_comm (`--cp-comm` chooses another).")
     cp_gathered_kv_saved: bool = Field(False, description="The other ranks' K/V are saved for the backward "
@@ -390,6 +402,15 @@ class SoftwareEfficiency(SpecModel):
                                        "the validated region.")
 
 
+# The job settings an engine profile runs one of (runs_as.<field>, from can_run.<options>) and a
+# command-line option chooses: (options field, value kinds, the option, the can_run capability it
+# needs, that capability's name).
+RUN_CHOICES = {
+    "cp_comm": ("cp_comm", CpComm, "--cp-comm", "context_parallel", "context parallelism"),
+    "ep_dispatcher": ("ep_dispatchers", EpDispatcher, "--ep-dispatcher", "expert_parallel", "expert parallelism"),
+}
+
+
 class EngineSpec(SpecModel):
     name: Name
     description: Text = ""
@@ -400,26 +421,35 @@ class EngineSpec(SpecModel):
     source: Text = ""
 
     @model_validator(mode="after")
-    def _cp_comm_is_runnable(self) -> "EngineSpec":
-        if self.runs_as.cp_comm not in self.can_run.cp_comm:
-            raise ValueError(f"runs_as.cp_comm {self.runs_as.cp_comm!r} is not in can_run.cp_comm "
-                             f"{self.can_run.cp_comm}: add it there or set runs_as.cp_comm to one of them")
+    def _choices_are_runnable(self) -> "EngineSpec":
+        for field, (options, *_) in RUN_CHOICES.items():
+            if getattr(self.runs_as, field) not in getattr(self.can_run, options):
+                raise ValueError(f"runs_as.{field} {getattr(self.runs_as, field)!r} is not in can_run.{options} "
+                                 f"{getattr(self.can_run, options)}: add it there or set runs_as.{field} to one of them")
         return self
 
+    def with_choice(self, field: str, value: str | None) -> "EngineSpec":
+        """The profile running `field` (a RUN_CHOICES key: cp_comm, ep_dispatcher) as `value`
+        (None: unchanged); one it cannot run is a LayoutError naming what it runs."""
+        if value is None:
+            return self
+        options, kinds, flag, needs, capability = RUN_CHOICES[field]
+        if not getattr(self.can_run, needs):
+            raise LayoutError(f"{self.name} has no {capability}: drop {flag}")
+        if value == getattr(self.runs_as, field):
+            return self
+        if value not in getattr(self.can_run, options):
+            what = f"cannot run {flag} {value}" if value in get_args(kinds) else f"has no {flag} {value!r}"
+            raise LayoutError(f"{self.name} {what}; use one of {', '.join(getattr(self.can_run, options))}")
+        return self.model_copy(update={"runs_as": self.runs_as.model_copy(update={field: value})})
+
     def with_cp_comm(self, cp_comm: str | None) -> "EngineSpec":
-        """The profile running context parallelism's K/V exchange as `cp_comm` (None: unchanged);
-        one it cannot run is a LayoutError naming what it runs."""
-        if cp_comm is None:
-            return self
-        if not self.can_run.context_parallel:
-            raise LayoutError(f"{self.name} has no context parallelism: drop --cp-comm")
-        if cp_comm == self.runs_as.cp_comm:
-            return self
-        if cp_comm not in self.can_run.cp_comm:
-            known = cp_comm in get_args(CpComm)
-            what = f"cannot run --cp-comm {cp_comm}" if known else f"has no --cp-comm {cp_comm!r}"
-            raise LayoutError(f"{self.name} {what}; use one of {', '.join(self.can_run.cp_comm)}")
-        return self.model_copy(update={"runs_as": self.runs_as.model_copy(update={"cp_comm": cp_comm})})
+        """The profile running context parallelism's K/V exchange as `cp_comm` (`with_choice`)."""
+        return self.with_choice("cp_comm", cp_comm)
+
+    def with_ep_dispatcher(self, dispatcher: str | None) -> "EngineSpec":
+        """The profile moving MoE tokens with `dispatcher` (`with_choice`)."""
+        return self.with_choice("ep_dispatcher", dispatcher)
 
     def cp_comm_problems(self, layout: LayoutShape, model: ModelSpec | None) -> list[str]:
         """a2a splits each rank's heads over cp (Transformer Engine AttnFuncWithCPAndQKVOA2A):

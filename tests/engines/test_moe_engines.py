@@ -321,6 +321,39 @@ def test_megatron_recomputes_the_whole_moe_layer_for_moe(megatron):
     assert config.recompute_granularity == "selective" and config.recompute_modules == ["moe", "layernorm"]
 
 
+@pytest.mark.parametrize("dispatcher", ["deepep", "hybridep"])
+def test_megatron_runs_the_hierarchical_dispatcher_the_plan_was_predicted_with(megatron, dispatcher):
+    """A plan predicted with --ep-dispatcher deepep / hybridep is emitted as Megatron-Core's flex
+    dispatcher with that backend, which TransformerConfig reads back (and its groups are the plan's)."""
+    from plan3d.specs.catalog import load_engine
+    case = next(c for c in MOE_CASES if c.name == "deepseek-tp2-pp2-ep4-dp4-mla")
+    engine = load_engine("megatron-core").with_ep_dispatcher(dispatcher)
+    base = build_moe(case)
+    plan = build_plan(base.cluster, base.model, base.training, base.layout, engine=engine)
+    env, _, argv = shell_parts(emit_megatron(plan, RUN).text)
+    args = megatron_args(megatron, plan, argv, env)
+    config = transformer_config(args)
+    assert config.moe_token_dispatcher_type == "flex" and config.moe_flex_dispatcher_backend == dispatcher
+    assert megatron_process_groups(args) == plan_groups(plan)
+
+
+def test_megatron_refuses_deepep_with_padded_capacity_as_plan3d_does(megatron):
+    """deepep with a capacity factor (which the emitter pads to): plan3d refuses it, and so does
+    TransformerConfig when the emitted alltoall block is switched to flex + deepep."""
+    from plan3d.specs.catalog import load_engine
+    case = next(c for c in MOE_CASES if c.name == "mixtral-cf-ep2-dp8")
+    base = build_moe(case)
+    plan = build_plan(base.cluster, base.model, base.training, base.layout,
+                      engine=load_engine("megatron-core").with_ep_dispatcher("deepep"))
+    with pytest.raises(InfeasibleError, match="deepep dispatcher cannot pad"):
+        emit_megatron(plan, RUN)
+    env, _, argv = shell_parts(emit_megatron(base, RUN).text)
+    at = argv.index("--moe-token-dispatcher-type")
+    argv = argv[:at + 1] + ["flex", "--moe-flex-dispatcher-backend", "deepep"] + argv[at + 2:]
+    with pytest.raises((ValueError, AssertionError), match="moe_pad_expert_input_to_capacity"):
+        transformer_config(megatron_args(megatron, base, argv, env))
+
+
 @pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "gpt-moe"])
 def test_megatron_builds_plan3ds_parameter_count(megatron, name):
     """Megatron's GPTModel from the emitted arguments (one rank, local layer specs, meta device) has

@@ -1,0 +1,154 @@
+"""The MoE token dispatcher (RunsAs.ep_dispatcher, `--ep-dispatcher`): the all-to-all of every
+routed copy, or DeepEP / HybridEP's hierarchical dispatch that sends a token over the network
+once per other node holding one of its experts (plan3d.cost.moe.remote_nodes_per_token,
+hierarchical_dispatch_s), with DeepSeek-V3's node-limited routing (docs/cost-model.md,
+"Mixture of experts")."""
+from __future__ import annotations
+
+from math import comb
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from cli_helpers import run_cli
+from plan3d.cost.comm import layout_links
+from plan3d.cost.context import MOE_IMBALANCE
+from plan3d.cost.estimate import estimate
+from plan3d.cost.moe import remote_nodes_per_token
+from plan3d.emit.megatron_moe import dispatcher_args
+from plan3d.errors import LayoutError
+from plan3d.layout import Layout
+from plan3d.plan import build_plan
+from plan3d.search import Space, evaluate, evaluate_scalar, search
+from plan3d.specs.catalog import load_cluster, load_engine, load_model
+from plan3d.specs.engine import EngineSpec
+from plan3d.specs.training import TrainingSpec
+
+
+def routing(experts, top_k, groups=1, group_top_k=1):
+    return SimpleNamespace(experts=experts, top_k=top_k, router_groups=groups, router_group_top_k=group_top_k)
+
+
+def test_remote_nodes_by_hand_for_unlimited_routing():
+    """Qwen3-235B-like (128 experts, top-8) on 4 nodes: another node holds 32 experts and gets none
+    of a token's 8 copies with probability C(96, 8) / C(128, 8), so 3 x (1 - that) other nodes."""
+    expected = 3 * (1 - comb(96, 8) / comb(128, 8))
+    got = remote_nodes_per_token(routing(128, 8), np.array([1.0, 4.0]))
+    assert got[0] == 0.0 and got[1] == pytest.approx(expected)
+    assert 2.7 < expected < 2.75  # against 8 x 3/4 = 6 copies leaving the node without the dedup
+
+
+def test_node_limited_routing_by_hand():
+    """DeepSeek-V3 (256 experts top-8, 8 groups, the best 4) on 8 nodes: a node is among a token's
+    4 with probability 4/8, and then misses its 8 copies (spread over 4 x 32 experts) with
+    probability C(96, 8) / C(128, 8); with groups that are not the nodes, the unlimited count."""
+    limited = routing(256, 8, 8, 4)
+    expected = 7 * 4 / 8 * (1 - comb(96, 8) / comb(128, 8))
+    assert remote_nodes_per_token(limited, np.array([8.0]))[0] == pytest.approx(expected)
+    unlimited = 7 * (1 - comb(224, 8) / comb(256, 8))
+    assert remote_nodes_per_token(limited, np.array([4.0]))[0] == pytest.approx(
+        3 * (1 - comb(192, 8) / comb(256, 8)))
+    assert remote_nodes_per_token(routing(256, 8), np.array([8.0]))[0] == pytest.approx(unlimited)
+    assert expected < 4 < unlimited
+
+
+@pytest.fixture(scope="module")
+def qwen_case():
+    model = load_model("mixtral-8x7b")
+    return load_cluster("dgx-h100", nodes=8), model, TrainingSpec(global_batch=256)
+
+
+def test_deepep_across_nodes_by_hand(qwen_case):
+    """ep 8 over 8 nodes (tp 8, one member per node): one dispatch is the slower of the network part (tokens x remote
+    nodes x h x 2 bytes over the GPU's NIC share) and the NVLink part (every copy for another GPU),
+    plus one latency per other node; 4 of them per layer and micro-batch, none recomputed."""
+    cluster, model, training = qwen_case
+    layout = Layout(tp=1, pp=1, dp=64, ep=8, zero=1)
+    links = layout_links(1, 1, 64, layout.order, tuple(cluster.tiers()), 8, 1, 8)["ep"]
+    assert links.domains == 1  # ep 8 at tp 1: one node, DeepEP's intranode path = the all-to-all
+    alltoall = estimate(cluster, model, training, layout, load_engine("megatron-core"))
+    deepep_engine = load_engine("megatron-core").with_ep_dispatcher("deepep")
+    assert estimate(cluster, model, training, layout, deepep_engine).time_s["ep_comm"] == pytest.approx(
+        alltoall.time_s["ep_comm"])
+
+    wide = Layout(tp=8, pp=1, dp=8, ep=8, zero=1, sequence_parallel=True)
+    link = layout_links(8, 1, 8, wide.order, tuple(cluster.tiers()), 8, 1, 8)["ep"]
+    assert link.domains == 8 and link.tier == "ib-ndr"
+    est = estimate(cluster, model, training, wide, deepep_engine)
+    k, h, seq = model.moe.top_k, model.hidden, model.seq_len
+    token_bytes = seq / 8 * MOE_IMBALANCE * h * 2  # the sequence-parallel shard
+    remote = remote_nodes_per_token(routing(model.moe.experts, k), np.array([8.0]))[0]
+    one = max(token_bytes * remote / link.outer_bytes_per_s, token_bytes * k * 7 / 8 / link.inner_bytes_per_s)
+    one += 7 * link.cost("all_gather")[1]
+    assert est.ep_dispatcher == "deepep"
+    assert est.time_s["ep_comm"] == pytest.approx(256 // 8 * model.layers * 4 * one, rel=1e-9)
+    plain = estimate(cluster, model, training, wide, load_engine("megatron-core"))
+    # one expert per node: a token's 2 copies go to 2 nodes either way, nothing to deduplicate
+    assert plain.ep_dispatcher == "alltoall" and plain.time_s["ep_comm"] == pytest.approx(est.time_s["ep_comm"],
+                                                                                          rel=0.05)
+
+
+def test_deepep_sends_deepseek_v3_tokens_half_as_often_as_the_all_to_all():
+    """DeepSeek-V3 at ep 64 over 8 nodes: 3.2 remote nodes per token (node-limited) against
+    8 x 7/8 = 7 copies leaving the node, so the network part is about 2.2x smaller."""
+    cluster, model = load_cluster("dgx-h100", nodes=128), load_model("deepseek-v3")
+    training, layout = TrainingSpec(global_batch=1024), Layout(tp=1, pp=16, dp=64, ep=64, zero=1)
+    plain = estimate(cluster, model, training, layout, load_engine("megatron-core"))
+    deepep = estimate(cluster, model, training, layout, load_engine("megatron-core").with_ep_dispatcher("deepep"))
+    assert 1.9 < plain.time_s["ep_comm"] / deepep.time_s["ep_comm"] < 2.4
+
+
+def test_vectorised_search_prices_the_dispatcher_as_the_scalar_estimate(qwen_case):
+    cluster, model, training = qwen_case
+    engine = load_engine("megatron-core").with_ep_dispatcher("deepep")
+    result = search(cluster, model, training, Space(max_micro_batch=2, max_vpp=2), engine=engine)
+    wide = (result.layouts["ep"] > 1) & (result.layouts["tp"] * result.layouts["ep"] > 8)  # ep across nodes
+    rows = np.flatnonzero(wide)[:24]
+    assert len(rows)
+    sample = {k: a[rows] for k, a in result.layouts.items()}
+    vec = evaluate(cluster, model, training, sample, result.orders, engine)
+    one = evaluate_scalar(cluster, model, training, sample, result.orders, engine)
+    np.testing.assert_allclose(np.asarray(vec["step_time_s"], float), np.asarray(one["step_time_s"], float), rtol=1e-9)
+    plain = evaluate(cluster, model, training, sample, result.orders, load_engine("megatron-core"))
+    assert (np.asarray(plain["step_time_s"]) > np.asarray(vec["step_time_s"])).all()
+
+
+def test_engines_refuse_a_dispatcher_they_do_not_run_by_name():
+    with pytest.raises(LayoutError, match="torchtitan cannot run --ep-dispatcher deepep; use one of alltoall"):
+        load_engine("torchtitan").with_ep_dispatcher("deepep")
+    with pytest.raises(LayoutError, match="has no --ep-dispatcher 'nccl'"):
+        load_engine("megatron-core").with_ep_dispatcher("nccl")
+    with pytest.raises(LayoutError, match="megatron-lm-2021 has no expert parallelism: drop --ep-dispatcher"):
+        load_engine("megatron-lm-2021").with_ep_dispatcher("deepep")
+    with pytest.raises(ValueError, match="runs_as.ep_dispatcher 'deepep' is not in can_run.ep_dispatchers"):
+        EngineSpec(name="x", runs_as={"ep_dispatcher": "deepep"})
+
+
+def test_megatron_flags_of_each_dispatcher():
+    assert dispatcher_args("alltoall") == ["--moe-token-dispatcher-type", "alltoall"]
+    assert dispatcher_args("deepep") == ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend",
+                                         "deepep"]
+
+
+def test_emit_writes_the_dispatcher_the_plan_was_predicted_with(qwen_case):
+    from plan3d.emit.megatron import MegatronRun, emit_megatron
+    run = MegatronRun(data_path="mock", tokenizer="null", train_iters=10, lr=3e-4)
+
+    cluster, model, training = qwen_case
+    layout = Layout(tp=1, pp=1, dp=64, ep=8, zero=1)
+    engine = load_engine("megatron-core").with_ep_dispatcher("hybridep")
+    text = emit_megatron(build_plan(cluster, model, training, layout, engine=engine), run).text
+    assert "--moe-token-dispatcher-type flex" in text and "--moe-flex-dispatcher-backend hybridep" in text
+    plain = emit_megatron(build_plan(cluster, model, training, layout, engine=load_engine("megatron-core")),
+                          run).text
+    assert "--moe-token-dispatcher-type alltoall" in plain and "flex" not in plain
+
+
+def test_cli_ep_dispatcher(capsys):
+    args = ["-c", "dgx-h100", "-m", "mixtral-8x7b", "--nodes", "8", "--engine", "megatron-core"]
+    code, out, _ = run_cli(capsys, "estimate", *args, "--dp", "64", "--ep", "8", "--order", "tp-cp-dp-pp",
+                           "--ep-dispatcher", "deepep")
+    assert code == 0 and "ep 8 (deepep dispatcher)" in out
+    code, out, err = run_cli(capsys, "estimate", *args, "--dp", "64", "--ep", "8", "--ep-dispatcher", "nccl")
+    assert code != 0 and "has no --ep-dispatcher 'nccl'" in out + err and "Traceback" not in out + err

@@ -136,14 +136,14 @@ def _cluster(name: str, gpus: int, params: tuple):
 
 def run_engine(run: Run, params: tuple):
     """The engine profile a run is predicted with: its own, with `params`, its framework's changes
-    and the token dispatcher it ran."""
-    return _engine(run.engine, params, run.framework_key, run.dispatcher)
+    and the token dispatcher and all-to-all overlap it ran."""
+    return _engine(run.engine, params, run.framework_key, run.dispatcher, run.ep_overlap)
 
 
 @lru_cache(maxsize=64)
-def _engine(name: str, params: tuple, framework: str = "", dispatcher: str = "alltoall"):
+def _engine(name: str, params: tuple, framework: str = "", dispatcher: str = "alltoall", ep_overlap: str = "none"):
     """The engine profile `name` with the fitted `params`, what `framework` (a
-    FRAMEWORK_CHANGES key) runs on top of it, and the MoE `dispatcher` it ran."""
+    FRAMEWORK_CHANGES key) runs on top of it, and the MoE `dispatcher` and `ep_overlap` it ran."""
     base = load_engine(name)
     changes = FRAMEWORK_CHANGES.get(framework, {})
     if changes:
@@ -155,7 +155,8 @@ def _engine(name: str, params: tuple, framework: str = "", dispatcher: str = "al
 
     tuned = base.model_copy(update={"efficiency": base.efficiency.model_copy(update=updates("engine")),
                                     "runs_as": base.runs_as.model_copy(update=updates("runs_as"))})
-    return tuned if dispatcher == "alltoall" else tuned.with_ep_dispatcher(dispatcher)
+    tuned = tuned if dispatcher == "alltoall" else tuned.with_ep_dispatcher(dispatcher)
+    return tuned if ep_overlap == "none" else tuned.with_ep_overlap(ep_overlap)
 
 
 def candidates(run: Run, engine) -> list[Layout]:

@@ -76,6 +76,7 @@ class Run:
     measured_alt_s: float | None = None  # held-out: the step time under the other reading of the FLOP count
     framework: str = ""  # the software that ran it, as the source names it (held-out rows)
     dispatcher: str = "alltoall"  # the MoE token dispatcher it ran (RunsAs.ep_dispatcher; held-out rows)
+    ep_overlap: str = "none"  # how it hid the all-to-alls (RunsAs.ep_overlap; held-out rows)
 
     @property
     def framework_key(self) -> str:
@@ -310,7 +311,8 @@ def extra_to_run(row: dict, require_time: bool = True) -> Run:
                measured_s=measured[0], how_measured=measured[1], pair_of=row.get("pair_of"),
                vpp_choices=vpp_depths(model.layers, knobs["pp"]),
                measured_alt_s=(row.get("derived") or {}).get("iteration_time_s_if_causal"),
-               framework=str(train.get("framework") or ""), dispatcher=extra_dispatcher(train))
+               framework=str(train.get("framework") or ""), dispatcher=extra_dispatcher(train),
+               ep_overlap=str(train.get("ep_overlap") or "none"))
 
 
 def extra_dispatcher(train: dict) -> str:

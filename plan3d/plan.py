@@ -157,6 +157,11 @@ class Plan(StrictModel):
         return self.engine.runs_as.ep_dispatcher if self.engine is not None else "alltoall"
 
     @property
+    def ep_overlap(self) -> str:
+        """How the plan's all-to-alls were predicted to hide: its engine's (RunsAs.ep_overlap), or none."""
+        return self.engine.runs_as.ep_overlap if self.engine is not None else "none"
+
+    @property
     def grad_dtype(self) -> str:
         """The gradient buffer's dtype the plan was predicted with: the training spec's choice, else
         its engine's (`plan3d.specs.engine.grad_dtype`)."""

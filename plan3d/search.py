@@ -58,7 +58,7 @@ from plan3d.layout import (
 )
 from plan3d.specs import schedule as schedules
 from plan3d.specs.cluster import MAX_NODES, ClusterSpec
-from plan3d.specs.engine import EngineSpec, balanced_split  # noqa: F401 (balanced_split: part of this module's API)
+from plan3d.specs.engine import COMBINED_1F1B_REFUSED_RECOMPUTE, EngineSpec, balanced_split  # noqa: F401 (balanced_split: part of this module's API)
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
 from plan3d.vocab import RECOMPUTE_CODES, RECOMPUTE_MODES, UTILISATION
@@ -118,6 +118,7 @@ class Space:
     expert_parallel_zero: tuple[int, ...] = (0, 1, 2, 3)  # ZeRO stages allowed with ep > 1 (the engine's rule)
     expert_parallel_dp_last_order: bool = True  # pp > 1 in a '-dp'-last order for any ep (else ep = cp)
     moe_bias_with_tp: bool = True  # tp > 1 for an MoE model with biases (the engine's rule)
+    ep_combined_1f1b: bool = False  # the engine hides the all-to-alls as combined-1f1b (its rules apply with ep > 1)
     cp_head_split: tuple[int, int] | None = None  # (heads, kv_heads) that cp must split per tp rank (a2a CP)
     min_cp: int = 1
     max_cp: int | None = None  # None: the default bound (CP_AUTO_MIN_TOKENS per rank); 0: no bound
@@ -438,7 +439,8 @@ def engine_ep_refuses(layouts: dict[str, np.ndarray], space: Space) -> np.ndarra
     """The layouts the engine's expert rules refuse (`EngineSpec._expert_parallel_problems` and the
     expert-bias rule, vectorised): with ep > 1, tp > 1 where it keeps experts whole and a ZeRO stage
     it does not run with ep; at any ep, Megatron-Core's '-dp'-last order with pp > 1 unless ep = cp;
-    tp > 1 for an MoE model with biases where the engine has no expert tp for them."""
+    tp > 1 for an MoE model with biases where the engine has no expert tp for them; under the
+    combined-1f1b overlap, pp > 1 without a virtual pipeline and the recompute modes it refuses."""
     ones = np.ones(len(layouts["tp"]), dtype=int)
     ep, cp = layouts.get("ep", ones), layouts.get("cp", ones)
     etp = layouts.get("etp", layouts["tp"])
@@ -449,7 +451,10 @@ def engine_ep_refuses(layouts: dict[str, np.ndarray], space: Space) -> np.ndarra
     folding = np.where(etp == layouts["tp"], ep != cp, expert_dp != layouts["dp"])  # EngineSpec: needs ep = cp, or edp = dp
     order_rule = dp_last & (layouts["pp"] > 1) & folding & (not space.expert_parallel_dp_last_order)
     bias_rule = (layouts["tp"] > 1) & (not space.moe_bias_with_tp)
-    return ((ep > 1) & (tp_rule | zero_rule)) | order_rule | bias_rule
+    refused = [RECOMPUTE_CODES[r] for r in COMBINED_1F1B_REFUSED_RECOMPUTE]
+    combined_rule = space.ep_combined_1f1b & (((layouts["pp"] > 1) & (layouts["vpp"] == 1))
+                                              | np.isin(layouts["recompute"], refused))
+    return ((ep > 1) & (tp_rule | zero_rule | combined_rule)) | order_rule | bias_rule
 
 
 def cp_heads_refuse(layouts: dict[str, np.ndarray], heads: int, kv_heads: int) -> np.ndarray:
@@ -539,6 +544,7 @@ def engine_space(space: Space, engine: EngineSpec) -> Space:
                    expert_parallel_zero=tuple(z for z in space.expert_parallel_zero if z in can.expert_parallel_zero),
                    expert_parallel_dp_last_order=space.expert_parallel_dp_last_order and can.expert_parallel_dp_last_order,
                    moe_bias_with_tp=space.moe_bias_with_tp and can.moe_bias_with_tp,
+                   ep_combined_1f1b=engine.runs_as.ep_overlap == "combined-1f1b",
                    **bounds)
 
 

@@ -145,14 +145,23 @@ def test_swiglu_stores_three_mlp_tensors():
 
 
 def test_in_flight_micro_batches_1f1b_and_interleaved():
-    from plan3d.cost.memory import in_flight
+    from dataclasses import replace
 
+    from plan3d.cost.memory import in_flight
+    from plan3d.specs.catalog import load_model
+
+    ctx = make_context(None, load_model("tiny-gpt"), TrainingSpec(global_batch=64))
     la = layout_arrays(64, [1], [4], [1], [1], [1], [0], [0], [0])
-    assert [float(in_flight(la, r)[0]) for r in range(4)] == [4, 3, 2, 1]
+    assert [float(in_flight(ctx, la, r)[0]) for r in range(4)] == [4, 3, 2, 1]
     inter = layout_arrays(64, [1], [4], [1], [1], [2], [0], [0], [0])
-    assert float(in_flight(inter, 0)[0]) == pytest.approx(4 * (1 + 3 / (4 * 2)))  # Korthikanti
+    assert float(in_flight(ctx, inter, 0)[0]) == pytest.approx(4 * (1 + 3 / (4 * 2)))  # Korthikanti
     few = layout_arrays(2, [1], [4], [1], [1], [1], [0], [0], [0])
-    assert float(in_flight(few, 0)[0]) == 2  # never more than m
+    assert float(in_flight(ctx, few, 0)[0]) == 2  # never more than m
+    # Megatron-Core's combined-1f1b overlap warms up one more chunk (with ep > 1 only)
+    combined = replace(ctx, ep_combined_1f1b=True)
+    expert = layout_arrays(64, [1], [4], [2], [1], [2], [0], [0], [0], ep=[2])
+    assert float(in_flight(combined, expert, 0)[0]) == pytest.approx(4 * (1 + 3 / (4 * 2)) + 1 / 2)
+    assert float(in_flight(combined, inter, 0)[0]) == pytest.approx(4 * (1 + 3 / (4 * 2)))
 
 
 @pytest.mark.parametrize("bias, qkv_bias", [(False, True), (True, False), (True, None), (False, None)])

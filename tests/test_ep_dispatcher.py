@@ -20,7 +20,7 @@ from plan3d.emit.megatron_moe import dispatcher_args
 from plan3d.errors import LayoutError
 from plan3d.layout import Layout
 from plan3d.plan import build_plan
-from plan3d.search import Space, evaluate, evaluate_scalar, search
+from plan3d.search import Space, evaluate, evaluate_scalar, layout_at, search
 from plan3d.specs.catalog import load_cluster, load_engine, load_model
 from plan3d.specs.engine import EngineSpec
 from plan3d.specs.training import TrainingSpec
@@ -152,3 +152,59 @@ def test_cli_ep_dispatcher(capsys):
     assert code == 0 and "ep 8 (deepep dispatcher)" in out
     code, out, err = run_cli(capsys, "estimate", *args, "--dp", "64", "--ep", "8", "--ep-dispatcher", "nccl")
     assert code != 0 and "has no --ep-dispatcher 'nccl'" in out + err and "Traceback" not in out + err
+
+
+# ---- the all-to-all overlap (RunsAs.ep_overlap, --ep-overlap combined-1f1b) ----------------------
+def combined_engine():
+    return load_engine("megatron-core").with_ep_overlap("combined-1f1b")
+
+
+def test_combined_1f1b_rules_as_megatron_states_them(qwen_case):
+    _, model, _ = qwen_case
+    engine = combined_engine()
+    assert engine.layout_problems(Layout(tp=1, pp=2, vpp=2, dp=32, ep=8, zero=1), model) == []
+    flat = engine.layout_problems(Layout(tp=1, pp=2, dp=32, ep=8, zero=1), model)
+    assert len(flat) == 1 and "only on a virtual pipeline" in flat[0]
+    full = engine.layout_problems(Layout(tp=1, pp=1, dp=64, ep=8, zero=1, recompute="full"), model)
+    assert len(full) == 1 and "without full recompute" in full[0]
+    assert engine.layout_problems(Layout(tp=1, pp=2, dp=32, zero=1, recompute="full"), model) == []  # ep = 1
+
+
+def test_search_under_combined_1f1b_proposes_only_what_megatron_runs(qwen_case):
+    cluster, model, training = qwen_case
+    engine = combined_engine()
+    result = search(cluster, model, training, Space(max_micro_batch=2, max_vpp=2), engine=engine)
+    rows = np.flatnonzero(result.layouts["ep"] > 1)
+    assert len(rows)
+    for i in rows[:: max(1, len(rows) // 40)]:
+        layout = layout_at(result.layouts, result.orders, int(i), model.layers)
+        assert engine.layout_problems(layout, model) == [], layout.short()
+
+
+def test_combined_1f1b_hides_the_all_to_alls_behind_the_other_micro_batch(qwen_case):
+    """exposed = max(a2a - computation, 0) per micro-batch, the computation on the SMs the
+    all-to-alls leave (1 / (1 - f_b_comm_sm_share) slower)."""
+    cluster, model, training = qwen_case
+    layout = Layout(tp=8, pp=1, dp=8, ep=8, zero=1, sequence_parallel=True)
+    plain = estimate(cluster, model, training, layout, load_engine("megatron-core"))
+    engine = combined_engine()
+    hidden = estimate(cluster, model, training, layout, engine)
+    slow = 1 / (1 - engine.runs_as.f_b_comm_sm_share)
+    assert hidden.time_s["compute"] == pytest.approx(plain.time_s["compute"] * slow, rel=1e-9)
+    busy = (plain.time_s["compute"] + plain.time_s["recompute"]) * slow
+    assert hidden.time_s["ep_comm"] == pytest.approx(max(plain.time_s["ep_comm"] - busy, 0.0), abs=1e-9)
+    dense = Layout(tp=8, pp=1, dp=8, zero=1, sequence_parallel=True)  # ep = 1: nothing paired
+    assert estimate(cluster, model, training, dense, engine).step_time_s == pytest.approx(
+        estimate(cluster, model, training, dense, load_engine("megatron-core")).step_time_s)
+
+
+def test_emit_writes_the_overlap_and_drops_the_shared_expert_overlap():
+    from plan3d.emit.megatron import MegatronRun, emit_megatron
+    run = MegatronRun(data_path="mock", tokenizer="null", train_iters=10, lr=3e-4)
+    cluster, model = load_cluster("dgx-h100", nodes=128), load_model("deepseek-v3")
+    layout = Layout(tp=1, pp=1, dp=1024, ep=64, zero=1)
+    training = TrainingSpec(global_batch=1024)
+    text = emit_megatron(build_plan(cluster, model, training, layout, engine=combined_engine()), run).text
+    assert "--overlap-moe-expert-parallel-comm" in text and "--moe-shared-expert-overlap" not in text
+    plain = emit_megatron(build_plan(cluster, model, training, layout, engine=load_engine("megatron-core")), run).text
+    assert "--overlap-moe-expert-parallel-comm" not in plain and "--moe-shared-expert-overlap" in plain

@@ -50,11 +50,12 @@ def load_specs(cluster: str, model: str, nodes: int | None, gpus_per_node: int |
 
 
 def load_engine_opt(engine: str | None, cluster: ClusterSpec, cp_comm: str | None = None, model=None,
-                    ep_dispatcher: str | None = None):
+                    ep_dispatcher: str | None = None, ep_overlap: str | None = None):
     """The --engine spec, or the default engine for `cluster` and `model` (catalog.engine_for),
     running context parallelism's K/V exchange as --cp-comm and MoE tokens with --ep-dispatcher
-    where given (EngineSpec.with_choice)."""
-    return engine_for(engine, cluster, model).with_cp_comm(cp_comm).with_ep_dispatcher(ep_dispatcher)
+    and --ep-overlap where given (EngineSpec.with_choice)."""
+    spec = engine_for(engine, cluster, model).with_cp_comm(cp_comm).with_ep_dispatcher(ep_dispatcher)
+    return spec.with_ep_overlap(ep_overlap)
 
 
 def make_training(**fields) -> TrainingSpec:
@@ -102,5 +103,9 @@ EpDispatcherOpt = Annotated[Optional[str], typer.Option(
     "--ep-dispatcher", help="MoE token dispatcher with ep > 1: alltoall (every token copy to its expert's GPU), "
     "deepep or hybridep (hierarchical: a token crosses the network once per node it reaches, then NVLink); "
     "default: what the engine runs (alltoall).")]
+EpOverlapOpt = Annotated[Optional[str], typer.Option(
+    "--ep-overlap", help="How the MoE all-to-alls hide with ep > 1: none, or combined-1f1b (one micro-batch's "
+    "forward interleaved with another's backward: Megatron-Core --overlap-moe-expert-parallel-comm); default: "
+    "what the engine runs (none).")]
 PlotOpt = Annotated[Optional[Path], typer.Option(
     "--plot", help="Also save a picture (.png, .svg or .pdf; needs matplotlib: pip install 'plan3d\\[plot]').")]

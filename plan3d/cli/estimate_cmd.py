@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 import typer
 
 from plan3d.cli.app import app
-from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, CpCommOpt, EpDispatcherOpt, CpOpt, EngineOpt, EpOpt, EtpOpt, GlobalBatchOpt, GpnOpt,
+from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, CpCommOpt, EpDispatcherOpt, EpOverlapOpt, CpOpt, EngineOpt, EpOpt, EtpOpt, GlobalBatchOpt, GpnOpt,
                                GpuMemoryOpt, JsonOpt, MicroBatchOpt,
                                ModelOpt, NodesOpt, OrderOpt, PlotOpt, PpOpt, RecomputeOpt,
                                SeqLenOpt, SeqParallelOpt, ScheduleOpt, TpOpt, VppOpt, ZeroOpt, load_engine_opt, load_specs,
@@ -50,6 +50,7 @@ def estimate_command(
     engine: EngineOpt = None,
     cp_comm: CpCommOpt = None,
     ep_dispatcher: EpDispatcherOpt = None,
+    ep_overlap: EpOverlapOpt = None,
     json_out: JsonOpt = False,
     plot: PlotOpt = None,
 ) -> None:
@@ -57,7 +58,7 @@ def estimate_command(
     cluster_spec, model_spec, training = load_specs(cluster, model, nodes, gpus_per_node, global_batch,
                                                     seq_len, precision, gpu_memory)
     training = with_precision(training, cluster_spec.gpu, precision)
-    engine_spec = load_engine_opt(engine, cluster_spec, cp_comm, model_spec, ep_dispatcher)
+    engine_spec = load_engine_opt(engine, cluster_spec, cp_comm, model_spec, ep_dispatcher, ep_overlap)
     flags = dict(tp=tp, pp=pp, cp=cp, micro_batch=micro_batch, vpp=vpp, schedule=schedule, zero=zero, recompute=recompute,
                  sequence_parallel=sequence_parallel, order=order)
     if dp is None:

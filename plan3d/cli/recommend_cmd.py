@@ -8,7 +8,7 @@ import typer
 
 from plan3d.cli.app import app
 from plan3d.render.units import json_text
-from plan3d.cli.common import (SCHEDULE_HELP, ClusterOpt, CpCommOpt, EpDispatcherOpt, CpOpt, EngineOpt, GlobalBatchOpt, GpnOpt,
+from plan3d.cli.common import (SCHEDULE_HELP, ClusterOpt, CpCommOpt, EpDispatcherOpt, EpOverlapOpt, CpOpt, EngineOpt, GlobalBatchOpt, GpnOpt,
                                GpuMemoryOpt, JsonOpt, ModelOpt, ScheduleOpt, NodesOpt, PlotOpt, SeqLenOpt, load_engine_opt, load_specs, make_layout)
 from plan3d.errors import InfeasibleError, LayoutError
 from plan3d.specs.training import with_precision
@@ -49,6 +49,7 @@ def recommend(
     engine: EngineOpt = None,
     cp_comm: CpCommOpt = None,
     ep_dispatcher: EpDispatcherOpt = None,
+    ep_overlap: EpOverlapOpt = None,
     top: Annotated[int, _opt("--top", "How many layouts to show.")] = 10,
     objective: ObjectiveOpt = "throughput",
     ranking_mode: RankingOpt = "expected",
@@ -106,7 +107,7 @@ def recommend(
     space = space_from_flags(locals())
     specs = load_specs(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision, gpu_memory)
     specs = (*specs[:2], with_precision(specs[2], specs[0].gpu, precision))
-    engine_spec = load_engine_opt(engine, specs[0], cp_comm, specs[1], ep_dispatcher)
+    engine_spec = load_engine_opt(engine, specs[0], cp_comm, specs[1], ep_dispatcher, ep_overlap)
     space = search.engine_space(space, engine_spec)  # a knob the engine cannot run fails here, before the search
     thresholds = dict(_thresholds(min_mfu, max_memory_fraction), engine=engine_spec)
     if tokens is not None and not 0 < tokens <= MAX_TOKENS:  # nan and inf fail this too
@@ -299,6 +300,7 @@ def explain_cmd(
     engine: EngineOpt = None,
     cp_comm: CpCommOpt = None,
     ep_dispatcher: EpDispatcherOpt = None,
+    ep_overlap: EpOverlapOpt = None,
     objective: ObjectiveOpt = "throughput",
     ranking_mode: RankingOpt = "expected",
     json_out: JsonOpt = False,
@@ -310,7 +312,7 @@ def explain_cmd(
 
     specs = load_specs(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision, gpu_memory)
     specs = (*specs[:2], with_precision(specs[2], specs[0].gpu, precision))
-    engine_spec = load_engine_opt(engine, specs[0], cp_comm, specs[1], ep_dispatcher)
+    engine_spec = load_engine_opt(engine, specs[0], cp_comm, specs[1], ep_dispatcher, ep_overlap)
     world = specs[0].world_size
     if dp is None:  # a tp or pp below 1 is left for make_layout to reject
         dp = max(1, world // max(tp * pp * cp, 1))

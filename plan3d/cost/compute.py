@@ -33,6 +33,12 @@ def layer_attention_flops(ctx: CostContext, batch):
     return 4 * batch * ctx.seq**2 * ctx.score_dim
 
 
+def attention_work_flops(ctx: CostContext, batch):
+    """The score GEMMs' FLOPs the kernel runs (`layer_attention_flops` x `CostContext.attention_work`:
+    about half under a causal mask with flash attention), what the time model prices."""
+    return layer_attention_flops(ctx, batch) * ctx.attention_work
+
+
 def moe_active_gemm_flops(ctx: CostContext, tokens):
     """Forward FLOPs of an MoE layer's weight GEMMs one token passes through, for `tokens`
     tokens: attention, top_k routed experts, the shared experts and the router (h x experts) --
@@ -121,11 +127,11 @@ def layer_gemms_s(ctx: CostContext, mb, tp):
     the backward counts twice the forward, so forward + backward pay it once)."""
     tokens = mb * ctx.seq
     if not ctx.fp8_peak_flops:
-        return gemm_s(ctx, (layer_gemm_flops(ctx, tokens) + layer_attention_flops(ctx, mb)) / tp,
+        return gemm_s(ctx, (layer_gemm_flops(ctx, tokens) + attention_work_flops(ctx, mb)) / tp,
                       GEMMS_PER_LAYER + ctx.attn_extra_gemms)
     cast = memory_bound_s(ctx, fp8_cast_elements(ctx, tokens, tp), ctx.fp8_cast_bytes)
     return (fp8_linear_s(ctx, layer_gemm_flops(ctx, tokens) / tp, LINEAR_GEMMS + ctx.attn_extra_gemms)
-            + gemm_s(ctx, layer_attention_flops(ctx, mb) / tp, ATTENTION_GEMMS) + cast / 3)
+            + gemm_s(ctx, attention_work_flops(ctx, mb) / tp, ATTENTION_GEMMS) + cast / 3)
 
 
 def linear_s(ctx: CostContext, flops, kernels):
@@ -172,7 +178,7 @@ def host_bound_s(gpu_s, host_s):
 def attention_core_forward_s(ctx: CostContext, mb, tp):
     """Forward time of the attention core alone (what selective recompute repeats)."""
     scores = mb * ctx.heads / tp * ctx.seq**2
-    return (gemm_s(ctx, layer_attention_flops(ctx, mb) / tp, 2)
+    return (gemm_s(ctx, attention_work_flops(ctx, mb) / tp, 2)
             + memory_bound_s(ctx, scores, ctx.attention_score_bytes))
 
 

@@ -65,6 +65,7 @@ class CostContext:
     fp8_max_fraction: float = 0.0
     fp8_cast_bytes: float = 0.0
     ep_overlap_fraction: float = 0.0  # share of the expert-parallel all-to-alls hidden behind compute
+    ep_combined_1f1b: bool = False  # the all-to-alls hide behind another micro-batch (RunsAs.ep_overlap)
     ep_hierarchical: bool = False  # the dispatcher sends a token once per node it reaches (RunsAs.ep_dispatcher)
     shared_expert_overlap: bool = False  # the shared experts hide the all-to-alls up to their own time
     f_b_overlap: bool = False  # a paired-chunk schedule's forward and backward run concurrently (RunsAs.f_b_overlap)
@@ -74,6 +75,7 @@ class CostContext:
     cp_ring_overlap: bool = True  # p2p: each ring transfer overlaps a block of attention
     fp8: bool = False  # fp8 training: FP8 weight caches and FP8-saved GEMM inputs (plan3d.cost.memory)
     dropout: bool = False  # the model trains with dropout: 1-byte masks are saved (plan3d.cost.memory)
+    attention_work: float = 1.0  # share of the s^2 score work the attention kernel does (`causal_attention_work`)
     scores_stored: bool = False  # unfused attention: the softmax output (and dropout mask and output) is saved
     grad_dtype: str = "fp32"  # the gradient buffer's dtype (`grad_dtype`)
     grad_label: str = "fp32"  # the gradients as budgeted, for display: "fp32", "bf16", "fp32 + bf16 .grad"
@@ -189,6 +191,7 @@ def make_context(cluster: ClusterSpec | None, model: ModelSpec, training: Traini
         param_gather_overlap=bool(runs_as and runs_as.param_gather_overlap),
         ep_overlap_fraction=runs_as.ep_overlap_fraction if runs_as else 0.0,
         ep_hierarchical=bool(runs_as and runs_as.ep_dispatcher in HIERARCHICAL_DISPATCHERS),
+        ep_combined_1f1b=bool(runs_as and runs_as.ep_overlap == "combined-1f1b"),
         shared_expert_overlap=bool(runs_as and runs_as.shared_expert_overlap),
         f_b_overlap=bool(runs_as and runs_as.f_b_overlap),
         f_b_comm_sm_share=runs_as.f_b_comm_sm_share if runs_as else 0.0,
@@ -213,6 +216,7 @@ def _model_fields(model: ModelSpec, training: TrainingSpec, engine: EngineSpec |
         global_batch=training.global_batch, act_bytes=4 if training.precision == "fp32" else 2,
         fp8=training.precision == "fp8", dropout=model.dropout > 0,
         scores_stored=bool(runs_as and runs_as.attention == "unfused"),
+        attention_work=causal_attention_work(training.seq_len or model.seq_len) if runs_as and runs_as.attention == "flash" else 1.0,
         weight_bytes=weights, grad_bytes=grads, optim_bytes=optim, **gradient_extras(training, engine),
         reduce_bucket_elements=runs_as.reduce_bucket_elements if runs_as else 0.0,
         pipeline_outputs_kept=bool(runs_as and runs_as.pipeline_outputs_kept),
@@ -269,6 +273,19 @@ def moe_load_factor(model: ModelSpec) -> float:
     the same figure), else the MOE_IMBALANCE prior of dropless routing."""
     cf = model.moe.capacity_factor
     return float(cf) if cf is not None else MOE_IMBALANCE
+
+
+FLASH_BLOCK = 128  # query/key tile of FlashAttention-2/3 (Dao 2023, Shah et al. 2024): the diagonal tiles run whole
+
+
+def causal_attention_work(seq: int) -> float:
+    """Share of the s^2 score work a flash-attention kernel does under a causal mask: it skips the
+    tiles above the diagonal and computes the diagonal ones whole, (s/b)(s/b + 1)/2 of (s/b)^2
+    tiles, b = FLASH_BLOCK (Dao 2023, FlashAttention-2 sec. 3.1.1, "causal masking"). An unfused
+    kernel computes the whole score matrix and masks it afterwards (work 1). The model FLOPs that
+    MFU counts are a convention (`compute.model_flops_per_step`), this is the time."""
+    tiles = max(seq / FLASH_BLOCK, 1.0)
+    return min(1.0, (tiles + 1) / (2 * tiles))
 
 
 def _moe_fields(model: ModelSpec) -> dict:

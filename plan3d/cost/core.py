@@ -343,14 +343,17 @@ def micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, lay
 
 def f_b_overlapped(ctx: CostContext, la: LayoutArrays, per_mb: dict) -> dict:
     """Per micro-batch times under a schedule whose paired forward and backward chunks run
-    concurrently (`RunsAs.f_b_overlap` and the schedule's `f_b_overlap`): the expert-parallel
-    all-to-alls hide behind the other micro-batch's computation, up to its length, while the
-    computation runs on the SMs the communication leaves (`f_b_comm_sm_share`). DeepSeek-V3
-    report sec. 3.2.1-3.2.2 (DualPipe; 20 of 132 SMs for the all-to-alls). The warm-up and
-    cool-down chunks, which are not paired, are not singled out."""
-    if not ctx.f_b_overlap:
+    concurrently (`RunsAs.f_b_overlap` and the schedule's `f_b_overlap`), or an engine that pairs
+    them inside 1F1B (`RunsAs.ep_overlap` combined-1f1b, ep > 1: Megatron-Core's
+    --overlap-moe-expert-parallel-comm): the expert-parallel all-to-alls hide behind the other
+    micro-batch's computation, up to its length, while the computation runs on the SMs the
+    communication leaves (`f_b_comm_sm_share`). DeepSeek-V3 report sec. 3.2.1-3.2.2 (DualPipe;
+    20 of 132 SMs for the all-to-alls). The warm-up and cool-down chunks, which are not paired,
+    are not singled out."""
+    scheduled = schedules.column("f_b_overlap", la.schedule_codes) & (la.pp > 1) & ctx.f_b_overlap
+    paired = scheduled | (ctx.ep_combined_1f1b & (la.ep > 1))
+    if not np.any(paired):
         return per_mb
-    paired = schedules.column("f_b_overlap", la.schedule_codes) & (la.pp > 1)
     slow = np.where(paired, 1.0 / (1.0 - ctx.f_b_comm_sm_share), 1.0)
     busy = (per_mb["compute"] + per_mb["recompute"]) * slow
     out = dict(per_mb, compute=per_mb["compute"] * slow, recompute=per_mb["recompute"] * slow)

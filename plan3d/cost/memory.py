@@ -290,13 +290,15 @@ def moe_block_discarded_bytes(ctx: CostContext, la: LayoutArrays):
     return moe_block_bytes(ctx, la) + norm_output * ctx.act_bytes
 
 
-def in_flight(la: LayoutArrays, pp_rank):
+def in_flight(ctx: CostContext, la: LayoutArrays, pp_rank):
     """Micro-batches whose activations rank `pp_rank` holds at its peak, in units of its full
     stage, as its schedule keeps them (`plan3d.specs.schedule.in_flight`): p - r under 1F1B
     (Narayanan et al. 2021); with v chunks Megatron warms up 2(p - r - 1) + (v - 1)p + 1 chunks,
     i.e. p(1 + (p-1)/(pv)) on the first rank (Korthikanti); p on every rank under ZB-V, p + 1/2
-    under DualPipeV."""
-    return schedules.in_flight(la.schedule_codes, la.pp, pp_rank, la.vpp, la.m)
+    under DualPipeV. Megatron-Core's combined-1f1b overlap (`RunsAs.ep_overlap`, ep > 1) warms
+    up one more chunk (schedules.py get_pp_rank_microbatches)."""
+    extra = np.where(ctx.ep_combined_1f1b & (la.ep > 1) & (la.pp > 1), 1.0 / la.vpp, 0.0)
+    return np.minimum(schedules.in_flight(la.schedule_codes, la.pp, pp_rank, la.vpp, la.m) + extra, la.m)
 
 
 def stage_activation_bytes(ctx: CostContext, la: LayoutArrays, pp_rank, layers_on_rank, moe_on_rank=0.0,
@@ -330,7 +332,7 @@ def stage_activation_bytes(ctx: CostContext, la: LayoutArrays, pp_rank, layers_o
     stored_moe = np.where(full, checkpoint, (1 - share) * (per_moe - scores) + share * checkpoint)
     largest = np.where(moe_on_rank > 0, np.maximum(per_layer, per_moe), per_layer)
     working = np.where(full | partial, largest, np.where(moe_block & (moe_on_rank > 0), redone_moe, 0.0))
-    kept = in_flight(la, pp_rank) * ((layers_on_rank - moe_on_rank) * stored + moe_on_rank * stored_moe)
+    kept = in_flight(ctx, la, pp_rank) * ((layers_on_rank - moe_on_rank) * stored + moe_on_rank * stored_moe)
     logits = np.where(pp_rank == la.last_rank, ctx.seq * la.mb_share * padded_vocab(ctx, la.tp) / la.tp
                       * ctx.logit_bytes, 0.0)
     return kept + np.maximum(working, logits) + pipeline_output_bytes(ctx, la, pp_rank)
@@ -387,7 +389,7 @@ def pipeline_output_bytes(ctx: CostContext, la: LayoutArrays, pp_rank):
     if not ctx.pipeline_outputs_kept:
         return 0.0 * pp_rank
     boundary = ctx.seq * la.mb_share * ctx.hidden / la.tp * ctx.act_bytes
-    return np.where(pp_rank != la.last_rank, in_flight(la, pp_rank) * boundary, 0.0)
+    return np.where(pp_rank != la.last_rank, in_flight(ctx, la, pp_rank) * boundary, 0.0)
 
 
 def buffer_bytes(ctx: CostContext, la: LayoutArrays):

@@ -17,7 +17,7 @@ import numpy as np
 
 from plan3d.cost import comm
 from plan3d.cost.arrays import LayoutArrays
-from plan3d.cost.compute import (ATTENTION_GEMMS, gemm_s, layer_attention_flops, linear_s,
+from plan3d.cost.compute import (ATTENTION_GEMMS, attention_work_flops, gemm_s, linear_s,
                                  memory_bound_s)
 from plan3d.cost.context import CostContext
 from plan3d.cost.memory import routed_tokens
@@ -40,7 +40,7 @@ def moe_layer_forward_s(ctx: CostContext, la: LayoutArrays):
     block = moe_block_work(ctx, la)
     attention_linear = 2 * tokens * ctx.attn_weight_params / la.tp
     linear = linear_s(ctx, attention_linear + block.gemm_flops, 2 + ctx.attn_extra_gemms + block.gemms)
-    scores = gemm_s(ctx, layer_attention_flops(ctx, la.mb_share) / la.tp, ATTENTION_GEMMS)
+    scores = gemm_s(ctx, attention_work_flops(ctx, la.mb_share) / la.tp, ATTENTION_GEMMS)
     elements = tokens * ctx.hidden / la.sp_div + tokens * (ctx.q_dim + 2 * ctx.kv_dim) / la.tp + block.elements
     score_traffic = memory_bound_s(ctx, la.mb_share * ctx.heads / la.tp * ctx.seq**2, ctx.attention_score_bytes)
     return (linear + block.router_s + scores + block.permute_s + score_traffic

@@ -39,7 +39,8 @@ def _as_planned(engine: EngineSpec, plan: Plan, versions: str) -> EngineSpec:
     says the predictions were for the other engine)."""
     same = plan.engine is not None and plan.engine.name == engine.name
     for field, used, planned in (("cp_comm", plan.layout.cp > 1, plan.cp_comm),
-                                 ("ep_dispatcher", plan.layout.ep > 1, plan.ep_dispatcher)):
+                                 ("ep_dispatcher", plan.layout.ep > 1, plan.ep_dispatcher),
+                                 ("ep_overlap", plan.layout.ep > 1, plan.ep_overlap)):
         options, _, _, needs, _ = RUN_CHOICES[field]
         if not used or not getattr(engine.can_run, needs):
             continue

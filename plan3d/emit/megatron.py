@@ -121,7 +121,7 @@ def megatron_args(plan: Plan, engine: EngineSpec | None = None) -> list[str]:
     layout = plan.layout
     return (_parallel_args(layout) + _cp_comm_args(layout, engine) + _order_args(layout) + _pipeline_split_args(plan) + _zero_args(layout)
             + _overlap_args(plan, engine) + _batch_args(plan) + _recompute_args(plan) + _precision_args(plan)
-            + _model_args(plan, engine.runs_as.ep_dispatcher))
+            + _model_args(plan, engine))
 
 
 def _with_megatron_order(plan: Plan) -> Plan:
@@ -282,13 +282,14 @@ def _grad_dtype_args(plan: Plan) -> list[str]:
     return []
 
 
-def _model_args(plan: Plan, dispatcher: str = "alltoall") -> list[str]:
-    """The model as its spec defines it (plan3d.emit.megatron_model), then experts (moving tokens
-    with `dispatcher`) and MLA."""
-    return model_args(plan) + _moe_mla_args(plan, dispatcher)
+def _model_args(plan: Plan, engine: EngineSpec) -> list[str]:
+    """The model as its spec defines it (plan3d.emit.megatron_model), then experts (moving and
+    hiding tokens as `engine` runs them) and MLA."""
+    return model_args(plan) + _moe_mla_args(plan, engine.runs_as.ep_dispatcher,
+                                            engine.runs_as.ep_overlap == "combined-1f1b")
 
 
-def _moe_mla_args(plan: Plan, dispatcher: str) -> list[str]:
+def _moe_mla_args(plan: Plan, dispatcher: str, combined: bool) -> list[str]:
     """Experts and multi-latent attention (plan3d.emit.megatron_moe), after refusing what Megatron refuses."""
     problems = moe_problems(plan, dispatcher) + mla_problems(plan.model)
     if plan.layout.recompute == "moe-act" and gpu_arch(plan) < GROUPED_GEMM_MIN_ARCH:
@@ -297,7 +298,7 @@ def _moe_mla_args(plan: Plan, dispatcher: str) -> list[str]:
                         "use selective or full recompute")
     if problems:
         raise InfeasibleError(f"{ENGINE} cannot run {plan.layout.short()} of {plan.model.name}: " + "; ".join(problems))
-    return moe_args(plan, gpu_arch(plan), dispatcher) + mla_args(plan.model)
+    return moe_args(plan, gpu_arch(plan), dispatcher, combined) + mla_args(plan.model)
 
 
 MEGATRON_LM_VAR = ScriptVariable(

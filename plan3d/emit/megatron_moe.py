@@ -108,8 +108,11 @@ def dispatcher_args(dispatcher: str) -> list[str]:
     return ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", dispatcher]
 
 
-def moe_args(plan: Plan, gpu_arch: int, dispatcher: str = "alltoall") -> list[str]:
-    """The MoE flags of a MoE model (none for a dense one); `moe_problems` says what is refused."""
+def moe_args(plan: Plan, gpu_arch: int, dispatcher: str = "alltoall", combined: bool = False) -> list[str]:
+    """The MoE flags of a MoE model (none for a dense one); `moe_problems` says what is refused.
+    `combined`: the all-to-alls hidden by the combined 1F1B schedule
+    (`--overlap-moe-expert-parallel-comm`, ep > 1), which TransformerConfig runs without the
+    shared-expert overlap."""
     moe = plan.model.moe
     if moe is None:
         return []
@@ -119,14 +122,19 @@ def moe_args(plan: Plan, gpu_arch: int, dispatcher: str = "alltoall") -> list[st
             "--expert-tensor-parallel-size", str(plan.layout.expert_tp)]
     if gpu_arch >= GROUPED_GEMM_MIN_ARCH:
         args.append("--moe-grouped-gemm")
-    return args + _shared_expert_args(plan.model) + _router_args(plan.model) + _capacity_args(plan.model)
+    combined = combined and plan.layout.ep > 1
+    if combined:
+        args.append("--overlap-moe-expert-parallel-comm")
+    return (args + _shared_expert_args(plan.model, not combined) + _router_args(plan.model)
+            + _capacity_args(plan.model))
 
 
-def _shared_expert_args(model: ModelSpec) -> list[str]:
+def _shared_expert_args(model: ModelSpec, overlap: bool = True) -> list[str]:
     moe = model.moe
     if moe.shared_ffn_hidden == 0:
         return []
-    args = ["--moe-shared-expert-intermediate-size", str(moe.shared_ffn_hidden), "--moe-shared-expert-overlap"]
+    args = ["--moe-shared-expert-intermediate-size", str(moe.shared_ffn_hidden)]
+    args += ["--moe-shared-expert-overlap"] if overlap else []
     if moe.shared_expert_gate:
         args.append("--moe-shared-expert-gate")
     return args

@@ -69,6 +69,13 @@ EP_DISPATCHER_HELP = ("alltoall: every routed token copy sent to its expert's ra
                       "GPUs over NVLink (Megatron-Core --moe-token-dispatcher-type flex "
                       "--moe-flex-dispatcher-backend deepep); hybridep: NVIDIA's HybridEP, the same hierarchy over "
                       "an NVLink domain of many GPUs (GB200 NVL72; --moe-flex-dispatcher-backend hybridep)")
+EpOverlap = Literal["none", "combined-1f1b"]
+EP_OVERLAP_HELP = ("none: the all-to-alls run exposed; combined-1f1b: each steady-state step runs one micro-batch's "
+                   "forward and another's backward interleaved, so each one's all-to-alls hide behind the other's "
+                   "computation (Megatron-Core --overlap-moe-expert-parallel-comm: pipeline_parallel/combined_1f1b.py)")
+# combined-1f1b as Megatron-Core 0.19 runs it (TransformerConfig.__post_init__): ep > 1, a virtual
+# pipeline with pp > 1, none of these recompute modes, one more warm-up micro-batch (schedules.py)
+COMBINED_1F1B_REFUSED_RECOMPUTE = ("full", "partial", "moe")
 UnevenSplit = Literal["none", "explicit", "embedding-as-layer"]
 SOFTWARE_KEYS = ("elementwise_bytes", "attention_score_bytes", "layer_overhead_s", "micro_batch_overhead_s",
                  "dp_overlap_fraction")
@@ -196,6 +203,8 @@ class CanRun(SpecModel):
                                   "parallelism (Megatron-Core --cp-comm-type): " + CP_COMM_HELP + ".")
     ep_dispatchers: list[EpDispatcher] = Field(["alltoall"], min_length=1, description="How it can move tokens "
                                                "to their experts with ep > 1: " + EP_DISPATCHER_HELP + ".")
+    ep_overlaps: list[EpOverlap] = Field(["none"], min_length=1, description="How it can hide the all-to-alls with "
+                                         "ep > 1: " + EP_OVERLAP_HELP + ".")
     expert_parallel: bool = Field(False, description="Expert parallelism for mixture-of-experts models "
                                   "(ep > 1: each MoE layer's experts split over ep of the dp*cp ranks).")
     sequence_parallel_with_moe: bool = Field(False, description="A mixture-of-experts model with tp > 1 needs "
@@ -338,6 +347,9 @@ class RunsAs(SpecModel):
                                        "report sec. 3.2.2: 20 of the H800's 132 SMs, 0.15).")
     ep_dispatcher: EpDispatcher = Field("alltoall", description="The token dispatcher it runs with ep > 1, one of "
                                         "can_run.ep_dispatchers (`--ep-dispatcher` chooses another).")
+    ep_overlap: EpOverlap = Field("none", description="How it hides the all-to-alls with ep > 1, one of "
+                                  "can_run.ep_overlaps (`--ep-overlap` chooses another); combined-1f1b hides them "
+                                  "behind the other micro-batch's computation on the SMs f_b_comm_sm_share leaves.")
     cp_comm: CpComm = Field("p2p", description="The K/V exchange it runs with context parallelism, one of "
                             "can_run.cp_comm (`--cp-comm` chooses another).")
     cp_gathered_kv_saved: bool = Field(False, description="The other ranks' K/V are saved for the backward "
@@ -408,6 +420,7 @@ class SoftwareEfficiency(SpecModel):
 RUN_CHOICES = {
     "cp_comm": ("cp_comm", CpComm, "--cp-comm", "context_parallel", "context parallelism"),
     "ep_dispatcher": ("ep_dispatchers", EpDispatcher, "--ep-dispatcher", "expert_parallel", "expert parallelism"),
+    "ep_overlap": ("ep_overlaps", EpOverlap, "--ep-overlap", "expert_parallel", "expert parallelism"),
 }
 
 
@@ -576,7 +589,18 @@ class EngineSpec(SpecModel):
         if layout.zero not in can.expert_parallel_zero:
             out.append(f"{name} runs ep > 1 with ZeRO {_fmt(can.expert_parallel_zero)} only; "
                        f"set zero to one of them or ep=1")
+        if self.runs_as.ep_overlap == "combined-1f1b":
+            if layout.pp > 1 and layout.vpp == 1:
+                out.append(f"{name} runs --ep-overlap combined-1f1b with pp > 1 only on a virtual pipeline "
+                           "(schedules.py asserts it): set vpp > 1 or --ep-overlap none")
+            if layout.recompute in COMBINED_1F1B_REFUSED_RECOMPUTE:
+                out.append(f"{name} runs --ep-overlap combined-1f1b without {layout.recompute} recompute "
+                           "(TransformerConfig asserts it): use none, selective or moe-act recompute, or --ep-overlap none")
         return out
+
+    def with_ep_overlap(self, overlap: str | None) -> "EngineSpec":
+        """The profile hiding the all-to-alls as `overlap` (`with_choice`)."""
+        return self.with_choice("ep_overlap", overlap)
 
     def resolve_split(self, layout: LayoutShape, model: ModelSpec) -> LayoutShape:
         """`layout` as the engine runs it: its own uneven split filled in where it makes one, and a

@@ -337,6 +337,29 @@ def test_megatron_runs_the_hierarchical_dispatcher_the_plan_was_predicted_with(m
     assert megatron_process_groups(args) == plan_groups(plan)
 
 
+def test_megatron_runs_the_combined_1f1b_overlap_and_refuses_what_plan3d_refuses(megatron):
+    """--ep-overlap combined-1f1b is --overlap-moe-expert-parallel-comm, which TransformerConfig
+    reads back on a virtual pipeline (the shared-expert overlap dropped, as it asserts); without
+    vpp, plan3d refuses it, and so does Megatron once the flag is added to the emitted job."""
+    from plan3d.specs.catalog import load_engine
+    engine = load_engine("megatron-core").with_ep_overlap("combined-1f1b")
+    case = next(c for c in MOE_CASES if c.name == "mixtral-tp4-pp2-vpp2-ep2-dp2")
+    base = build_moe(case)
+    base = build_plan(base.cluster, base.model, base.training, base.layout.model_copy(update={"recompute": "none"}))
+    plan = build_plan(base.cluster, base.model, base.training, base.layout, engine=engine)
+    env, _, argv = shell_parts(emit_megatron(plan, RUN).text)
+    config = transformer_config(megatron_args(megatron, plan, argv, env))
+    assert config.overlap_moe_expert_parallel_comm and not config.moe_shared_expert_overlap
+    flat_case = next(c for c in MOE_CASES if c.name == "mixtral-tp2-pp2-ep2-dp4")
+    flat = build_moe(flat_case)
+    refused = build_plan(flat.cluster, flat.model, flat.training, flat.layout, engine=engine)
+    with pytest.raises(InfeasibleError, match="only on a virtual pipeline"):
+        emit_megatron(refused, RUN)
+    env, _, argv = shell_parts(emit_megatron(flat, RUN).text)
+    with pytest.raises(AssertionError, match="virtual_pipeline_model_parallel_size"):
+        transformer_config(megatron_args(megatron, flat, argv + ["--overlap-moe-expert-parallel-comm"], env))
+
+
 def test_megatron_refuses_deepep_with_padded_capacity_as_plan3d_does(megatron):
     """deepep with a capacity factor (which the emitter pads to): plan3d refuses it, and so does
     TransformerConfig when the emitted alltoall block is switched to flex + deepep."""

@@ -208,3 +208,39 @@ def test_emit_writes_the_overlap_and_drops_the_shared_expert_overlap():
     assert "--overlap-moe-expert-parallel-comm" in text and "--moe-shared-expert-overlap" not in text
     plain = emit_megatron(build_plan(cluster, model, training, layout, engine=load_engine("megatron-core")), run).text
     assert "--overlap-moe-expert-parallel-comm" not in plain and "--moe-shared-expert-overlap" in plain
+
+
+WIDE_MOE = """name: wide-moe
+layers: 16
+hidden: 4096
+heads: 32
+kv_heads: 4
+ffn_hidden: 8192
+activation: swiglu
+norm: rmsnorm
+position: rope
+bias: false
+vocab: 32000
+seq_len: 4096
+moe: {experts: 256, top_k: 8, expert_ffn_hidden: 2048}
+default_global_batch: 1024
+"""
+
+
+def test_recommend_names_what_a_hierarchical_dispatcher_would_give(tmp_path, capsys):
+    """ep 32 over 4 nodes, 256 experts top-8: recommend (all-to-all) notes the fastest fitting
+    layout under deepep, and that time is what recommend --ep-dispatcher deepep ranks."""
+    import json
+
+    spec = tmp_path / "wide-moe.yaml"
+    spec.write_text(WIDE_MOE)
+    args = ["recommend", "-c", "dgx-h100", "-m", spec, "--nodes", "16", "--engine", "megatron-core", "--ep", "32",
+            "--json", "--top", "1"]
+    code, out, _ = run_cli(capsys, *args)
+    notes = [n for n in json.loads(out)["notes"] if n.startswith("with --ep-dispatcher deepep")]
+    assert code == 0 and len(notes) == 1
+    noted = float(notes[0].split(" at ")[1].split(" s,")[0])
+    code, out, _ = run_cli(capsys, *args, "--ep-dispatcher", "deepep")
+    data = json.loads(out)
+    assert code == 0 and not any(n.startswith("with --ep-dispatcher") for n in data["notes"])
+    assert data["top"][0]["step_time_s"] == pytest.approx(noted, abs=0.05)

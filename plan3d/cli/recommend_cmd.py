@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Optional
 
+import numpy as np
 import typer
 
 from plan3d.cli.app import app
@@ -120,8 +121,9 @@ def recommend(
         result = next((r for r in sweep if r.feasible_count), sweep[-1])
     else:
         result = search.search(*specs, space, **thresholds)
-    notes = [n for n in (_cp_bound_note(space, specs, engine_spec),) if n]
     order_ = ranking.rank(result, objective, ranking_mode)
+    notes = [n for n in (_cp_bound_note(space, specs, engine_spec),
+                         _dispatcher_note(result, order_, specs, engine_spec, ep_dispatcher)) if n]
     report = render.Recommendation(result, order_, objective, top, pick, sweep, tokens, notes, ranking=ranking_mode)
     _require_pick(report)
     if not result.feasible_count:
@@ -152,6 +154,35 @@ def _cp_bound_note(space, specs, engine) -> str:
         return ""
     return (f"cp not searched: by default each GPU keeps at least {CP_AUTO_MIN_TOKENS:,} tokens of a sequence "
             f"(seq-len {seq:,} -> cp 1); --max-cp 2 searches context parallelism too")
+
+
+def _dispatcher_note(result, order_, specs, engine, chosen: str | None) -> str:
+    """What a hierarchical MoE dispatcher the engine can run (DeepEP, or HybridEP where the NVLink
+    domain spans nodes) would make of the layouts that fit, when the user left the dispatcher at
+    the engine's all-to-all: memory does not depend on it, so the same fitting layouts are priced
+    again (`search.evaluate`) and the fastest is named if it beats the fastest with the
+    all-to-all by more than 3%."""
+    from plan3d.search import evaluate, layout_at
+    from plan3d.specs.engine import HIERARCHICAL_DISPATCHERS
+
+    cluster, model = specs[0], specs[1]
+    options = [d for d in engine.can_run.ep_dispatchers if d in HIERARCHICAL_DISPATCHERS]
+    if model.moe is None or chosen is not None or engine.runs_as.ep_dispatcher != "alltoall" or not options:
+        return ""
+    rows = np.flatnonzero(result.feasible & (result.layouts["ep"] > 1))
+    if not len(rows) or not len(order_):
+        return ""
+    wide = cluster.tiers()[0].domain_gpus > cluster.gpus_per_node
+    dispatcher = "hybridep" if wide and "hybridep" in options else options[0]
+    sample = {k: a[rows] for k, a in result.layouts.items()}
+    times = evaluate(*specs, sample, result.orders, engine.with_ep_dispatcher(dispatcher))["step_time_s"]
+    best, fastest = int(np.argmin(times)), float(result.metrics["step_time_s"][result.feasible].min())
+    if not times[best] < 0.97 * fastest:
+        return ""
+    layout = layout_at(sample, result.orders, best, model.layers)
+    return (f"with --ep-dispatcher {dispatcher} (its kernels installed; a token crosses the network once per node "
+            f"it reaches): {layout.short()} at {times[best]:.1f} s, {1 - times[best] / fastest:.0%} less than the "
+            f"fastest layout with the all-to-all ({fastest:.1f} s); re-run with it to rank them")
 
 
 def space_from_flags(flags: dict):

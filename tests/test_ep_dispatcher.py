@@ -244,3 +244,11 @@ def test_recommend_names_what_a_hierarchical_dispatcher_would_give(tmp_path, cap
     data = json.loads(out)
     assert code == 0 and not any(n.startswith("with --ep-dispatcher") for n in data["notes"])
     assert data["top"][0]["step_time_s"] == pytest.approx(noted, abs=0.05)
+
+
+def test_an_overlap_the_engine_cannot_run_is_refused_by_name(capsys):
+    with pytest.raises(LayoutError, match="torchtitan cannot run --ep-overlap combined-1f1b; use one of none"):
+        load_engine("torchtitan").with_ep_overlap("combined-1f1b")
+    code, out, err = run_cli(capsys, "recommend", "-c", "dgx-h100", "-m", "mixtral-8x7b", "--nodes", "8",
+                             "--engine", "torchtitan", "--ep-overlap", "combined-1f1b")
+    assert code != 0 and "cannot run --ep-overlap combined-1f1b" in out + err and "Traceback" not in out + err

@@ -30,7 +30,7 @@ from plan3d.layout import Layout
 from plan3d.specs.base import SpecModel
 from plan3d.specs.catalog import engine_for, load_cluster, load_engine, load_model, lookups, resize
 from plan3d.specs.cluster import ClusterSpec
-from plan3d.specs.engine import CpComm, EngineSpec
+from plan3d.specs.engine import RUN_CHOICES, CpComm, EngineSpec, EpDispatcher, EpOverlap
 from plan3d.specs.loader import check_model, read_mapping_with_lines
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
@@ -46,6 +46,10 @@ class JobSpec(SpecModel):
     engine: str | EngineSpec | None = None
     cp_comm: CpComm | None = Field(None, description="Context parallelism's K/V exchange (as --cp-comm); "
                                    "default: what the engine runs.")
+    ep_dispatcher: EpDispatcher | None = Field(None, description="The MoE token dispatcher (as --ep-dispatcher); "
+                                               "default: what the engine runs.")
+    ep_overlap: EpOverlap | None = Field(None, description="How the MoE all-to-alls hide (as --ep-overlap); "
+                                         "default: what the engine runs.")
 
 
 class Job(SpecModel):
@@ -199,12 +203,14 @@ class _Parts:
 
     def job(self, data: dict, engine: EngineSpec | None) -> Job | None:
         self.top_level(data)
-        nodes, gpus, cp_comm = (self.plain(name, data) for name in ("nodes", "gpus_per_node", "cp_comm"))
+        nodes, gpus = (self.plain(name, data) for name in ("nodes", "gpus_per_node"))
+        choices = {name: self.plain(name, data) for name in RUN_CHOICES}  # cp_comm, ep_dispatcher, ep_overlap
         training, layout = self.part("training", data), self.part("layout", data)
         cluster, model = self.cluster(data, nodes, gpus), self.part("model", data)
         engine = engine or self.engine(data, cluster, model)
-        if engine is not None and cp_comm is not None:
-            engine = self.attempt("cp_comm", engine.with_cp_comm, cp_comm)
+        for name, value in choices.items():
+            if engine is not None and value is not None:
+                engine = self.attempt(name, lambda v, e=engine, n=name: e.with_choice(n, v), value)
         if self.problems:
             return None
         return Job(cluster=cluster, model=model, training=training, layout=layout, engine=engine)
@@ -221,7 +227,7 @@ class _Parts:
                 self.add(name, "Field required")
 
     def plain(self, name: str, data: dict):
-        """A field that is no spec (nodes, gpus_per_node, cp_comm), validated as JobSpec does."""
+        """A field that is no spec (nodes, gpus_per_node, the RUN_CHOICES), validated as JobSpec does."""
         if data.get(name) is None:
             return None
         checked, problems = check_model(_field_model(name), {name: data[name]})

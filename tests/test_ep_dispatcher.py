@@ -252,3 +252,30 @@ def test_an_overlap_the_engine_cannot_run_is_refused_by_name(capsys):
     code, out, err = run_cli(capsys, "recommend", "-c", "dgx-h100", "-m", "mixtral-8x7b", "--nodes", "8",
                              "--engine", "torchtitan", "--ep-overlap", "combined-1f1b")
     assert code != 0 and "cannot run --ep-overlap combined-1f1b" in out + err and "Traceback" not in out + err
+
+
+JOB = ("cluster: dgx-h100\nnodes: 8\nmodel: mixtral-8x7b\nengine: megatron-core\n"
+       "training: {global_batch: 256}\nlayout: {tp: 8, dp: 8, ep: 8, zero: 1, sequence_parallel: true}\n")
+
+
+def test_a_job_file_states_its_dispatcher_and_overlap(tmp_path, capsys):
+    """A CI job file predicts what it runs: `ep_dispatcher` / `ep_overlap` change the step as the
+    flags do; a value the engine lacks or a misspelled one is one line naming the field."""
+    import json
+
+    plain, deepep, wrong, titan = (tmp_path / f"{n}.yaml" for n in ("plain", "deepep", "wrong", "titan"))
+    plain.write_text(JOB)
+    deepep.write_text(JOB + "ep_dispatcher: deepep\nep_overlap: combined-1f1b\n")
+    wrong.write_text(JOB + "ep_dispatcher: deep\n")
+    titan.write_text(JOB.replace("megatron-core", "torchtitan").replace("tp: 8, dp: 8", "tp: 1, dp: 64")
+                     .replace(", sequence_parallel: true", "") + "ep_dispatcher: deepep\n")
+    steps = []
+    for job in (plain, deepep):
+        code, out, _ = run_cli(capsys, "check", str(job), "--json")
+        assert code == 0, out
+        steps.append(json.loads(out)["estimate"]["step_time_s"])
+    assert steps[1] < steps[0]
+    code, out, err = run_cli(capsys, "check", str(wrong))
+    assert code == 2 and "ep_dispatcher" in err and "deepep" in err and "Traceback" not in err
+    code, out, err = run_cli(capsys, "check", str(titan))
+    assert code == 2 and "torchtitan cannot run --ep-dispatcher deepep; use one of alltoall" in err

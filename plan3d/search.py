@@ -79,7 +79,8 @@ REASONS = {
     15: "the engine cannot run this ZeRO stage with pipeline parallelism (or with this pipeline schedule)",
     16: "the engine runs tensor parallelism only without a pipeline",
     19: "the engine needs sequence parallelism for MoE with tp > 1",
-    20: "an engine rule on experts or rank order (ep with tp or ZeRO; pp-dp order needs ep = cp; expert biases with tp)",
+    20: ("an engine rule on experts or rank order (ep with tp or ZeRO; pp-dp order needs ep = cp; expert biases "
+         "with tp; combined-1f1b: vpp with pp > 1, no full, partial or moe recompute)"),
     21: "a2a context parallelism splits heads over cp: heads / tp and kv_heads / tp must divide by cp",
     22: "partial recompute with nothing to recompute (fits without: same as none)",
 }
@@ -544,7 +545,7 @@ def engine_space(space: Space, engine: EngineSpec) -> Space:
                    expert_parallel_zero=tuple(z for z in space.expert_parallel_zero if z in can.expert_parallel_zero),
                    expert_parallel_dp_last_order=space.expert_parallel_dp_last_order and can.expert_parallel_dp_last_order,
                    moe_bias_with_tp=space.moe_bias_with_tp and can.moe_bias_with_tp,
-                   ep_combined_1f1b=engine.runs_as.ep_overlap == "combined-1f1b",
+                   ep_combined_1f1b=engine.runs_as.combined_1f1b,
                    **bounds)
 
 

@@ -23,6 +23,7 @@ from plan3d.plan import build_plan
 from plan3d.search import Space, evaluate, evaluate_scalar, layout_at, search
 from plan3d.specs.catalog import load_cluster, load_engine, load_model
 from plan3d.specs.engine import EngineSpec
+from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
 
 
@@ -54,16 +55,16 @@ def test_node_limited_routing_by_hand():
 
 
 @pytest.fixture(scope="module")
-def qwen_case():
+def mixtral_case():
     model = load_model("mixtral-8x7b")
     return load_cluster("dgx-h100", nodes=8), model, TrainingSpec(global_batch=256)
 
 
-def test_deepep_across_nodes_by_hand(qwen_case):
+def test_deepep_across_nodes_by_hand(mixtral_case):
     """ep 8 over 8 nodes (tp 8, one member per node): one dispatch is the slower of the network part (tokens x remote
     nodes x h x 2 bytes over the GPU's NIC share) and the NVLink part (every copy for another GPU),
     plus one latency per other node; 4 of them per layer and micro-batch, none recomputed."""
-    cluster, model, training = qwen_case
+    cluster, model, training = mixtral_case
     layout = Layout(tp=1, pp=1, dp=64, ep=8, zero=1)
     links = layout_links(1, 1, 64, layout.order, tuple(cluster.tiers()), 8, 1, 8)["ep"]
     assert links.domains == 1  # ep 8 at tp 1: one node, DeepEP's intranode path = the all-to-all
@@ -99,8 +100,8 @@ def test_deepep_sends_deepseek_v3_tokens_half_as_often_as_the_all_to_all():
     assert 1.9 < plain.time_s["ep_comm"] / deepep.time_s["ep_comm"] < 2.4
 
 
-def test_vectorised_search_prices_the_dispatcher_as_the_scalar_estimate(qwen_case):
-    cluster, model, training = qwen_case
+def test_vectorised_search_prices_the_dispatcher_as_the_scalar_estimate(mixtral_case):
+    cluster, model, training = mixtral_case
     engine = load_engine("megatron-core").with_ep_dispatcher("deepep")
     result = search(cluster, model, training, Space(max_micro_batch=2, max_vpp=2), engine=engine)
     wide = (result.layouts["ep"] > 1) & (result.layouts["tp"] * result.layouts["ep"] > 8)  # ep across nodes
@@ -131,11 +132,11 @@ def test_megatron_flags_of_each_dispatcher():
                                          "deepep"]
 
 
-def test_emit_writes_the_dispatcher_the_plan_was_predicted_with(qwen_case):
+def test_emit_writes_the_dispatcher_the_plan_was_predicted_with(mixtral_case):
     from plan3d.emit.megatron import MegatronRun, emit_megatron
     run = MegatronRun(data_path="mock", tokenizer="null", train_iters=10, lr=3e-4)
 
-    cluster, model, training = qwen_case
+    cluster, model, training = mixtral_case
     layout = Layout(tp=1, pp=1, dp=64, ep=8, zero=1)
     engine = load_engine("megatron-core").with_ep_dispatcher("hybridep")
     text = emit_megatron(build_plan(cluster, model, training, layout, engine=engine), run).text
@@ -159,8 +160,8 @@ def combined_engine():
     return load_engine("megatron-core").with_ep_overlap("combined-1f1b")
 
 
-def test_combined_1f1b_rules_as_megatron_states_them(qwen_case):
-    _, model, _ = qwen_case
+def test_combined_1f1b_rules_as_megatron_states_them(mixtral_case):
+    _, model, _ = mixtral_case
     engine = combined_engine()
     assert engine.layout_problems(Layout(tp=1, pp=2, vpp=2, dp=32, ep=8, zero=1), model) == []
     flat = engine.layout_problems(Layout(tp=1, pp=2, dp=32, ep=8, zero=1), model)
@@ -170,8 +171,8 @@ def test_combined_1f1b_rules_as_megatron_states_them(qwen_case):
     assert engine.layout_problems(Layout(tp=1, pp=2, dp=32, zero=1, recompute="full"), model) == []  # ep = 1
 
 
-def test_search_under_combined_1f1b_proposes_only_what_megatron_runs(qwen_case):
-    cluster, model, training = qwen_case
+def test_search_under_combined_1f1b_proposes_only_what_megatron_runs(mixtral_case):
+    cluster, model, training = mixtral_case
     engine = combined_engine()
     result = search(cluster, model, training, Space(max_micro_batch=2, max_vpp=2), engine=engine)
     rows = np.flatnonzero(result.layouts["ep"] > 1)
@@ -181,18 +182,29 @@ def test_search_under_combined_1f1b_proposes_only_what_megatron_runs(qwen_case):
         assert engine.layout_problems(layout, model) == [], layout.short()
 
 
-def test_combined_1f1b_hides_the_all_to_alls_behind_the_other_micro_batch(qwen_case):
+def test_combined_1f1b_hides_the_all_to_alls_behind_the_other_micro_batch(mixtral_case):
     """exposed = max(a2a - computation, 0) per micro-batch, the computation on the SMs the
-    all-to-alls leave (1 / (1 - f_b_comm_sm_share) slower)."""
-    cluster, model, training = qwen_case
-    layout = Layout(tp=8, pp=1, dp=8, ep=8, zero=1, sequence_parallel=True)
-    plain = estimate(cluster, model, training, layout, load_engine("megatron-core"))
+    all-to-alls leave (1 / (1 - f_b_comm_sm_share) slower): fully hidden where the all-to-alls
+    are shorter (Mixtral, ep 8 over 8 nodes), the excess exposed where they are longer (256
+    experts top-8 at ep 32 over 4 nodes: 3.0 s of all-to-alls against 1.9 s of computation)."""
+    import yaml
+
+    cluster, model, training = mixtral_case
+    wide_model = ModelSpec(**yaml.safe_load(WIDE_MOE))
+    cases = [(cluster, model, training, Layout(tp=8, pp=1, dp=8, ep=8, zero=1, sequence_parallel=True)),
+             (load_cluster("dgx-h100", nodes=16), wide_model, TrainingSpec(global_batch=1024),
+              Layout(tp=1, pp=1, dp=128, ep=32, zero=1))]
     engine = combined_engine()
-    hidden = estimate(cluster, model, training, layout, engine)
     slow = 1 / (1 - engine.runs_as.f_b_comm_sm_share)
-    assert hidden.time_s["compute"] == pytest.approx(plain.time_s["compute"] * slow, rel=1e-9)
-    busy = (plain.time_s["compute"] + plain.time_s["recompute"]) * slow
-    assert hidden.time_s["ep_comm"] == pytest.approx(max(plain.time_s["ep_comm"] - busy, 0.0), abs=1e-9)
+    exposed = []
+    for cl, mo, tr, layout in cases:
+        plain = estimate(cl, mo, tr, layout, load_engine("megatron-core"))
+        hidden = estimate(cl, mo, tr, layout, engine)
+        assert hidden.time_s["compute"] == pytest.approx(plain.time_s["compute"] * slow, rel=1e-9)
+        busy = (plain.time_s["compute"] + plain.time_s["recompute"]) * slow
+        assert hidden.time_s["ep_comm"] == pytest.approx(max(plain.time_s["ep_comm"] - busy, 0.0), abs=1e-9)
+        exposed.append(hidden.time_s["ep_comm"])
+    assert exposed[0] == 0.0 and exposed[1] > 0.3
     dense = Layout(tp=8, pp=1, dp=8, zero=1, sequence_parallel=True)  # ep = 1: nothing paired
     assert estimate(cluster, model, training, dense, engine).step_time_s == pytest.approx(
         estimate(cluster, model, training, dense, load_engine("megatron-core")).step_time_s)
@@ -254,8 +266,8 @@ def test_an_overlap_the_engine_cannot_run_is_refused_by_name(capsys):
     assert code != 0 and "cannot run --ep-overlap combined-1f1b" in out + err and "Traceback" not in out + err
 
 
-JOB = ("cluster: dgx-h100\nnodes: 8\nmodel: mixtral-8x7b\nengine: megatron-core\n"
-       "training: {global_batch: 256}\nlayout: {tp: 8, dp: 8, ep: 8, zero: 1, sequence_parallel: true}\n")
+JOB = ("cluster: dgx-h100\nnodes: 16\nmodel: wide-moe.yaml\nengine: megatron-core\n"
+       "training: {global_batch: 1024}\nlayout: {tp: 1, dp: 128, ep: 32, zero: 1}\n")
 
 
 def test_a_job_file_states_its_dispatcher_and_overlap(tmp_path, capsys):
@@ -263,19 +275,49 @@ def test_a_job_file_states_its_dispatcher_and_overlap(tmp_path, capsys):
     flags do; a value the engine lacks or a misspelled one is one line naming the field."""
     import json
 
-    plain, deepep, wrong, titan = (tmp_path / f"{n}.yaml" for n in ("plain", "deepep", "wrong", "titan"))
+    (tmp_path / "wide-moe.yaml").write_text(WIDE_MOE)
+    plain, deepep, overlap, wrong, titan = (tmp_path / f"{n}.yaml" for n in ("plain", "deepep", "overlap", "wrong",
+                                                                               "titan"))
     plain.write_text(JOB)
-    deepep.write_text(JOB + "ep_dispatcher: deepep\nep_overlap: combined-1f1b\n")
+    deepep.write_text(JOB + "ep_dispatcher: deepep\n")
+    overlap.write_text(JOB + "ep_overlap: combined-1f1b\n")
     wrong.write_text(JOB + "ep_dispatcher: deep\n")
-    titan.write_text(JOB.replace("megatron-core", "torchtitan").replace("tp: 8, dp: 8", "tp: 1, dp: 64")
-                     .replace(", sequence_parallel: true", "") + "ep_dispatcher: deepep\n")
+    titan.write_text(JOB.replace("megatron-core", "torchtitan") + "ep_dispatcher: deepep\n")
     steps = []
-    for job in (plain, deepep):
+    for job in (plain, deepep, overlap):
         code, out, _ = run_cli(capsys, "check", str(job), "--json")
         assert code == 0, out
         steps.append(json.loads(out)["estimate"]["step_time_s"])
-    assert steps[1] < steps[0]
+    assert steps[1] < steps[0] and steps[2] < steps[0] and steps[1] != steps[2]
     code, out, err = run_cli(capsys, "check", str(wrong))
     assert code == 2 and "ep_dispatcher" in err and "deepep" in err and "Traceback" not in err
     code, out, err = run_cli(capsys, "check", str(titan))
     assert code == 2 and "torchtitan cannot run --ep-dispatcher deepep; use one of alltoall" in err
+
+
+def test_an_ep_group_over_nodes_of_a_three_tier_network_counts_nodes_not_leaves():
+    """With NVLink nodes of 8, 64-GPU leaf switches and a spine, an ep group of 128 consecutive
+    ranks spans 16 nodes (2 leaves): the hierarchical dispatch crosses 15 other nodes, its
+    NVLink part at the node's bandwidth (review finding: it counted leaves)."""
+    base = load_cluster("dgx-h100", nodes=32)
+    nvlink, ib = base.network[0], base.network[1]
+    leaf = ib.model_copy(update={"name": "leaf", "domain_gpus": 64})
+    cluster = base.model_copy(update={"network": [nvlink, leaf, ib]})
+    link = layout_links(1, 1, 256, "tp-cp-ep-dp-pp", tuple(cluster.tiers()), 8, 1, 128)["ep"]
+    assert link.domains == 16
+    assert link.inner_bytes_per_s == pytest.approx(tuple(cluster.tiers())[0].cost("all_gather")[0])
+
+
+@pytest.mark.parametrize("seq, work", [(128, 1.0), (4096, (32 + 1) / 64), (131072, (1024 + 1) / 2048), (64, 1.0)])
+def test_causal_attention_work_is_the_lower_triangle_of_tiles(seq, work):
+    from plan3d.cost.context import causal_attention_work
+    assert causal_attention_work(seq) == pytest.approx(work)
+
+
+def test_flash_engines_price_half_the_score_work_and_unfused_ones_all_of_it():
+    from plan3d.cost.context import make_context
+    model, training = load_model("llama3-8b"), TrainingSpec(global_batch=64)
+    assert make_context(None, model, training, load_engine("megatron-core")).attention_work == pytest.approx(
+        (model.seq_len / 128 + 1) / (2 * model.seq_len / 128))
+    assert make_context(None, model, training, load_engine("megatron-lm-2021")).attention_work == 1.0
+    assert make_context(None, model, training, None).attention_work == 1.0

@@ -166,7 +166,8 @@ def _dispatcher_note(result, order_, specs, engine, chosen: str | None) -> str:
     from plan3d.specs.engine import HIERARCHICAL_DISPATCHERS
 
     cluster, model = specs[0], specs[1]
-    options = [d for d in engine.can_run.ep_dispatchers if d in HIERARCHICAL_DISPATCHERS]
+    options = [d for d in engine.can_run.ep_dispatchers if d in HIERARCHICAL_DISPATCHERS
+               and not engine.with_ep_dispatcher(d).model_problems(model)]
     if model.moe is None or chosen is not None or engine.runs_as.ep_dispatcher != "alltoall" or not options:
         return ""
     rows = np.flatnonzero(result.feasible & (result.layouts["ep"] > 1))

@@ -44,9 +44,10 @@ class GroupLink:
 
     tier: str  # the innermost tier holding each whole group
     costs: tuple[tuple[float, float], ...]  # (bytes_per_s, latency_s) in COLLECTIVE_KINDS order
-    # the group's split over the inner domains (nodes) of its tier: how many it spans, and the
-    # all-gather bandwidth per GPU inside one and out of one (a GPU's share of the outer tier);
-    # inside one domain: 1, and the tier's own bandwidth twice (a hierarchical dispatch reads them)
+    # the group's split over NVLink domains (the first tier's: nodes, or an NVL72 rack): how many
+    # it spans, the all-gather bandwidth per GPU inside one, and that of the tier the group spans
+    # (a GPU's share of it); inside one domain: 1, and the tier's own bandwidth twice (what a
+    # hierarchical dispatch reads)
     domains: int = 1
     inner_bytes_per_s: float = 0.0
     outer_bytes_per_s: float = 0.0
@@ -76,8 +77,8 @@ def group_link(layout: Layout, name: str, tiers: tuple[ResolvedTier, ...], gpus_
         return GroupLink(tier.name, tuple(tier.cost(op) for op in COLLECTIVE_KINDS), 1, own, own)
     inner = tiers[index - 1]
     group = rankmap.group_array(name)[0]
-    domains = len(np.unique(group // inner.domain_gpus))
-    members = len(group) / domains  # of the group in each inner domain
+    members = len(group) / len(np.unique(group // inner.domain_gpus))  # of the group in each inner domain
+    nodes = len(np.unique(group // tiers[0].domain_gpus))  # NVLink domains: what a hierarchical dispatch crosses
     per_domain = 1 if single_rail else members
     costs = []
     for op in COLLECTIVE_KINDS:
@@ -85,7 +86,7 @@ def group_link(layout: Layout, name: str, tiers: tuple[ResolvedTier, ...], gpus_
         bandwidth = (all_to_all_bandwidth(len(group), members, inner_bw, outer_bw) if all_to_all
                      else min(inner_bw, per_domain * outer_bw))
         costs.append((bandwidth, latency))
-    return GroupLink(tier.name, tuple(costs), domains, inner.cost("all_gather")[0], tier.cost("all_gather")[0])
+    return GroupLink(tier.name, tuple(costs), nodes, tiers[0].cost("all_gather")[0], tier.cost("all_gather")[0])
 
 
 def all_to_all_bandwidth(n: int, members: float, inner_bw: float, outer_bw: float) -> float:

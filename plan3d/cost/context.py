@@ -191,8 +191,8 @@ def make_context(cluster: ClusterSpec | None, model: ModelSpec, training: Traini
         param_gather_overlap=bool(runs_as and runs_as.param_gather_overlap),
         ep_overlap_fraction=runs_as.ep_overlap_fraction if runs_as else 0.0,
         ep_hierarchical=bool(runs_as and runs_as.ep_dispatcher in HIERARCHICAL_DISPATCHERS),
-        ep_combined_1f1b=bool(runs_as and runs_as.ep_overlap == "combined-1f1b"),
-        shared_expert_overlap=bool(runs_as and runs_as.shared_expert_overlap),
+        ep_combined_1f1b=bool(runs_as and runs_as.combined_1f1b),
+        shared_expert_overlap=bool(runs_as and runs_as.shared_expert_overlap and not runs_as.combined_1f1b),  # Megatron runs one or the other
         f_b_overlap=bool(runs_as and runs_as.f_b_overlap),
         f_b_comm_sm_share=runs_as.f_b_comm_sm_share if runs_as else 0.0,
         cp_comm=runs_as.cp_comm if runs_as else "p2p",

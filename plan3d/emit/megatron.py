@@ -286,12 +286,12 @@ def _model_args(plan: Plan, engine: EngineSpec) -> list[str]:
     """The model as its spec defines it (plan3d.emit.megatron_model), then experts (moving and
     hiding tokens as `engine` runs them) and MLA."""
     return model_args(plan) + _moe_mla_args(plan, engine.runs_as.ep_dispatcher,
-                                            engine.runs_as.ep_overlap == "combined-1f1b")
+                                            engine.runs_as.combined_1f1b)
 
 
 def _moe_mla_args(plan: Plan, dispatcher: str, combined: bool) -> list[str]:
     """Experts and multi-latent attention (plan3d.emit.megatron_moe), after refusing what Megatron refuses."""
-    problems = moe_problems(plan, dispatcher) + mla_problems(plan.model)
+    problems = moe_problems(plan) + mla_problems(plan.model)
     if plan.layout.recompute == "moe-act" and gpu_arch(plan) < GROUPED_GEMM_MIN_ARCH:
         problems.append("recompute moe-act needs --moe-grouped-gemm (TransformerConfig: 'moe_act in recompute_modules "
                         "is only supported with moe_grouped_gemm'), which needs compute capability >= 8; "

@@ -68,9 +68,9 @@ def moe_layer_freq(model: ModelSpec) -> str:
     return "(" + "+".join(runs) + ")"
 
 
-def moe_problems(plan: Plan, dispatcher: str = "alltoall") -> list[str]:
-    """What Megatron-Core 0.19 refuses for this plan's experts (moving tokens with `dispatcher`),
-    each with the code that refuses it."""
+def moe_problems(plan: Plan) -> list[str]:
+    """What Megatron-Core 0.19 refuses for this plan's experts, each with the code that refuses it
+    (the dispatcher's own rule is the engine profile's: `EngineSpec.model_problems`)."""
     model, layout, out = plan.model, plan.layout, []
     moe = model.moe
     if moe is None:
@@ -78,10 +78,6 @@ def moe_problems(plan: Plan, dispatcher: str = "alltoall") -> list[str]:
             out.append("expert parallelism needs a MoE model (validate_args: num_experts must be set with ep > 1); "
                        "set ep=1 or give the model spec a moe")
         return out
-    if dispatcher == "deepep" and moe.capacity_factor is not None:
-        out.append("the deepep dispatcher cannot pad experts to their capacity (TransformerConfig: 'Flex token "
-                   "dispatcher with deepep backend does not support moe_pad_expert_input_to_capacity'); use "
-                   "--ep-dispatcher alltoall or drop the model's capacity_factor")
     if moe.experts % layout.ep:
         out.append(f"ep={layout.ep} does not divide the {moe.experts} experts (validate_args: 'Number of experts "
                    "should be a multiple of expert model parallel_size'); use an ep that divides them")

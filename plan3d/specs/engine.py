@@ -203,6 +203,9 @@ class CanRun(SpecModel):
                                   "parallelism (Megatron-Core --cp-comm-type): " + CP_COMM_HELP + ".")
     ep_dispatchers: list[EpDispatcher] = Field(["alltoall"], min_length=1, description="How it can move tokens "
                                                "to their experts with ep > 1: " + EP_DISPATCHER_HELP + ".")
+    padded_capacity_dispatchers: list[EpDispatcher] = Field(
+        ["alltoall", "deepep", "hybridep"], description="The dispatchers it runs with a model's capacity_factor "
+        "(experts padded to their capacity); Megatron-Core's deepep backend refuses the padding.")
     ep_overlaps: list[EpOverlap] = Field(["none"], min_length=1, description="How it can hide the all-to-alls with "
                                          "ep > 1: " + EP_OVERLAP_HELP + ".")
     expert_parallel: bool = Field(False, description="Expert parallelism for mixture-of-experts models "
@@ -361,6 +364,12 @@ class RunsAs(SpecModel):
                                   "of the block before it (Transformer Engine's side streams); false: synchronous "
                                   "shifts, every transfer exposed.")
     gradients: GradientBuffer = GradientBuffer()
+
+    @property
+    def combined_1f1b(self) -> bool:
+        """The all-to-alls hide as Megatron-Core's combined 1F1B (`ep_overlap`)."""
+        return self.ep_overlap == "combined-1f1b"
+
     reduce_bucket_elements: float = bounded(0.0, dict(ge=0, le=1e13), description="A flat buffer of this many "
                                             "gradient elements (in the gradient dtype, at most the rank's gradients) "
                                             "that the gradient reduction copies buckets into (DeepSpeed: the ZeRO "
@@ -516,8 +525,16 @@ class EngineSpec(SpecModel):
         return tuple(split) if min(split) >= 1 else None
 
     def model_problems(self, model: ModelSpec) -> list[str]:
-        """Every way the engine's model code cannot build `model` (`can_run.models`)."""
-        return self.can_run.models.problems(self.name, model)
+        """Every way the engine's model code cannot build `model` (`can_run.models`), or cannot move
+        its tokens with the dispatcher it runs (`can_run.padded_capacity_dispatchers`)."""
+        out = self.can_run.models.problems(self.name, model)
+        dispatcher = self.runs_as.ep_dispatcher
+        if model.moe is not None and model.moe.capacity_factor is not None and \
+                dispatcher not in self.can_run.padded_capacity_dispatchers:
+            out.append(f"{self.name}'s {dispatcher} dispatcher cannot pad experts to their capacity (the model's "
+                       f"capacity_factor {model.moe.capacity_factor:g}); use --ep-dispatcher "
+                       f"{' or '.join(self.can_run.padded_capacity_dispatchers)}, or drop the capacity_factor")
+        return out
 
     def layout_problems(self, layout: LayoutShape, model: ModelSpec | None = None) -> list[str]:
         """Every reason the engine cannot run `layout` (of `model`, where given), each a sentence that
@@ -589,7 +606,7 @@ class EngineSpec(SpecModel):
         if layout.zero not in can.expert_parallel_zero:
             out.append(f"{name} runs ep > 1 with ZeRO {_fmt(can.expert_parallel_zero)} only; "
                        f"set zero to one of them or ep=1")
-        if self.runs_as.ep_overlap == "combined-1f1b":
+        if self.runs_as.combined_1f1b:
             if layout.pp > 1 and layout.vpp == 1:
                 out.append(f"{name} runs --ep-overlap combined-1f1b with pp > 1 only on a virtual pipeline "
                            "(schedules.py asserts it): set vpp > 1 or --ep-overlap none")

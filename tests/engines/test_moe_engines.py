@@ -368,7 +368,7 @@ def test_megatron_refuses_deepep_with_padded_capacity_as_plan3d_does(megatron):
     base = build_moe(case)
     plan = build_plan(base.cluster, base.model, base.training, base.layout,
                       engine=load_engine("megatron-core").with_ep_dispatcher("deepep"))
-    with pytest.raises(InfeasibleError, match="deepep dispatcher cannot pad"):
+    with pytest.raises(InfeasibleError, match="deepep dispatcher cannot pad experts"):
         emit_megatron(plan, RUN)
     env, _, argv = shell_parts(emit_megatron(base, RUN).text)
     at = argv.index("--moe-token-dispatcher-type")

@@ -103,6 +103,7 @@ class Estimate(_Record):
     provenance: list[Text] = []
     cp_comm: Text = ""
     ep_dispatcher: Text = ""
+    ep_overlap: Text = ""
     step_time_s_band: list[Seconds] = []  # plan3d.cost.bands: [fast end, slow end] of the measured step
     validated: bool | None = None
     region: dict[str, Any] = {}

@@ -151,6 +151,9 @@ def test_cli_ep_dispatcher(capsys):
     code, out, _ = run_cli(capsys, "estimate", *args, "--dp", "64", "--ep", "8", "--order", "tp-cp-dp-pp",
                            "--ep-dispatcher", "deepep")
     assert code == 0 and "ep 8 (deepep dispatcher)" in out
+    code, out, _ = run_cli(capsys, "estimate", *args, "--dp", "64", "--ep", "8", "--ep-overlap", "combined-1f1b")
+    flat = " ".join(out.split())  # rich wraps the header line
+    assert code == 0 and "ep 8 (alltoall dispatcher, combined-1f1b overlap)" in flat
     code, out, err = run_cli(capsys, "estimate", *args, "--dp", "64", "--ep", "8", "--ep-dispatcher", "nccl")
     assert code != 0 and "has no --ep-dispatcher 'nccl'" in out + err and "Traceback" not in out + err
 

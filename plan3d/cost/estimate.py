@@ -50,6 +50,7 @@ class Estimate:
     provenance: list = field(default_factory=list)  # which fitted values were used, from what data
     cp_comm: str = ""  # context parallelism's K/V exchange priced (p2p, all_gather, a2a); "" with cp = 1
     ep_dispatcher: str = ""  # the MoE token dispatcher priced (alltoall, deepep, hybridep); "" with ep = 1
+    ep_overlap: str = ""  # how the all-to-alls were taken to hide (none, combined-1f1b); "" with ep = 1
     step_time_s_band: list = field(default_factory=list)  # [fast end, slow end] of the measured step (plan3d.cost.bands)
     validated: bool = False  # inside a region of measured runs (no feature extrapolated)
     region: dict = field(default_factory=dict)  # the band's region, runs, sources and what is extrapolated
@@ -98,6 +99,7 @@ def estimate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, lay
     return replace(result, engine=engine.name if engine else "", provenance=trust.lines,
                    warnings=result.warnings + trust.warnings, cp_comm=ctx.cp_comm if layout.cp > 1 else "",
                    ep_dispatcher=(engine.runs_as.ep_dispatcher if engine else "alltoall") if layout.ep > 1 else "",
+                   ep_overlap=(engine.runs_as.ep_overlap if engine else "none") if layout.ep > 1 else "",
                    step_time_s_band=list(band.step_band(result.step_time_s)), validated=band.validated,
                    region=band.summary(), grad_dtype=ctx.grad_label)
 

@@ -52,7 +52,7 @@ def summary_lines(est, cluster, model, training) -> list[str]:
     fits = "[green]fits[/green]" if est.fits else "[red]does NOT fit[/red]"
     stages = ", ".join(f"{b / 2**30:.1f}" for b in est.stage_memory_bytes)
     return [
-        printable(f"{model.name} on {cluster.name}: {_layout_text(est.layout, est.cp_comm, est.recompute_layers, est.ep_dispatcher)}, global batch {training.global_batch}"),
+        printable(f"{model.name} on {cluster.name}: {_layout_text(est.layout, est.cp_comm, est.recompute_layers, est.ep_dispatcher, est.ep_overlap)}, global batch {training.global_batch}"),
         "groups span: " + ", ".join(f"{group.replace('_', 'x')} {tier}" for group, tier in est.tiers.items()),
         f"step {ms(est.step_time_s)}{band_text(est)}, {est.tokens_per_s:,.0f} tokens/s, "
         f"{est.model_tflops_per_gpu:.1f} model TFLOP/s per GPU, bubble {est.bubble_fraction:.1%}",
@@ -86,9 +86,11 @@ def region_lines(est) -> list[str]:
     return lines + [escape(f"extrapolated: {why}") for why in region["extrapolated"]]
 
 
-def _layout_text(layout: dict, cp_comm: str = "", recompute_layers: int = 0, ep_dispatcher: str = "") -> str:
+def _layout_text(layout: dict, cp_comm: str = "", recompute_layers: int = 0, ep_dispatcher: str = "",
+                 ep_overlap: str = "") -> str:
     cp = [f"cp {layout['cp']}" + (f" ({cp_comm} K/V exchange)" if cp_comm else "")] if layout.get("cp", 1) > 1 else []
-    ep = [f"ep {layout['ep']}" + (f" ({ep_dispatcher} dispatcher)" if ep_dispatcher else "")] if layout.get("ep", 1) > 1 else []
+    how = [f"{ep_dispatcher} dispatcher"] * bool(ep_dispatcher) + [f"{ep_overlap} overlap"] * (ep_overlap not in ("", "none"))
+    ep = [f"ep {layout['ep']}" + (f" ({', '.join(how)})" if how else "")] if layout.get("ep", 1) > 1 else []
     parts = [f"tp {layout['tp']}", f"pp {layout['pp']}", f"dp {layout['dp']}", *cp, *ep, f"micro-batch {layout['micro_batch']}"]
     if layout["vpp"] > 1:
         parts.append(f"vpp {layout['vpp']}")

@@ -123,7 +123,7 @@ def recommend(
         result = search.search(*specs, space, **thresholds)
     order_ = ranking.rank(result, objective, ranking_mode)
     notes = [n for n in (_cp_bound_note(space, specs, engine_spec),
-                         _dispatcher_note(result, order_, specs, engine_spec, ep_dispatcher)) if n]
+                         _dispatcher_note(result, specs, engine_spec, ep_dispatcher)) if n]
     report = render.Recommendation(result, order_, objective, top, pick, sweep, tokens, notes, ranking=ranking_mode)
     _require_pick(report)
     if not result.feasible_count:
@@ -156,7 +156,7 @@ def _cp_bound_note(space, specs, engine) -> str:
             f"(seq-len {seq:,} -> cp 1); --max-cp 2 searches context parallelism too")
 
 
-def _dispatcher_note(result, order_, specs, engine, chosen: str | None) -> str:
+def _dispatcher_note(result, specs, engine, chosen: str | None) -> str:
     """What a hierarchical MoE dispatcher the engine can run (DeepEP, or HybridEP where the NVLink
     domain spans nodes) would make of the layouts that fit, when the user left the dispatcher at
     the engine's all-to-all: memory does not depend on it, so the same fitting layouts are priced
@@ -171,7 +171,7 @@ def _dispatcher_note(result, order_, specs, engine, chosen: str | None) -> str:
     if model.moe is None or chosen is not None or engine.runs_as.ep_dispatcher != "alltoall" or not options:
         return ""
     rows = np.flatnonzero(result.feasible & (result.layouts["ep"] > 1))
-    if not len(rows) or not len(order_):
+    if not len(rows):
         return ""
     wide = cluster.tiers()[0].domain_gpus > cluster.gpus_per_node
     dispatcher = "hybridep" if wide and "hybridep" in options else options[0]

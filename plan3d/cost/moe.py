@@ -139,13 +139,13 @@ def hierarchical_dispatch_s(ctx: CostContext, la: LayoutArrays, ep_split, latenc
     node, or forwarded inside the receiving one), both at once: the slower of the two, plus one
     outer latency per other node."""
     nodes, inner_bw, outer_bw = ep_split
-    token_bytes = ctx.seq * la.mb_share / la.sp_div * ctx.moe_load * ctx.hidden * ctx.act_bytes
+    token_bytes = ep_a2a_bytes(ctx, la) / ctx.top_k  # each token once, not its top_k copies
     network = token_bytes * remote_nodes_per_token(ctx, nodes) / np.maximum(outer_bw, 1.0)
     nvlink = token_bytes * ctx.top_k * (la.ep - 1) / np.maximum(la.ep, 1) / np.maximum(inner_bw, 1.0)
     return np.maximum(network, nvlink) + (nodes - 1) * latency_s
 
 
-def ep_comm_s(ctx: CostContext, la: LayoutArrays, ep_link, full_recompute, ep_split=None):
+def ep_comm_s(ctx: CostContext, la: LayoutArrays, ep_link, full_recompute, ep_split):
     """Exposed seconds of one MoE layer's all-to-alls per micro-batch: dispatch and combine in the
     forward, the same two in the backward, and again in a recompute's forward (`full_recompute`:
     full recompute, or moe recompute of the MoE layer). Each is a pairwise all-to-all of the
@@ -158,7 +158,7 @@ def ep_comm_s(ctx: CostContext, la: LayoutArrays, ep_link, full_recompute, ep_sp
     all-to-alls are in flight (`shared_expert_overlap`, Megatron-Core --moe-shared-expert-overlap),
     the shared experts' time: their forward in a forward pass, twice it in the backward."""
     one = all_to_all_s(ep_a2a_bytes(ctx, la), la.ep, *ep_link)
-    if ctx.ep_hierarchical and ep_split is not None:
+    if ctx.ep_hierarchical:
         one = np.where(ep_split[0] > 1, hierarchical_dispatch_s(ctx, la, ep_split, ep_link[1]), one)
     one = one * (1 - ctx.ep_overlap_fraction)
     shared = shared_experts_forward_s(ctx, la) if ctx.shared_expert_overlap else 0.0

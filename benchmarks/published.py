@@ -137,13 +137,15 @@ def _cluster(name: str, gpus: int, params: tuple):
 def run_engine(run: Run, params: tuple):
     """The engine profile a run is predicted with: its own, with `params`, its framework's changes
     and the token dispatcher and all-to-all overlap it ran."""
-    return _engine(run.engine, params, run.framework_key, run.dispatcher, run.ep_overlap)
+    return _engine(run.engine, params, run.framework_key, run.dispatcher, run.ep_overlap, run.act_offload)
 
 
 @lru_cache(maxsize=64)
-def _engine(name: str, params: tuple, framework: str = "", dispatcher: str = "alltoall", ep_overlap: str = "none"):
+def _engine(name: str, params: tuple, framework: str = "", dispatcher: str = "alltoall", ep_overlap: str = "none",
+            act_offload: str = "none"):
     """The engine profile `name` with the fitted `params`, what `framework` (a
-    FRAMEWORK_CHANGES key) runs on top of it, and the MoE `dispatcher` and `ep_overlap` it ran."""
+    FRAMEWORK_CHANGES key) runs on top of it, and the MoE `dispatcher`, `ep_overlap` and
+    `act_offload` it ran."""
     base = load_engine(name)
     changes = FRAMEWORK_CHANGES.get(framework, {})
     if changes:
@@ -156,7 +158,8 @@ def _engine(name: str, params: tuple, framework: str = "", dispatcher: str = "al
     tuned = base.model_copy(update={"efficiency": base.efficiency.model_copy(update=updates("engine")),
                                     "runs_as": base.runs_as.model_copy(update=updates("runs_as"))})
     tuned = tuned if dispatcher == "alltoall" else tuned.with_ep_dispatcher(dispatcher)
-    return tuned if ep_overlap == "none" else tuned.with_ep_overlap(ep_overlap)
+    tuned = tuned if ep_overlap == "none" else tuned.with_ep_overlap(ep_overlap)
+    return tuned if act_offload == "none" else tuned.with_act_offload(act_offload)
 
 
 def candidates(run: Run, engine) -> list[Layout]:
@@ -447,7 +450,7 @@ def measured_run(run: Run, layout: Layout | None, error_pct: float, how: str, pa
     gpu = _cluster(run.cluster, run.gpus, tuple(sorted(params.items()))).gpu.generation_name
     engine = load_engine(run.engine) if run.engine in bundled_names("engine") else None
     region = Region.of(run.engine, gpu, layout.zero, layout.cp, run.model.moe is not None, run.training.precision,
-                       sharded_stages(engine), layout.pipeline_schedule)
+                       sharded_stages(engine), layout.pipeline_schedule, offload=run.act_offload != "none")
     return MeasuredRun(id=run.id, source=run.source, gpus=run.gpus, error_pct=float(error_pct), how=how,
                        **{k: getattr(region, k) for k in REGION_FIELDS})
 

@@ -77,6 +77,7 @@ class Run:
     framework: str = ""  # the software that ran it, as the source names it (held-out rows)
     dispatcher: str = "alltoall"  # the MoE token dispatcher it ran (RunsAs.ep_dispatcher; held-out rows)
     ep_overlap: str = "none"  # how it hid the all-to-alls (RunsAs.ep_overlap; held-out rows)
+    act_offload: str = "none"  # the activations it offloaded to host memory (RunsAs.act_offload; held-out rows)
 
     @property
     def framework_key(self) -> str:
@@ -312,7 +313,7 @@ def extra_to_run(row: dict, require_time: bool = True) -> Run:
                vpp_choices=vpp_depths(model.layers, knobs["pp"]),
                measured_alt_s=(row.get("derived") or {}).get("iteration_time_s_if_causal"),
                framework=str(train.get("framework") or ""), dispatcher=extra_dispatcher(train),
-               ep_overlap=str(train.get("ep_overlap") or "none"))
+               ep_overlap=str(train.get("ep_overlap") or "none"), act_offload=str(train.get("act_offload") or "none"))
 
 
 def extra_dispatcher(train: dict) -> str:

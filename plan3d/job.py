@@ -30,7 +30,7 @@ from plan3d.layout import Layout
 from plan3d.specs.base import SpecModel
 from plan3d.specs.catalog import engine_for, load_cluster, load_engine, load_model, lookups, resize
 from plan3d.specs.cluster import ClusterSpec
-from plan3d.specs.engine import RUN_CHOICES, CpComm, EngineSpec, EpDispatcher, EpOverlap
+from plan3d.specs.engine import RUN_CHOICES, ActOffload, CpComm, EngineSpec, EpDispatcher, EpOverlap
 from plan3d.specs.loader import check_model, read_mapping_with_lines
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
@@ -50,6 +50,8 @@ class JobSpec(SpecModel):
                                                "default: what the engine runs.")
     ep_overlap: EpOverlap | None = Field(None, description="How the MoE all-to-alls hide (as --ep-overlap); "
                                          "default: what the engine runs.")
+    act_offload: ActOffload | None = Field(None, description="The activations offloaded to host memory (as "
+                                           "--act-offload); default: what the engine runs.")
 
 
 class Job(SpecModel):
@@ -204,7 +206,7 @@ class _Parts:
     def job(self, data: dict, engine: EngineSpec | None) -> Job | None:
         self.top_level(data)
         nodes, gpus = (self.plain(name, data) for name in ("nodes", "gpus_per_node"))
-        choices = {name: self.plain(name, data) for name in RUN_CHOICES}  # cp_comm, ep_dispatcher, ep_overlap
+        choices = {name: self.plain(name, data) for name in RUN_CHOICES}  # cp_comm, ep_dispatcher, ep_overlap, act_offload
         training, layout = self.part("training", data), self.part("layout", data)
         cluster, model = self.cluster(data, nodes, gpus), self.part("model", data)
         engine = engine or self.engine(data, cluster, model)

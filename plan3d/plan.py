@@ -104,6 +104,8 @@ class Estimate(_Record):
     cp_comm: Text = ""
     ep_dispatcher: Text = ""
     ep_overlap: Text = ""
+    act_offload: Text = ""
+    host_offload_bytes: Bytes = 0.0
     step_time_s_band: list[Seconds] = []  # plan3d.cost.bands: [fast end, slow end] of the measured step
     validated: bool | None = None
     region: dict[str, Any] = {}
@@ -161,6 +163,12 @@ class Plan(StrictModel):
     def ep_overlap(self) -> str:
         """How the plan's all-to-alls were predicted to hide: its engine's (RunsAs.ep_overlap), or none."""
         return self.engine.runs_as.ep_overlap if self.engine is not None else "none"
+
+    @property
+    def act_offload(self) -> str:
+        """The activations the plan was predicted to offload to host memory: its engine's
+        (RunsAs.act_offload), or none."""
+        return self.engine.runs_as.act_offload if self.engine is not None else "none"
 
     @property
     def grad_dtype(self) -> str:

@@ -503,6 +503,9 @@ def engine_space(space: Space, engine: EngineSpec) -> Space:
                           f"with pp > 1 it runs ZeRO {_stages(can.zero_with_pp)}")
     recompute = tuple(r for r in space.recompute if r in can.recompute)
     _require(recompute, f"{name} has no {' or '.join(space.recompute)} recompute; it runs {', '.join(can.recompute)}")
+    offloadable = tuple(r for r in recompute if not engine.offload_problems(r))  # the offload's rule, per mode
+    _require(offloadable, "; ".join(engine.offload_problems(recompute[0])))
+    recompute = offloadable
     orders = tuple(o for o in space.orders if o in can.orders)
     if not orders and space.orders == DEFAULT_ORDERS:
         orders = tuple(can.orders)
@@ -791,7 +794,8 @@ def search_bands(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec,
     n = len(layouts["tp"])
     return band_arrays(engine.name if engine else "", cluster.gpu.generation_name, layouts["zero"],
                        layouts.get("cp", np.ones(n)), model.moe is not None, training.precision, cluster.world_size,
-                       sharded_zero=sharded_stages(engine), schedule=layouts.get("schedule"))
+                       sharded_zero=sharded_stages(engine), schedule=layouts.get("schedule"),
+                       offload=bool(engine and engine.runs_as.act_offload != "none"))
 
 
 def drop_idle_partial(layouts: dict[str, np.ndarray], metrics: dict[str, np.ndarray],

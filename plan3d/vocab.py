@@ -11,12 +11,12 @@ from __future__ import annotations
 # The terms a step's predicted time is the sum of (`Estimate.time_s`), in the order the tables
 # print them.
 # `ep_comm`: the exposed expert-parallel all-to-alls of mixture-of-experts layers (0 for dense models).
-TIME_TERMS = ("compute", "recompute", "bubble", "tp_comm", "pp_comm", "ep_comm", "overhead", "dp_comm", "zero_comm",
+TIME_TERMS = ("compute", "recompute", "bubble", "tp_comm", "pp_comm", "ep_comm", "offload", "overhead", "dp_comm", "zero_comm",
               "optimizer")
 # The exposed communication terms among them.
 COMM_TERMS = ("tp_comm", "pp_comm", "ep_comm", "dp_comm", "zero_comm")
 # The terms paid once per micro-batch (the pipeline multiplies them by the micro-batch count).
-PER_MICRO_BATCH_TERMS = ("compute", "recompute", "tp_comm", "pp_comm", "ep_comm", "overhead")
+PER_MICRO_BATCH_TERMS = ("compute", "recompute", "tp_comm", "pp_comm", "ep_comm", "offload", "overhead")
 SECONDS_SUFFIX = "_s"
 
 

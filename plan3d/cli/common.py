@@ -50,12 +50,12 @@ def load_specs(cluster: str, model: str, nodes: int | None, gpus_per_node: int |
 
 
 def load_engine_opt(engine: str | None, cluster: ClusterSpec, cp_comm: str | None = None, model=None,
-                    ep_dispatcher: str | None = None, ep_overlap: str | None = None):
+                    ep_dispatcher: str | None = None, ep_overlap: str | None = None, act_offload: str | None = None):
     """The --engine spec, or the default engine for `cluster` and `model` (catalog.engine_for),
     running context parallelism's K/V exchange as --cp-comm and MoE tokens with --ep-dispatcher
-    and --ep-overlap where given (EngineSpec.with_choice)."""
+    and --ep-overlap, and offloading activations as --act-offload, where given (EngineSpec.with_choice)."""
     spec = engine_for(engine, cluster, model).with_cp_comm(cp_comm).with_ep_dispatcher(ep_dispatcher)
-    return spec.with_ep_overlap(ep_overlap)
+    return spec.with_ep_overlap(ep_overlap).with_act_offload(act_offload)
 
 
 def make_training(**fields) -> TrainingSpec:
@@ -107,5 +107,9 @@ EpOverlapOpt = Annotated[Optional[str], typer.Option(
     "--ep-overlap", help="How the MoE all-to-alls hide with ep > 1: none, or combined-1f1b (one micro-batch's "
     "forward interleaved with another's backward: Megatron-Core --overlap-moe-expert-parallel-comm); default: "
     "what the engine runs (none).")]
+ActOffloadOpt = Annotated[Optional[str], typer.Option(
+    "--act-offload", help="Activations moved to host memory between the forward and the backward: none, experts "
+    "(the routed experts' FC1 and activation inputs, MoE models) or all (also the attention's QKV, core and "
+    "projection inputs): Megatron-Core --fine-grained-activation-offloading; default: what the engine runs (none).")]
 PlotOpt = Annotated[Optional[Path], typer.Option(
     "--plot", help="Also save a picture (.png, .svg or .pdf; needs matplotlib: pip install 'plan3d\\[plot]').")]

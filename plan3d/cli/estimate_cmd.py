@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 import typer
 
 from plan3d.cli.app import app
-from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, CpCommOpt, EpDispatcherOpt, EpOverlapOpt, CpOpt, EngineOpt, EpOpt, EtpOpt, GlobalBatchOpt, GpnOpt,
+from plan3d.cli.common import (DEFAULT_ORDER, ClusterOpt, CpCommOpt, EpDispatcherOpt, EpOverlapOpt, ActOffloadOpt, CpOpt, EngineOpt, EpOpt, EtpOpt, GlobalBatchOpt, GpnOpt,
                                GpuMemoryOpt, JsonOpt, MicroBatchOpt,
                                ModelOpt, NodesOpt, OrderOpt, PlotOpt, PpOpt, RecomputeOpt,
                                SeqLenOpt, SeqParallelOpt, ScheduleOpt, TpOpt, VppOpt, ZeroOpt, load_engine_opt, load_specs,
@@ -51,6 +51,7 @@ def estimate_command(
     cp_comm: CpCommOpt = None,
     ep_dispatcher: EpDispatcherOpt = None,
     ep_overlap: EpOverlapOpt = None,
+    act_offload: ActOffloadOpt = None,
     json_out: JsonOpt = False,
     plot: PlotOpt = None,
 ) -> None:
@@ -58,7 +59,7 @@ def estimate_command(
     cluster_spec, model_spec, training = load_specs(cluster, model, nodes, gpus_per_node, global_batch,
                                                     seq_len, precision, gpu_memory)
     training = with_precision(training, cluster_spec.gpu, precision)
-    engine_spec = load_engine_opt(engine, cluster_spec, cp_comm, model_spec, ep_dispatcher, ep_overlap)
+    engine_spec = load_engine_opt(engine, cluster_spec, cp_comm, model_spec, ep_dispatcher, ep_overlap, act_offload)
     flags = dict(tp=tp, pp=pp, cp=cp, micro_batch=micro_batch, vpp=vpp, schedule=schedule, zero=zero, recompute=recompute,
                  sequence_parallel=sequence_parallel, order=order)
     if dp is None:

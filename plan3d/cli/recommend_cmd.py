@@ -9,7 +9,7 @@ import typer
 
 from plan3d.cli.app import app
 from plan3d.render.units import json_text
-from plan3d.cli.common import (SCHEDULE_HELP, ClusterOpt, CpCommOpt, EpDispatcherOpt, EpOverlapOpt, CpOpt, EngineOpt, GlobalBatchOpt, GpnOpt,
+from plan3d.cli.common import (SCHEDULE_HELP, ClusterOpt, CpCommOpt, EpDispatcherOpt, EpOverlapOpt, ActOffloadOpt, CpOpt, EngineOpt, GlobalBatchOpt, GpnOpt,
                                GpuMemoryOpt, JsonOpt, ModelOpt, ScheduleOpt, NodesOpt, PlotOpt, SeqLenOpt, load_engine_opt, load_specs, make_layout)
 from plan3d.errors import InfeasibleError, LayoutError
 from plan3d.specs.training import with_precision
@@ -51,6 +51,7 @@ def recommend(
     cp_comm: CpCommOpt = None,
     ep_dispatcher: EpDispatcherOpt = None,
     ep_overlap: EpOverlapOpt = None,
+    act_offload: ActOffloadOpt = None,
     top: Annotated[int, _opt("--top", "How many layouts to show.")] = 10,
     objective: ObjectiveOpt = "throughput",
     ranking_mode: RankingOpt = "expected",
@@ -108,7 +109,7 @@ def recommend(
     space = space_from_flags(locals())
     specs = load_specs(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision, gpu_memory)
     specs = (*specs[:2], with_precision(specs[2], specs[0].gpu, precision))
-    engine_spec = load_engine_opt(engine, specs[0], cp_comm, specs[1], ep_dispatcher, ep_overlap)
+    engine_spec = load_engine_opt(engine, specs[0], cp_comm, specs[1], ep_dispatcher, ep_overlap, act_offload)
     space = search.engine_space(space, engine_spec)  # a knob the engine cannot run fails here, before the search
     thresholds = dict(_thresholds(min_mfu, max_memory_fraction), engine=engine_spec)
     if tokens is not None and not 0 < tokens <= MAX_TOKENS:  # nan and inf fail this too
@@ -123,7 +124,8 @@ def recommend(
         result = search.search(*specs, space, **thresholds)
     order_ = ranking.rank(result, objective, ranking_mode)
     notes = [n for n in (_cp_bound_note(space, specs, engine_spec),
-                         _dispatcher_note(result, specs, engine_spec, ep_dispatcher)) if n]
+                         _dispatcher_note(result, specs, engine_spec, ep_dispatcher),
+                         _offload_note(result, specs, space, thresholds, act_offload) if sweep is None else "") if n]
     report = render.Recommendation(result, order_, objective, top, pick, sweep, tokens, notes, ranking=ranking_mode)
     _require_pick(report)
     if not result.feasible_count:
@@ -184,6 +186,36 @@ def _dispatcher_note(result, specs, engine, chosen: str | None) -> str:
     return (f"with --ep-dispatcher {dispatcher} (its kernels installed; a token crosses the network once per node "
             f"it reaches): {layout.short()} at {times[best]:.1f} s, {1 - times[best] / fastest:.0%} less than the "
             f"fastest layout with the all-to-all ({fastest:.1f} s); re-run with it to rank them")
+
+
+def _offload_note(result, specs, space, thresholds: dict, chosen: str | None) -> str:
+    """What offloading the routed experts' activations to host memory (Megatron-Core's fine-grained
+    activation offloading, `--act-offload experts`) would make of the search, for an MoE model when
+    the engine can and the user left it at the engine's none: memory changes, so the space is
+    searched again with the offloading profile, and its fastest layout is named where nothing fit
+    without or where it beats the fastest without by more than 3%."""
+    from plan3d import search
+
+    engine, model = thresholds["engine"], specs[1]
+    if (model.moe is None or chosen is not None or engine.runs_as.act_offload != "none"
+            or "experts" not in engine.can_run.act_offloads):
+        return ""
+    try:
+        other = search.search(*specs, space, **dict(thresholds, engine=engine.with_act_offload("experts")))
+    except LayoutError:  # a fixed knob the offload cannot run next to (moe recompute)
+        return ""
+    if not other.feasible_count:
+        return ""
+    times = np.where(other.feasible, other.metrics["step_time_s"], np.inf)
+    best = int(np.argmin(times))
+    how = (f"with --act-offload experts (the experts' FC1 and activation inputs kept in host memory, "
+           f"{specs[0].gpu.host_link_gbytes_per_s:g} GB/s each way): {other.layout(best).short()} at {times[best]:.1f} s")
+    if not result.feasible_count:
+        return f"nothing fits on the GPU alone; {how}; re-run with it"
+    fastest = float(result.metrics["step_time_s"][result.feasible].min())
+    if not times[best] < 0.97 * fastest:
+        return ""
+    return f"{how}, {1 - times[best] / fastest:.0%} less than the fastest layout without ({fastest:.1f} s); re-run with it to rank them"
 
 
 def space_from_flags(flags: dict):
@@ -333,6 +365,7 @@ def explain_cmd(
     cp_comm: CpCommOpt = None,
     ep_dispatcher: EpDispatcherOpt = None,
     ep_overlap: EpOverlapOpt = None,
+    act_offload: ActOffloadOpt = None,
     objective: ObjectiveOpt = "throughput",
     ranking_mode: RankingOpt = "expected",
     json_out: JsonOpt = False,
@@ -344,7 +377,7 @@ def explain_cmd(
 
     specs = load_specs(cluster, model, nodes, gpus_per_node, global_batch, seq_len, precision, gpu_memory)
     specs = (*specs[:2], with_precision(specs[2], specs[0].gpu, precision))
-    engine_spec = load_engine_opt(engine, specs[0], cp_comm, specs[1], ep_dispatcher, ep_overlap)
+    engine_spec = load_engine_opt(engine, specs[0], cp_comm, specs[1], ep_dispatcher, ep_overlap, act_offload)
     world = specs[0].world_size
     if dp is None:  # a tp or pp below 1 is left for make_layout to reject
         dp = max(1, world // max(tp * pp * cp, 1))

@@ -1,9 +1,10 @@
 """Error bands: how far a predicted step time may be off, from the benchmark's left-out errors.
 
-A prediction is of an engine running a layout on a GPU. Its *region* is seven features
+A prediction is of an engine running a layout on a GPU. Its *region* is eight features
 (`Region`): the engine, the GPU generation, the sharding (ZeRO-3 / FSDP or not), context
-parallelism (cp > 1), a mixture-of-experts model, FP8, and a zero-bubble pipeline schedule
-(one whose deferred weight gradients fill the bubble: ZB-H1, ZB-V, DualPipe(V)). `benchmarks/published.py --write-bands`
+parallelism (cp > 1), a mixture-of-experts model, FP8, a zero-bubble pipeline schedule
+(one whose deferred weight gradients fill the bubble: ZB-H1, ZB-V, DualPipe(V)), and activation
+offloading to host memory. `benchmarks/published.py --write-bands`
 predicts every published run of its data with values that never saw the run's source (the
 calibration set by leave-one-source-out, the held-out MoE / FP8 / context-parallel rows with the
 bundled values, which are never fitted on them) and writes each run's prediction error
@@ -56,6 +57,7 @@ class MeasuredRun(SpecModel):
     moe: bool
     fp8: bool
     zero_bubble: bool = False
+    offload: bool = False
     gpus: int = Field(ge=1)
     error_pct: float = Field(ge=-100, le=10_000)  # predicted / measured - 1, in per cent
     how: Literal["left-out", "held-out"]  # leave-one-source-out, or a held-out row never fitted
@@ -100,21 +102,23 @@ class Region:
     moe: bool  # mixture-of-experts model
     fp8: bool  # FP8 linear layers
     zero_bubble: bool = False  # a schedule filling its bubble with deferred weight gradients
+    offload: bool = False  # activations offloaded to host memory (RunsAs.act_offload)
 
     @classmethod
     def of(cls, engine: str, gpu: str, zero: int, cp: int, moe: bool, precision: str,
-           sharded_zero: tuple[int, ...] = (3,), schedule: str = "1f1b") -> Region:
+           sharded_zero: tuple[int, ...] = (3,), schedule: str = "1f1b", offload: bool = False) -> Region:
         """`sharded_zero`: the stages the engine runs fully sharded (`sharded_stages`); `schedule`:
-        the pipeline schedule's name (`is_zero_bubble`)."""
+        the pipeline schedule's name (`is_zero_bubble`); `offload`: activations go to host memory."""
         sharding = "zero3" if bool(is_sharded(zero, sharded_zero)) else "zero0-2"
-        return cls(engine, gpu, sharding, cp > 1, moe, precision == "fp8", is_zero_bubble(schedule))
+        return cls(engine, gpu, sharding, cp > 1, moe, precision == "fp8", is_zero_bubble(schedule), offload)
 
     @property
     def name(self) -> str:
         """'megatron-core on hopper, ZeRO 0-2, dense, 16-bit'."""
         parts = [f"{self.engine or 'no engine'} on {self.gpu}", "ZeRO-3/FSDP" if self.sharding == "zero3" else "ZeRO 0-2",
                  *(["context parallel"] if self.cp else []), "MoE" if self.moe else "dense",
-                 "fp8" if self.fp8 else "16-bit", *(["zero-bubble schedule"] if self.zero_bubble else [])]
+                 "fp8" if self.fp8 else "16-bit", *(["zero-bubble schedule"] if self.zero_bubble else []),
+                 *(["activation offload"] if self.offload else [])]
         return ", ".join(parts)
 
 
@@ -151,6 +155,10 @@ AXES = (
          "its fill and drain is the schedule's formula at B = W = F (deferred weight gradients fill the bubble "
          "exactly), while a run also pays the split backward's extra kernels and the optimizer step's "
          "synchronisation; the data's one such run (DeepSeek-V3, DualPipe) is of a framework without a profile"),
+    Axis("offload", (-15.0, 10.0), "fewer than {min_runs} runs of {engine} offloading activations",
+         "the copies to host memory are priced at the GPU's host link (0.8 of its rate) hidden behind the layer "
+         "they leave, without the HBM traffic they take from it; the data's one offloading run (Qwen3-235B on "
+         "GB200, MXFP8, Megatron-Core's model zoo) is the only measurement"),
     Axis("gpu", (-10.0, 10.0), "fewer than {min_runs} runs of {engine} on {gpu}",
          "the generation's values come from other engines' runs or its datasheet; the V100 rows, predicted "
          "from datasheet values with an engine fitted on A100, came out -10% to +8%"),
@@ -234,7 +242,7 @@ def _pct_pair(low: float, high: float) -> str:
 
 # A feature the region has (ZeRO-3, cp, MoE, fp8) is let go of by borrowing the errors of the
 # region without it; the engine and the GPU generation, by borrowing those of any engine / GPU.
-BASE = {"sharding": "zero0-2", "cp": False, "moe": False, "fp8": False, "zero_bubble": False}
+BASE = {"sharding": "zero0-2", "cp": False, "moe": False, "fp8": False, "zero_bubble": False, "offload": False}
 
 
 def _matches(run: MeasuredRun, region: Region, free: frozenset[str]) -> bool:
@@ -338,7 +346,7 @@ class BandArrays:
 
 def band_arrays(engine: str, gpu: str, zero: np.ndarray, cp: np.ndarray, moe: bool, precision: str,
                 gpus: int, data: BandData | None = None, sharded_zero: tuple[int, ...] = (3,),
-                schedule: np.ndarray | None = None) -> BandArrays:
+                schedule: np.ndarray | None = None, offload: bool = False) -> BandArrays:
     """The bands of many layouts of one search (a few distinct regions: sharded or not, cp or not,
     a zero-bubble schedule or not; `schedule`: schedule codes, None: 1F1B / interleaved)."""
     zb = (np.zeros(np.shape(zero), dtype=bool) if schedule is None
@@ -346,7 +354,7 @@ def band_arrays(engine: str, gpu: str, zero: np.ndarray, cp: np.ndarray, moe: bo
     keys = np.stack([is_sharded(zero, sharded_zero), np.asarray(cp) > 1, zb], axis=1).astype(np.int8)
     distinct, index = np.unique(keys, axis=0, return_inverse=True)
     bands = [band_of(Region.of(engine, gpu, 3 if z else 0, 2 if c else 1, moe, precision,
-                               schedule="zb1p" if b else "1f1b"), gpus, data)
+                               schedule="zb1p" if b else "1f1b", offload=offload), gpus, data)
              for z, c, b in distinct]
     low = np.array([b.low for b in bands])[index.reshape(-1)]
     high = np.array([b.high for b in bands])[index.reshape(-1)]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from plan3d.cost.fp8 import compute_dtype, fp8_fields
 from plan3d.cost.params import norm_params
 from plan3d.specs.cluster import ClusterSpec
-from plan3d.specs.engine import HIERARCHICAL_DISPATCHERS, EngineSpec, grad_dtype
+from plan3d.specs.engine import ACT_OFFLOAD_MODULES, HIERARCHICAL_DISPATCHERS, EngineSpec, grad_dtype
 from plan3d.specs.gpu import GPUSpec
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
@@ -88,6 +88,9 @@ class CostContext:
     logit_bytes: float = 4.0  # bytes per logit element at the loss's peak (engine runs_as.logit_bytes)
     fsdp_unsharded_with_pp: bool = False  # pp > 1: FSDP keeps weights gathered and fp32 grads unsharded
     allocator_overhead_fraction: float = 0.0  # allocator's cache beyond live activations and buffers, as a share
+    offload_experts: bool = False  # the routed experts' FC1 and activation inputs go to host memory (RunsAs.act_offload)
+    offload_attention: bool = False  # the attention's QKV, core and projection inputs go to host memory
+    host_bytes_per_s: float = 0.0  # GPU <-> host memory, per direction (GPUSpec.host_link_gbytes_per_s)
     # attention as the weights see it (`_attention_fields`: plain or multi-head latent attention)
     attn_weight_params: int = 0  # weight-matrix parameters of one attention block (its linear GEMMs)
     attn_split: int = 0  # attention parameters tensor parallelism divides (column/row-parallel weights, column biases)
@@ -200,7 +203,14 @@ def make_context(cluster: ClusterSpec | None, model: ModelSpec, training: Traini
         cp_ring_overlap=runs_as.cp_ring_overlap if runs_as else True,
         cpu_cores_per_node=cluster.cpu_cores_per_node or 0,
         gpus_per_node=cluster.gpus_per_node,
+        host_bytes_per_s=cluster.gpu.host_link_gbytes_per_s * 1e9,
     )
+
+
+def offload_fields(act_offload: str) -> dict:
+    """The CostContext offload flags of an engine's `act_offload` (ACT_OFFLOAD_MODULES)."""
+    modules = ACT_OFFLOAD_MODULES[act_offload]
+    return dict(offload_experts="expert_fc1" in modules, offload_attention="core_attn" in modules)
 
 
 def _model_fields(model: ModelSpec, training: TrainingSpec, engine: EngineSpec | None = None) -> dict:
@@ -223,6 +233,7 @@ def _model_fields(model: ModelSpec, training: TrainingSpec, engine: EngineSpec |
         zero3_live_params=runs_as.zero3_live_params if runs_as else 0.0,
         zero3_collectives_per_layer=runs_as.zero3_collectives_per_layer if runs_as else 1.0,
         logit_bytes=runs_as.logit_bytes if runs_as else 4.0,
+        **offload_fields(runs_as.act_offload if runs_as else "none"),
         fsdp_unsharded_with_pp=bool(runs_as and runs_as.fsdp_unsharded_with_pp),
         allocator_overhead_fraction=engine.efficiency.allocator_overhead_fraction if engine else 0.0,
     )

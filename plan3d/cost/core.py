@@ -79,12 +79,14 @@ def stage_micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_ran
         routed = _layer_passes(ctx, la, moe_fwd, tp_pair, attention_fwd, moe_act_redo_s(ctx, la),
                                moe.moe_block_redo_s(ctx, la))
         per_rank = lambda key: (layers - moe_layers) * dense[key] + moe_layers * routed[key]  # noqa: E731
+        off_dense, off_moe = offload_exposed_s(ctx, la, layer_fwd, moe_fwd)
         redo_moe_comm = full | (la.recompute == MOE_BLOCK)  # the recompute's forward repeats the all-to-alls
         ep_comm = moe_layers * moe.ep_comm_s(ctx, la, links.of("ep", "all_gather"), redo_moe_comm, links.ep_split)
         expert_tp = moe_layers * _expert_tp_gather_s(ctx, la, links, redo_moe_comm)
     else:
         per_rank = lambda key: layers * dense[key]  # noqa: E731
         ep_comm = expert_tp = np.zeros_like(layer_fwd)
+        off_dense = off_moe = offload_exposed_s(ctx, la, layer_fwd, layer_fwd)[0]
     logits_fwd = np.where(last, compute.logits_forward_s(ctx, share, la.tp), 0.0)
     embed = np.where(first, compute.memory_bound_s(ctx, share * ctx.seq * ctx.hidden, ctx.elementwise_bytes), 0.0)
     ring_fwd, ring_bwd = cp_exposed_s(ctx, la, links, attention_fwd)
@@ -94,8 +96,26 @@ def stage_micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_ran
                         + np.where(la.cp > 1, layers * ring, 0.0) + expert_tp),
             "pp_comm": _p2p_s(ctx, la, links, boundary_bytes),
             "ep_comm": ep_comm,
+            "offload": (layers - moe_layers) * off_dense + moe_layers * off_moe,
             "overhead": per_rank("host") + ctx.micro_batch_overhead_s,
             "backward": 2 * (per_rank("fwd") + logits_fwd)}
+
+
+def offload_exposed_s(ctx: CostContext, la: LayoutArrays, layer_fwd, moe_fwd):
+    """Exposed seconds per micro-batch of one (dense, MoE) layer's activation offload
+    (`memory.offloaded_bytes`): the copy to host memory runs on its own stream beside the layer's
+    forward and the copy back beside its backward (twice the forward), each at the GPU's host
+    link (`GPUSpec.host_link_gbytes_per_s`); what outlasts the computation shows. The HBM traffic
+    the copies add to the kernels they hide behind is not modelled. A fully recomputed layer
+    moves nothing."""
+    off_dense, off_moe = memory.offloaded_bytes(ctx, la)
+    if not (ctx.offload_attention or ctx.offload_experts) or not ctx.host_bytes_per_s:
+        return 0.0 * layer_fwd, 0.0 * moe_fwd
+    keep = np.where(la.recompute >= FULL, 0.0, 1.0)
+    def exposed(moved, fwd):
+        copy = moved / ctx.host_bytes_per_s
+        return keep * (np.maximum(copy - fwd, 0.0) + np.maximum(copy - 2 * fwd, 0.0))
+    return exposed(off_dense, layer_fwd), exposed(off_moe, moe_fwd)
 
 
 def _expert_tp_gather_s(ctx: CostContext, la: LayoutArrays, links: Links, full):
@@ -396,5 +416,5 @@ def _summary(ctx: CostContext, la: LayoutArrays, mem: dict, time: dict, weights,
         "peak_memory_bytes": masked_max(totals, weights), "worst_stage": masked_argmax(totals, weights),
         "capacity_bytes": np.full_like(step, ctx.capacity_bytes),
         "bubble_fraction": time["bubble"] / step,
-        "time_s": time, "stage_memory": {k: np.broadcast_to(mem[k], shape) for k in MEMORY_TERMS + ("total",)},
+        "time_s": time, "stage_memory": {k: np.broadcast_to(mem[k], shape) for k in MEMORY_TERMS + ("total", "host_offload")},
     }

@@ -51,6 +51,8 @@ class Estimate:
     cp_comm: str = ""  # context parallelism's K/V exchange priced (p2p, all_gather, a2a); "" with cp = 1
     ep_dispatcher: str = ""  # the MoE token dispatcher priced (alltoall, deepep, hybridep); "" with ep = 1
     ep_overlap: str = ""  # how the all-to-alls were taken to hide (none, combined-1f1b); "" with ep = 1
+    act_offload: str = ""  # the activations offloaded to host memory (none, experts, all: RunsAs.act_offload)
+    host_offload_bytes: float = 0.0  # host memory the most-offloading rank's activations take (memory.host_offload_bytes)
     step_time_s_band: list = field(default_factory=list)  # [fast end, slow end] of the measured step (plan3d.cost.bands)
     validated: bool = False  # inside a region of measured runs (no feature extrapolated)
     region: dict = field(default_factory=dict)  # the band's region, runs, sources and what is extrapolated
@@ -100,6 +102,7 @@ def estimate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, lay
                    warnings=result.warnings + trust.warnings, cp_comm=ctx.cp_comm if layout.cp > 1 else "",
                    ep_dispatcher=(engine.runs_as.ep_dispatcher if engine else "alltoall") if layout.ep > 1 else "",
                    ep_overlap=(engine.runs_as.ep_overlap if engine else "none") if layout.ep > 1 else "",
+                   act_offload=engine.runs_as.act_offload if engine else "none",
                    step_time_s_band=list(band.step_band(result.step_time_s)), validated=band.validated,
                    region=band.summary(), grad_dtype=ctx.grad_label)
 
@@ -108,7 +111,8 @@ def layout_band(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, 
                 engine: EngineSpec | None) -> Band:
     """The error band of a prediction of `layout` (plan3d.cost.bands): its region's left-out errors."""
     region = Region.of(engine.name if engine else "", cluster.gpu.generation_name, layout.zero, layout.cp,
-                       model.moe is not None, training.precision, sharded_stages(engine), layout.pipeline_schedule)
+                       model.moe is not None, training.precision, sharded_stages(engine), layout.pipeline_schedule,
+                       offload=bool(engine and engine.runs_as.act_offload != "none"))
     return band_of(region, layout.world_size)
 
 
@@ -143,6 +147,7 @@ def _to_estimate(out: dict, layout: Layout, tiers: dict, warnings: list[str]) ->
         bubble_fraction=scalar(out["bubble_fraction"]),
         memory_bytes={k: float(stage[k][worst, 0]) for k in MEMORY_TERMS},
         stage_memory_bytes=[float(v) for v in stage["total"][:, 0]],
+        host_offload_bytes=float(np.max(stage["host_offload"][:, 0])),
         time_s={k: scalar(out["time_s"][k]) for k in TIME_TERMS},
         tiers=tiers, worst_pp_rank=worst, warnings=warnings,
         layout=layout.model_dump(mode="json"), recompute_layers=int(scalar(out["recompute_layers"])),

@@ -290,6 +290,50 @@ def moe_block_discarded_bytes(ctx: CostContext, la: LayoutArrays):
     return moe_block_bytes(ctx, la) + norm_output * ctx.act_bytes
 
 
+def offloaded_bytes(ctx: CostContext, la: LayoutArrays):
+    """(dense layer, MoE layer) bytes per micro-batch that activation offloading (`RunsAs.act_offload`,
+    Megatron-Core --fine-grained-activation-offloading) moves to host memory in the forward and back
+    before the backward: what the offloaded modules save (FineGrainedActivationOffloadingInterface
+    hooks the saved tensors of each module), as `layer_activation_bytes` and
+    `moe_layer_activation_bytes` count them.
+    - experts (MoE layers): expert_fc1, the permuted tokens the experts' FC1 saves (routed x h x
+      etp / tp, in FP8 under fp8), and moe_act, the FC1 output the activation saves (mlp_mats - 1
+      of the experts' FFN tensors: SwiGLU's gate and up, GELU's input);
+    - attention (every layer): qkv_linear, the fused norm's input and output (2 of the 4 h-wide
+      tensors of `norm_mask_bytes`, the output in FP8 under fp8), core_attn, Q, K, V and the output,
+      and attn_proj, the output as the projection saves it (2 q_dim + 2 kv_dim per token over tp,
+      the projection's input in FP8 under fp8).
+    Zero without offloading."""
+    sb = ctx.seq * la.mb_share
+    fp8 = 1.0 if ctx.fp8 else 0.0  # one byte less per element Transformer Engine saves in FP8
+    norm_side = sb * ctx.hidden / la.sp_div
+    attention = (2 * ctx.act_bytes - fp8) * norm_side + sb * ((2 * ctx.q_dim + 2 * ctx.kv_dim) * ctx.act_bytes
+                                                            - fp8 * ctx.q_dim) / la.tp
+    attention = attention if ctx.offload_attention else 0.0 * attention
+    if not ctx.moe_layers or not ctx.offload_experts:
+        return attention, attention
+    routed = routed_tokens(ctx, la)
+    experts = (routed * la.expert_tp / la.tp * ctx.hidden * (ctx.act_bytes - fp8)
+               + routed * ctx.expert_ffn * (ctx.mlp_mats - 1) / la.tp * ctx.act_bytes)
+    return attention, attention + experts
+
+
+OFFLOAD_RESIDENT_LAYERS = 2  # offloaded layers still on the GPU at the peak (`stage_activation_bytes`)
+
+
+def host_offload_bytes(ctx: CostContext, la: LayoutArrays, pp_rank, layers_on_rank, moe_on_rank=0.0,
+                       recompute_share=0.0):
+    """Host memory one rank's offloaded activations take at its peak (`offloaded_bytes` of every
+    layer it keeps, but the OFFLOAD_RESIDENT_LAYERS left on the GPU): Megatron-Core copies them
+    into a pinned host pool (OffloadTensorPool). Not GPU memory; 0 without offloading."""
+    off_dense, off_moe = offloaded_bytes(ctx, la)
+    flight = in_flight(ctx, la, pp_rank)
+    kept = flight * ((layers_on_rank - moe_on_rank) * off_dense + moe_on_rank * off_moe) * (1 - recompute_share)
+    resident = np.minimum(OFFLOAD_RESIDENT_LAYERS, flight * layers_on_rank) * (1 - recompute_share) * np.where(
+        moe_on_rank > 0, np.maximum(off_dense, off_moe), off_dense)
+    return np.where(la.recompute >= RECOMPUTE_CODES["full"], 0.0, np.maximum(kept - resident, 0.0))
+
+
 def in_flight(ctx: CostContext, la: LayoutArrays, pp_rank):
     """Micro-batches whose activations rank `pp_rank` holds at its peak, in units of its full
     stage, as its schedule keeps them (`plan3d.specs.schedule.in_flight`): p - r under 1F1B
@@ -313,7 +357,10 @@ def stage_activation_bytes(ctx: CostContext, la: LayoutArrays, pp_rank, layers_o
     Partial recompute keeps `recompute_share` of the rank's layers as full recompute does and the
     rest as without recompute (`partial_recompute_layers`). Moe recompute keeps an MoE layer
     without its MoE block (`moe_block_discarded_bytes`), which is live again while one layer's
-    backward recomputes it."""
+    backward recomputes it. Offloaded activations (`offloaded_bytes`) leave every kept layer but
+    OFFLOAD_RESIDENT_LAYERS: the last layer of the chunk whose backward comes next, which Megatron-Core
+    keeps on the GPU (PipelineOffloadManager's offload margin), and the one reloaded ahead of its
+    backward (ChunkOffloadHandler.pre_reload_last_layer); a fully recomputed layer keeps nothing to move."""
     full = la.recompute >= RECOMPUTE_CODES["full"]
     partial = (la.recompute == RECOMPUTE_CODES["partial"]) & (np.asarray(recompute_share) > 0)
     share = np.where(partial, recompute_share, 0.0)
@@ -328,11 +375,15 @@ def stage_activation_bytes(ctx: CostContext, la: LayoutArrays, pp_rank, layers_o
         per_moe = per_moe - np.where(moe_block, redone_moe, 0.0)
     checkpoint = 2 * ctx.seq * la.mb_share * ctx.hidden / la.sp_div * ctx.act_bytes / 2
     scores = np.where(selective, attention_score_store_bytes(ctx, la), 0.0)  # selective recomputes the scores
-    stored = np.where(full, checkpoint, (1 - share) * (per_layer - scores) + share * checkpoint)
-    stored_moe = np.where(full, checkpoint, (1 - share) * (per_moe - scores) + share * checkpoint)
+    off_dense, off_moe = offloaded_bytes(ctx, la)
+    stored = np.where(full, checkpoint, (1 - share) * (per_layer - scores - off_dense) + share * checkpoint)
+    stored_moe = np.where(full, checkpoint, (1 - share) * (per_moe - scores - off_moe) + share * checkpoint)
+    flight = in_flight(ctx, la, pp_rank)
+    resident = np.where(full, 0.0, np.minimum(OFFLOAD_RESIDENT_LAYERS, flight * layers_on_rank) * (1 - share)
+                        * np.where(moe_on_rank > 0, np.maximum(off_dense, off_moe), off_dense))
     largest = np.where(moe_on_rank > 0, np.maximum(per_layer, per_moe), per_layer)
     working = np.where(full | partial, largest, np.where(moe_block & (moe_on_rank > 0), redone_moe, 0.0))
-    kept = in_flight(ctx, la, pp_rank) * ((layers_on_rank - moe_on_rank) * stored + moe_on_rank * stored_moe)
+    kept = flight * ((layers_on_rank - moe_on_rank) * stored + moe_on_rank * stored_moe) + resident
     logits = np.where(pp_rank == la.last_rank, ctx.seq * la.mb_share * padded_vocab(ctx, la.tp) / la.tp
                       * ctx.logit_bytes, 0.0)
     return kept + np.maximum(working, logits) + pipeline_output_bytes(ctx, la, pp_rank)
@@ -489,6 +540,7 @@ def stage_memory(ctx: CostContext, la: LayoutArrays, pp_rank, layers_on_rank, mo
                  + reserve_row_bytes(ctx, 0.0, out["buffers"]))
         share, n = partial_recompute_layers(ctx, la, pp_rank, layers_on_rank, moe_on_rank, fixed)
     out["activations"] = stage_activation_bytes(ctx, la, pp_rank, layers_on_rank, moe_on_rank, share)
+    out["host_offload"] = host_offload_bytes(ctx, la, pp_rank, layers_on_rank, moe_on_rank, share)
     out["reserve"] = reserve_row_bytes(ctx, out["activations"], out["buffers"])
     out["total"] = sum(out[k] for k in ("weights", "gradients", "optimizer", "activations", "buffers", "reserve"))
     out["params"] = params

@@ -32,17 +32,19 @@ class Emitted:
 
 
 def _as_planned(engine: EngineSpec, plan: Plan, versions: str) -> EngineSpec:
-    """The bundled profile running context parallelism's K/V exchange and the MoE token dispatcher
-    as the plan was predicted (`Plan.cp_comm`, `--cp-comm`; `Plan.ep_dispatcher`, `--ep-dispatcher`).
+    """The bundled profile running context parallelism's K/V exchange, the MoE token dispatcher and
+    overlap, and the activation offload as the plan was predicted (`Plan.cp_comm`, `--cp-comm`;
+    `Plan.ep_dispatcher`, `--ep-dispatcher`; `--ep-overlap`; `Plan.act_offload`, `--act-offload`).
     A plan made for this engine with a choice it cannot run is refused; one made for another
     engine keeps its choice where this engine runs it, else this engine's own (the emitter's note
     says the predictions were for the other engine)."""
     same = plan.engine is not None and plan.engine.name == engine.name
     for field, used, planned in (("cp_comm", plan.layout.cp > 1, plan.cp_comm),
                                  ("ep_dispatcher", plan.layout.ep > 1, plan.ep_dispatcher),
-                                 ("ep_overlap", plan.layout.ep > 1, plan.ep_overlap)):
+                                 ("ep_overlap", plan.layout.ep > 1, plan.ep_overlap),
+                                 ("act_offload", True, plan.act_offload)):
         options, _, _, needs, _ = RUN_CHOICES[field]
-        if not used or not getattr(engine.can_run, needs):
+        if not used or (needs and not getattr(engine.can_run, needs)):
             continue
         if not same and planned not in getattr(engine.can_run, options):
             continue

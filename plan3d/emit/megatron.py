@@ -63,7 +63,7 @@ from plan3d.emit.megatron_moe import GROUPED_GEMM_MIN_ARCH, mla_args, mla_proble
 from plan3d.errors import InfeasibleError, SpecError
 from plan3d.layout import Layout
 from plan3d.plan import Plan
-from plan3d.specs.engine import EngineSpec
+from plan3d.specs.engine import ACT_OFFLOAD_MODULES, EngineSpec
 
 PROFILE = "megatron-core"
 VERSIONS = "0.17-0.19"
@@ -120,8 +120,8 @@ def megatron_args(plan: Plan, engine: EngineSpec | None = None) -> list[str]:
         engine, _ = target_engine(plan, PROFILE, VERSIONS)
     layout = plan.layout
     return (_parallel_args(layout) + _cp_comm_args(layout, engine) + _order_args(layout) + _pipeline_split_args(plan) + _zero_args(layout)
-            + _overlap_args(plan, engine) + _batch_args(plan) + _recompute_args(plan) + _precision_args(plan)
-            + _model_args(plan, engine))
+            + _overlap_args(plan, engine) + _batch_args(plan) + _recompute_args(plan) + _offload_args(engine)
+            + _precision_args(plan) + _model_args(plan, engine))
 
 
 def _with_megatron_order(plan: Plan) -> Plan:
@@ -236,6 +236,12 @@ def _recompute_args(plan: Plan) -> list[str]:
     return []
 
 
+def _offload_args(engine: EngineSpec) -> list[str]:
+    """Fine-grained activation offloading of the modules the plan was priced with (ACT_OFFLOAD_MODULES)."""
+    modules = ACT_OFFLOAD_MODULES[engine.runs_as.act_offload]
+    return ["--fine-grained-activation-offloading", "--offload-modules", *modules] if modules else []
+
+
 def partial_recompute_layers(plan: Plan) -> int:
     """N of partial recompute: the plan's estimate chose it (the fewest layers per virtual chunk that
     make the most-loaded rank fit, plan3d.cost.memory.partial_recompute_layers)."""
@@ -335,8 +341,17 @@ def run_variables(run: MegatronRun, model_vocab: int) -> list[ScriptVariable]:
     ]
 
 
-def environment_lines(plan: Plan) -> list[str]:
+OFFLOAD_ENV = ("export NVTE_CPU_OFFLOAD_V1=1  # activation offloading: validate_args asserts it with Transformer "
+               "Engine >= 2.10 (weights stay on the GPU)")
+
+
+def environment_lines(plan: Plan, engine: EngineSpec | None = None) -> list[str]:
     """Shell lines that set what validate_args checks in the environment."""
+    offload = [OFFLOAD_ENV] if engine is not None and ACT_OFFLOAD_MODULES[engine.runs_as.act_offload] else []
+    return offload + _connection_lines(plan)
+
+
+def _connection_lines(plan: Plan) -> list[str]:
     layout = plan.layout
     if layout.zero in FSDP_STRATEGY:
         return ["unset CUDA_DEVICE_MAX_CONNECTIONS  # Megatron-FSDP asserts it is not 1"]
@@ -382,7 +397,7 @@ def megatron_job(plan: Plan, run: MegatronRun | None = None) -> tuple[JobScript,
     notes = read_notes + notes
     job = JobScript(engine=ENGINE, program=['"$MEGATRON_LM/pretrain_gpt.py"'], args=megatron_args(plan, engine),
                     variables=run_variables(run or MegatronRun(), plan.model.vocab),
-                    environment=environment_lines(plan), run_lines=RUN_LINES)
+                    environment=environment_lines(plan, engine), run_lines=RUN_LINES)
     return job, notes + plan_notes(plan, engine)
 
 

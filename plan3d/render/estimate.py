@@ -8,6 +8,7 @@ from rich.table import Table
 from plan3d.render.engine import engine_line, provenance_lines
 from plan3d.render.units import gib, ms, printable
 from plan3d.vocab import MEMORY_TERMS, TIME_TERMS
+from plan3d.specs.engine import ACT_OFFLOAD_MODULES
 
 # the labels of the tables (and of `plots`), one per term of plan3d.vocab
 MEMORY_LABELS = {"weights": "weights", "gradients": "gradients", "optimizer": "optimizer states",
@@ -16,6 +17,7 @@ MEMORY_LABELS = {"weights": "weights", "gradients": "gradients", "optimizer": "o
 TIME_LABELS = {"compute": "compute (forward + backward)", "recompute": "recompute",
                "bubble": "pipeline bubble", "tp_comm": "TP communication", "pp_comm": "PP communication",
                "ep_comm": "EP all-to-all (MoE dispatch/combine, exposed)",
+               "offload": "activation offload to host (exposed)",
                "overhead": "host overhead (kernel launches)",
                "dp_comm": "DP communication (exposed)", "zero_comm": "ZeRO-3 gathers (exposed)",
                "optimizer": "optimizer step"}
@@ -43,6 +45,8 @@ def time_table(est) -> Table:
     for key in TIME_TERMS:
         if key == "ep_comm" and est.layout.get("ep", 1) == 1 and not est.time_s[key]:
             continue  # no expert parallelism: no all-to-all row
+        if key == "offload" and est.act_offload in ("", "none") and not est.time_s[key]:
+            continue  # nothing offloaded: no offload row
         table.add_row(TIME_LABELS[key], ms(est.time_s[key]), f"{est.time_s[key] / est.step_time_s:.1%}")
     table.add_row("[bold]step[/bold]", f"[bold]{ms(est.step_time_s)}[/bold]", "100%")
     return table
@@ -52,7 +56,8 @@ def summary_lines(est, cluster, model, training) -> list[str]:
     fits = "[green]fits[/green]" if est.fits else "[red]does NOT fit[/red]"
     stages = ", ".join(f"{b / 2**30:.1f}" for b in est.stage_memory_bytes)
     return [
-        printable(f"{model.name} on {cluster.name}: {_layout_text(est.layout, est.cp_comm, est.recompute_layers, est.ep_dispatcher, est.ep_overlap)}, global batch {training.global_batch}"),
+        printable(f"{model.name} on {cluster.name}: {_layout_text(est.layout, est.cp_comm, est.recompute_layers, est.ep_dispatcher, est.ep_overlap, est.act_offload)}, global batch {training.global_batch}"),
+        *host_offload_lines(est, cluster),
         "groups span: " + ", ".join(f"{group.replace('_', 'x')} {tier}" for group, tier in est.tiers.items()),
         f"step {ms(est.step_time_s)}{band_text(est)}, {est.tokens_per_s:,.0f} tokens/s, "
         f"{est.model_tflops_per_gpu:.1f} model TFLOP/s per GPU, bubble {est.bubble_fraction:.1%}",
@@ -86,8 +91,18 @@ def region_lines(est) -> list[str]:
     return lines + [escape(f"extrapolated: {why}") for why in region["extrapolated"]]
 
 
+def host_offload_lines(est, cluster) -> list[str]:
+    """The host memory the offloaded activations take, per GPU and per node (none without offloading)."""
+    if est.act_offload in ("", "none"):
+        return []
+    per_gpu = est.host_offload_bytes
+    return [f"host memory: {gib(per_gpu)} of offloaded activations per GPU ({gib(per_gpu * cluster.gpus_per_node)} "
+            f"pinned per node of {cluster.gpus_per_node} GPUs), copied at {cluster.gpu.host_link_gbytes_per_s:g} GB/s "
+            "each way (GPUSpec.host_link_gbytes_per_s)"]
+
+
 def _layout_text(layout: dict, cp_comm: str = "", recompute_layers: int = 0, ep_dispatcher: str = "",
-                 ep_overlap: str = "") -> str:
+                 ep_overlap: str = "", act_offload: str = "") -> str:
     cp = [f"cp {layout['cp']}" + (f" ({cp_comm} K/V exchange)" if cp_comm else "")] if layout.get("cp", 1) > 1 else []
     how = [f"{ep_dispatcher} dispatcher"] * bool(ep_dispatcher) + [f"{ep_overlap} overlap"] * (ep_overlap not in ("", "none"))
     ep = [f"ep {layout['ep']}" + (f" ({', '.join(how)})" if how else "")] if layout.get("ep", 1) > 1 else []
@@ -101,6 +116,8 @@ def _layout_text(layout: dict, cp_comm: str = "", recompute_layers: int = 0, ep_
         recompute += (f" (the first {recompute_layers} layer{'s' if recompute_layers != 1 else ''} of each virtual chunk)"
                       if recompute_layers else " (nothing to recompute: fits without, runs as none)")
     parts += [f"ZeRO {layout['zero']}", recompute]
+    if act_offload not in ("", "none"):
+        parts.append(f"{act_offload} activations offloaded ({' '.join(ACT_OFFLOAD_MODULES[act_offload])})")
     if layout["sequence_parallel"]:
         parts.append("sequence parallel")
     return ", ".join(parts) + f", order {layout['order']}"

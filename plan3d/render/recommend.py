@@ -503,7 +503,8 @@ class Explanation:
 
 # the labels of the explain table's time rows, one per term `ranking.EXPLAINED_TERMS` compares
 EXPLAIN_TIME_LABELS = {"compute": "compute", "recompute": "recompute", "bubble": "bubble", "tp_comm": "TP comm",
-                       "pp_comm": "PP comm", "ep_comm": "EP all-to-all", "dp_comm": "DP comm", "zero_comm": "ZeRO comm", "optimizer": "optimizer"}
+                       "pp_comm": "PP comm", "ep_comm": "EP all-to-all",
+                       "offload": "offload", "dp_comm": "DP comm", "zero_comm": "ZeRO comm", "optimizer": "optimizer"}
 EXPLAIN_ROWS = ((("tokens/s", "tokens_per_s"), ("step time", "step_time_s"))
                 + tuple((EXPLAIN_TIME_LABELS[t], seconds_column(t)) for t in ranking.EXPLAINED_TERMS)
                 + (("peak memory", "peak_memory_bytes"), ("MFU", "mfu")))

@@ -19,7 +19,7 @@ from plan3d.vocab import TIME_TERMS
 BREAKDOWN_TERMS = TIME_TERMS
 TIME_LABELS = {"compute": "compute", "recompute": "recompute", "bubble": "pipeline bubble",
                "tp_comm": "TP comm", "pp_comm": "PP comm", "ep_comm": "EP all-to-all (exposed)",
-               "overhead": "host overhead (kernel launches)", "dp_comm": "DP comm (exposed)",
+               "offload": "activation offload (exposed)", "overhead": "host overhead (kernel launches)", "dp_comm": "DP comm (exposed)",
                "zero_comm": "ZeRO-3 gathers (exposed)", "optimizer": "optimizer step"}
 # How a prediction error is coloured, in the table and in `report --plot`'s bars: (largest |error|,
 # rich colour, matplotlib colour); `ERROR_LEGEND` says it under the table.

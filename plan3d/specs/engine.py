@@ -73,6 +73,21 @@ EpOverlap = Literal["none", "combined-1f1b"]
 EP_OVERLAP_HELP = ("none: the all-to-alls run exposed; combined-1f1b: each steady-state step runs one micro-batch's "
                    "forward and another's backward interleaved, so each one's all-to-alls hide behind the other's "
                    "computation (Megatron-Core --overlap-moe-expert-parallel-comm: pipeline_parallel/combined_1f1b.py)")
+ActOffload = Literal["none", "experts", "all"]
+# the modules whose saved tensors each choice moves to host memory (Megatron-Core 0.19
+# --fine-grained-activation-offloading --offload-modules ...: TransformerConfig.offload_modules);
+# attn_norm and mlp_norm are left out: with Transformer Engine the norms before QKV and the dense
+# MLP are fused into LayerNormLinear / LayerNormMLP (IdentityOp modules that offload nothing)
+ACT_OFFLOAD_MODULES = {"none": (), "experts": ("expert_fc1", "moe_act"),
+                       "all": ("qkv_linear", "core_attn", "attn_proj", "expert_fc1", "moe_act")}
+ACT_OFFLOAD_HELP = ("none: activations stay on the GPU; experts: the routed experts' FC1 input and activation input "
+                    "go to host memory in the forward and come back before the backward (Megatron-Core "
+                    "--fine-grained-activation-offloading --offload-modules expert_fc1 moe_act), MoE models; all: "
+                    "also the attention's QKV, core-attention and projection inputs (--offload-modules qkv_linear "
+                    "core_attn attn_proj expert_fc1 moe_act)")
+# the recompute modes an expert-module offload cannot run with (TransformerConfig.__post_init__:
+# "Cannot offload moe_act/expert_fc1 while recomputing the entire MoE layer")
+OFFLOAD_REFUSED_RECOMPUTE = ("moe",)
 # combined-1f1b as Megatron-Core 0.19 runs it (TransformerConfig.__post_init__): ep > 1, a virtual
 # pipeline with pp > 1, none of these recompute modes, one more warm-up micro-batch (schedules.py)
 COMBINED_1F1B_REFUSED_RECOMPUTE = ("full", "partial", "moe")
@@ -208,6 +223,8 @@ class CanRun(SpecModel):
         "(experts padded to their capacity); Megatron-Core's deepep backend refuses the padding.")
     ep_overlaps: list[EpOverlap] = Field(["none"], min_length=1, description="How it can hide the all-to-alls with "
                                          "ep > 1: " + EP_OVERLAP_HELP + ".")
+    act_offloads: list[ActOffload] = Field(["none"], min_length=1, description="Which activations it can move to "
+                                           "host memory between the forward and the backward: " + ACT_OFFLOAD_HELP + ".")
     expert_parallel: bool = Field(False, description="Expert parallelism for mixture-of-experts models "
                                   "(ep > 1: each MoE layer's experts split over ep of the dp*cp ranks).")
     sequence_parallel_with_moe: bool = Field(False, description="A mixture-of-experts model with tp > 1 needs "
@@ -353,6 +370,8 @@ class RunsAs(SpecModel):
     ep_overlap: EpOverlap = Field("none", description="How it hides the all-to-alls with ep > 1, one of "
                                   "can_run.ep_overlaps (`--ep-overlap` chooses another); combined-1f1b hides them "
                                   "behind the other micro-batch's computation on the SMs f_b_comm_sm_share leaves.")
+    act_offload: ActOffload = Field("none", description="The activations it offloads to host memory, one of "
+                                    "can_run.act_offloads (`--act-offload` chooses another).")
     cp_comm: CpComm = Field("p2p", description="The K/V exchange it runs with context parallelism, one of "
                             "can_run.cp_comm (`--cp-comm` chooses another).")
     cp_gathered_kv_saved: bool = Field(False, description="The other ranks' K/V are saved for the backward "
@@ -430,6 +449,7 @@ RUN_CHOICES = {
     "cp_comm": ("cp_comm", CpComm, "--cp-comm", "context_parallel", "context parallelism"),
     "ep_dispatcher": ("ep_dispatchers", EpDispatcher, "--ep-dispatcher", "expert_parallel", "expert parallelism"),
     "ep_overlap": ("ep_overlaps", EpOverlap, "--ep-overlap", "expert_parallel", "expert parallelism"),
+    "act_offload": ("act_offloads", ActOffload, "--act-offload", "", "activation offloading"),
 }
 
 
@@ -456,7 +476,7 @@ class EngineSpec(SpecModel):
         if value is None:
             return self
         options, kinds, flag, needs, capability = RUN_CHOICES[field]
-        if not getattr(self.can_run, needs):
+        if needs and not getattr(self.can_run, needs):
             raise LayoutError(f"{self.name} has no {capability}: drop {flag}")
         if value == getattr(self.runs_as, field):
             return self
@@ -534,7 +554,23 @@ class EngineSpec(SpecModel):
             out.append(f"{self.name}'s {dispatcher} dispatcher cannot pad experts to their capacity (the model's "
                        f"capacity_factor {model.moe.capacity_factor:g}); use --ep-dispatcher "
                        f"{' or '.join(self.can_run.padded_capacity_dispatchers)}, or drop the capacity_factor")
+        if model.moe is None and self.runs_as.act_offload == "experts":
+            out.append(f"--act-offload experts moves the routed experts' activations; {model.name} is dense: "
+                       "use --act-offload all or none")
         return out
+
+    def offload_problems(self, recompute: str) -> list[str]:
+        """The engine's rule for its activation offload next to `recompute` (OFFLOAD_REFUSED_RECOMPUTE):
+        the expert modules cannot be offloaded inside a recomputed MoE block."""
+        if "expert_fc1" in ACT_OFFLOAD_MODULES[self.runs_as.act_offload] and recompute in OFFLOAD_REFUSED_RECOMPUTE:
+            return [f"{self.name} cannot offload the experts' activations (--act-offload {self.runs_as.act_offload}) "
+                    f"while recomputing the whole MoE block ({recompute} recompute; TransformerConfig asserts it): "
+                    "use moe-act, selective, none or full recompute, or --act-offload none"]
+        return []
+
+    def with_act_offload(self, offload: str | None) -> "EngineSpec":
+        """The profile offloading `offload` activations to host memory (`with_choice`)."""
+        return self.with_choice("act_offload", offload)
 
     def layout_problems(self, layout: LayoutShape, model: ModelSpec | None = None) -> list[str]:
         """Every reason the engine cannot run `layout` (of `model`, where given), each a sentence that
@@ -565,6 +601,7 @@ class EngineSpec(SpecModel):
                        f"{', '.join(can.schedules)}: {fix}")
         if layout.recompute not in can.recompute:
             out.append(f"{name} has no {layout.recompute} recompute; use one of {', '.join(can.recompute)}")
+        out += self.offload_problems(layout.recompute)
         if layout.order not in can.orders:
             out.append(f"{name} places ranks only as {' or '.join(can.orders)}; set the order to one of them")
         if layout.cp > 1 and not can.context_parallel:

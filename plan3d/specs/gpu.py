@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 
 from plan3d.errors import SpecError
-from plan3d.specs.base import (BYTES_PER_ELEMENT, EFFICIENCY, FLOPS, FRACTION, MEMORY_GIB, OVERHEAD_S,
+from plan3d.specs.base import (BYTES_PER_ELEMENT, EFFICIENCY, FLOPS, FRACTION, GBYTES_PER_S, MEMORY_GIB, OVERHEAD_S,
                                TBYTES_PER_S, TFLOPS, Name, SpecModel, Text, bounded)
 
 GIB = 2**30
@@ -73,6 +73,11 @@ class GPUSpec(SpecModel):
         2.0, dict(MEMORY_GIB, ge=0), description="Per-device memory no formula sees: CUDA context, NCCL buffers, "
         "allocator fragmentation. A property of the device and its software stack."
     )
+    host_link_gbytes_per_s: float = bounded(
+        26.0, GBYTES_PER_S, description="Bandwidth between the GPU and host memory, per direction, in GB/s (1e9 "
+        "bytes/s), as activation offloading moves tensors: 0.8 of the link rate (PCIe Gen4 x16, 32 GB/s, by "
+        "default; Gen5 x16 64 GB/s: 51; Grace's NVLink-C2C, 450 GB/s, limited by the LPDDR5X the Grace "
+        "shares between its GPUs).")
     generation: Name | None = Field(
         None, description="The chip generation (volta, ampere, hopper, blackwell, cdna3, cpu): GPUs of one "
         "generation share kernels and efficiency, so a run measured on one of them validates the others "

@@ -47,6 +47,8 @@ def shell_parts(text: str) -> tuple[dict[str, str], list[str], list[str]]:
     assert run.returncode == 0, run.stderr
     value = run.env.get("CUDA_DEVICE_MAX_CONNECTIONS")
     env = {} if value in (None, SENTINEL) else {"CUDA_DEVICE_MAX_CONNECTIONS": value}
+    if run.env.get("NVTE_CPU_OFFLOAD_V1") not in (None, SENTINEL):  # activation offloading (validate_args)
+        env["NVTE_CPU_OFFLOAD_V1"] = run.env["NVTE_CPU_OFFLOAD_V1"]
     unset = ["CUDA_DEVICE_MAX_CONNECTIONS"] if value is None else []
     return env, unset, run.program_args()
 

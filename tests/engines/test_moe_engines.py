@@ -360,6 +360,32 @@ def test_megatron_runs_the_combined_1f1b_overlap_and_refuses_what_plan3d_refuses
         transformer_config(megatron_args(megatron, flat, argv + ["--overlap-moe-expert-parallel-comm"], env))
 
 
+@pytest.mark.parametrize("offload", ["experts", "all"])
+def test_megatron_offloads_the_modules_the_plan_was_priced_with(megatron, offload):
+    """--act-offload experts / all is Megatron-Core's fine-grained activation offloading of
+    ACT_OFFLOAD_MODULES, which TransformerConfig reads back next to moe-act recompute; with moe
+    recompute plan3d refuses it, and so does TransformerConfig once the flags are added."""
+    from plan3d.specs.catalog import load_engine
+    from plan3d.specs.engine import ACT_OFFLOAD_MODULES
+    engine = load_engine("megatron-core").with_act_offload(offload)
+    base = build_moe(next(c for c in MOE_CASES if c.name == "mixtral-tp2-ep4-dp4-sp-moe-act"))
+    plan = build_plan(base.cluster, base.model, base.training, base.layout, engine=engine)
+    env, _, argv = shell_parts(emit_megatron(plan, RUN).text)
+    assert env.get("NVTE_CPU_OFFLOAD_V1") == "1"
+    config = transformer_config(megatron_args(megatron, plan, argv, env))
+    assert config.fine_grained_activation_offloading
+    assert list(config.offload_modules) == list(ACT_OFFLOAD_MODULES[offload])
+    assert config.recompute_modules == ["moe_act", "layernorm"]
+    moe = build_moe(next(c for c in MOE_CASES if c.name == "mixtral-tp2-ep4-dp4-sp-moe"))
+    refused = build_plan(moe.cluster, moe.model, moe.training, moe.layout, engine=engine)
+    with pytest.raises(InfeasibleError, match="whole MoE block"):
+        emit_megatron(refused, RUN)
+    env, _, argv = shell_parts(emit_megatron(moe, RUN).text)
+    flags = ["--fine-grained-activation-offloading", "--offload-modules", *ACT_OFFLOAD_MODULES[offload]]
+    with pytest.raises(AssertionError, match="recomputing the entire MoE layer"):
+        transformer_config(megatron_args(megatron, moe, argv + flags, dict(env, NVTE_CPU_OFFLOAD_V1="1")))
+
+
 def test_megatron_refuses_deepep_with_padded_capacity_as_plan3d_does(megatron):
     """deepep with a capacity factor (which the emitter pads to): plan3d refuses it, and so does
     TransformerConfig when the emitted alltoall block is switched to flex + deepep."""

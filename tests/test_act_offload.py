@@ -1,0 +1,180 @@
+"""Activation offloading (`--act-offload`, Megatron-Core fine-grained activation offloading): the
+bytes each choice moves by hand, what stays on the GPU, the exposed copy time, the engine's rules,
+the emitted flags, the CLI and the recommend note."""
+import json
+
+import numpy as np
+import pytest
+
+from cli_helpers import run_cli
+from plan3d.cost import core, memory
+from plan3d.cost.arrays import layout_arrays
+from plan3d.cost.context import make_context
+from plan3d.cost.estimate import estimate
+from plan3d.emit.megatron import megatron_args, megatron_job
+from plan3d.errors import LayoutError
+from plan3d.layout import Layout
+from plan3d.plan import build_plan
+from plan3d.search import Space, engine_space, search
+from plan3d.specs.catalog import load_cluster, load_engine, load_model
+from plan3d.specs.model import ModelSpec, MoESpec
+from plan3d.specs.training import TrainingSpec
+from plan3d.vocab import RECOMPUTE_CODES
+
+def one(x) -> float:
+    return float(np.asarray(x).reshape(-1)[0])
+TRAINING = TrainingSpec(global_batch=8, precision="bf16")
+# h 64, 4 heads of 16, 2 KV heads, SwiGLU experts of 48, 8 experts top-2, seq 32
+MOE = ModelSpec(name="offload-moe", layers=4, hidden=64, heads=4, kv_heads=2, vocab=256, seq_len=32,
+                activation="swiglu", norm="rmsnorm", position="rope", bias=False,
+                moe=MoESpec(experts=8, top_k=2, expert_ffn_hidden=48, every=1))
+
+
+def engine(offload: str = "none"):
+    return load_engine("megatron-core").with_act_offload(offload)
+
+
+def arrays(recompute: str = "none", tp: int = 1, ep: int = 1):
+    return layout_arrays(8, [tp], [1], [1], [1], [1], [1], [RECOMPUTE_CODES[recompute]], [int(tp > 1)], ep=[ep])
+
+
+def test_experts_offload_moves_fc1_and_activation_inputs_by_hand():
+    ctx = make_context(None, MOE, TRAINING, engine("experts"))
+    la = arrays()
+    routed = 2 * 32 * ctx.moe_load  # top_k x tokens x the load prior
+    fc1_input = routed * 64 * 2  # the permuted tokens, h wide, bf16
+    act_input = routed * 48 * 2 * 2  # SwiGLU's gate and up, bf16
+    dense, moe = memory.offloaded_bytes(ctx, la)
+    assert one(dense) == 0.0
+    assert one(moe) == pytest.approx(fc1_input + act_input)
+
+
+def test_all_offload_adds_the_attention_inputs_by_hand():
+    ctx = make_context(None, MOE, TRAINING, engine("all"))
+    la = arrays()
+    q, kv, s, h = 64, 32, 32, 64
+    attention = 2 * s * h * 2 + s * (2 * q + 2 * kv) * 2  # norm in/out + Q, K, V, output
+    dense, moe = memory.offloaded_bytes(ctx, la)
+    experts = memory.offloaded_bytes(make_context(None, MOE, TRAINING, engine("experts")), la)[1]
+    assert one(dense) == pytest.approx(attention)
+    assert one(moe) == pytest.approx(attention + one(experts))
+
+
+def test_fp8_offloads_the_fp8_saved_inputs_at_one_byte():
+    fp8 = TrainingSpec(global_batch=8, precision="fp8")
+    la = arrays()
+    bf16 = memory.offloaded_bytes(make_context(None, MOE, TRAINING, engine("all")), la)[1]
+    low = memory.offloaded_bytes(make_context(None, MOE, fp8, engine("all")), la)[1]
+    ctx = make_context(None, MOE, fp8, engine("all"))
+    one_byte = 32 * 64 + 32 * 64 + 2 * 32 * ctx.moe_load * 64  # norm output, projection input, FC1 input
+    assert one(bf16 - low) == pytest.approx(one_byte)
+
+
+def test_offload_leaves_two_layers_on_the_gpu_and_the_rest_in_host_memory():
+    la = arrays()
+    base = make_context(None, MOE, TRAINING, engine())
+    off = make_context(None, MOE, TRAINING, engine("experts"))
+    moved = one(memory.offloaded_bytes(off, la)[1])
+    keep = memory.stage_activation_bytes(base, la, np.zeros(1), np.full(1, 4.0), np.full(1, 4.0))
+    less = memory.stage_activation_bytes(off, la, np.zeros(1), np.full(1, 4.0), np.full(1, 4.0))
+    assert one(keep - less) == pytest.approx((4 - memory.OFFLOAD_RESIDENT_LAYERS) * moved)
+    host = memory.host_offload_bytes(off, la, np.zeros(1), np.full(1, 4.0), np.full(1, 4.0))
+    assert one(host) == pytest.approx((4 - memory.OFFLOAD_RESIDENT_LAYERS) * moved)
+
+
+def test_full_recompute_offloads_nothing():
+    la = arrays("full")
+    off = make_context(None, MOE, TRAINING, engine("all"))
+    base = make_context(None, MOE, TRAINING, engine())
+    args = (la, np.zeros(1), np.full(1, 4.0), np.full(1, 4.0))
+    assert one(memory.stage_activation_bytes(off, *args)) == one(memory.stage_activation_bytes(base, *args))
+    assert one(memory.host_offload_bytes(off, *args)) == 0.0
+
+
+def test_exposed_copy_time_is_what_outlasts_forward_and_backward():
+    cluster = load_cluster("gb200-nvl72")
+    ctx = make_context(cluster, MOE, TRAINING, engine("experts"))
+    la = arrays()
+    moved = one(memory.offloaded_bytes(ctx, la)[1])
+    copy = moved / (cluster.gpu.host_link_gbytes_per_s * 1e9)
+    fwd = np.array([copy / 4])  # a layer much shorter than its copy
+    exposed = core.offload_exposed_s(ctx, la, fwd, fwd)[1]
+    assert one(exposed) == pytest.approx((copy - copy / 4) + (copy - copy / 2))
+    hidden = core.offload_exposed_s(ctx, la, np.array([copy]), np.array([copy]))[1]
+    assert one(hidden) == 0.0
+
+
+def test_offload_lowers_the_peak_and_shows_its_time_and_host_memory():
+    cluster, model = load_cluster("gb200-nvl72"), load_model("mixtral-8x7b")
+    training = TrainingSpec(global_batch=256)
+    layout = Layout(tp=1, pp=4, dp=8, ep=8, micro_batch=2, zero=1, recompute="none")
+    plain = estimate(cluster, model, training, layout, engine())
+    off = estimate(cluster, model, training, layout, engine("experts"))
+    assert off.memory_bytes["activations"] < plain.memory_bytes["activations"]
+    assert off.host_offload_bytes > 0 and plain.host_offload_bytes == 0
+    assert off.time_s["offload"] >= 0 and plain.time_s["offload"] == 0
+    assert off.act_offload == "experts" and off.region["extrapolated"]
+
+
+def test_engine_rules_refuse_moe_recompute_and_dense_models():
+    assert engine("experts").offload_problems("moe")
+    assert not engine("experts").offload_problems("moe-act")
+    assert engine("experts").layout_problems(Layout(recompute="moe", ep=1), MOE)
+    assert engine("experts").model_problems(load_model("llama3-8b"))
+    assert not engine("all").model_problems(load_model("llama3-8b"))
+    with pytest.raises(LayoutError, match="cannot run --act-offload experts"):
+        load_engine("torchtitan").with_act_offload("experts")
+    space = engine_space(Space(), engine("experts"))
+    assert "moe" not in space.recompute and "moe-act" in space.recompute
+    with pytest.raises(LayoutError, match="whole MoE block"):
+        engine_space(Space(recompute=("moe",)), engine("experts"))
+
+
+def test_search_never_proposes_moe_recompute_under_expert_offload():
+    cluster = load_cluster("dgx-h100").model_copy(update={"nodes": 1})
+    result = search(cluster, load_model("tiny-moe"), TrainingSpec(global_batch=8),
+                    Space(max_pp=1), engine=engine("experts"))
+    assert result.size and RECOMPUTE_CODES["moe"] not in set(result.layouts["recompute"].tolist())
+
+
+def test_megatron_job_writes_the_modules_and_the_environment():
+    cluster, model = load_cluster("gb200-nvl72"), load_model("mixtral-8x7b")
+    layout = Layout(tp=1, pp=4, dp=8, ep=8, micro_batch=2, zero=1)
+    plan = build_plan(cluster, model, TrainingSpec(global_batch=256), layout, None, engine("experts"))
+    args = megatron_args(plan)
+    i = args.index("--offload-modules")
+    assert "--fine-grained-activation-offloading" in args and args[i + 1:i + 3] == ["expert_fc1", "moe_act"]
+    job, _ = megatron_job(plan)
+    assert any("NVTE_CPU_OFFLOAD_V1=1" in line for line in job.environment)
+    plain = build_plan(cluster, model, TrainingSpec(global_batch=256), layout, None, engine())
+    assert "--fine-grained-activation-offloading" not in megatron_args(plain)
+
+
+def test_cli_estimate_takes_act_offload(capsys):
+    common = ["-c", "gb200-nvl72", "-m", "mixtral-8x7b", "--engine", "megatron-core", "--global-batch", "256"]
+    code, out, _ = run_cli(capsys, "estimate", *common, "--tp", "1", "--pp", "4", "--dp", "8", "--ep", "8",
+                           "--micro-batch", "2", "--act-offload", "experts", "--json")
+    assert code == 0, out
+    data = json.loads(out)
+    assert data["act_offload"] == "experts" and data["host_offload_bytes"] > 0
+    code, out, _ = run_cli(capsys, "estimate", *common, "--tp", "1", "--pp", "4", "--dp", "8", "--ep", "8",
+                           "--micro-batch", "2", "--act-offload", "experts")
+    text = " ".join(out.split())
+    assert code == 0 and "host memory:" in text and "(expert_fc1 moe_act)" in text
+    code, out, err = run_cli(capsys, "estimate", "-c", "dgx-h100", "-m", "llama3-8b", "--engine", "torchtitan",
+                             "--act-offload", "experts")
+    assert code != 0 and "act-offload" in out + err and "Traceback" not in out + err
+
+
+def test_recommend_names_a_faster_offloaded_layout(capsys):
+    args = ["recommend", "-c", "gb200-nvl72", "--nodes", "2", "-m", "mixtral-8x7b", "--engine", "megatron-core",
+            "--global-batch", "128", "--micro-batch", "16", "--recompute", "none", "--top", "1", "--json"]
+    code, out, _ = run_cli(capsys, *args)
+    assert code == 0, out
+    plain = json.loads(out)
+    note = next(n for n in plain["notes"] if "--act-offload experts" in n)
+    code, out, _ = run_cli(capsys, *args, "--act-offload", "experts")
+    offloaded = json.loads(out)
+    assert code == 0 and not any("--act-offload" in n for n in offloaded["notes"])
+    assert offloaded["top"][0]["step_time_s"] < plain["top"][0]["step_time_s"]
+    assert offloaded["top"][0]["offload_s"] >= 0 and "less than the fastest layout without" in note

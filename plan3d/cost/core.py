@@ -271,7 +271,9 @@ def stage_step_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, para
     of the compute), the tied-embedding all-reduce between first and last stage, the optimizer.
 
     ZeRO-3 / FSDP with gradient accumulation gathers the weights in the forward and again in the
-    backward (and in the recompute) of every micro-batch, and reduce-scatters that micro-batch's
+    backward (and in a full recompute, where the engine gathers again: `zero3_recompute_regathers`,
+    DeepSpeed; FSDP2 and Megatron-FSDP reuse the recompute's gather for the backward) of every
+    micro-batch, and reduce-scatters that micro-batch's
     gradients, since an unsharded gradient buffer would undo the sharding (Rajbhandari et al.
     2020, section 7: 1.5x the all-reduce volume per pass; DeepSpeed and FSDP both reduce per
     micro-batch).
@@ -319,7 +321,8 @@ def stage_step_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, para
     replicated = np.maximum(all_reduce + tied_s - overlap * backward_s, 0.0)
     zero3_tied = np.maximum(tied_s - overlap * backward_s, 0.0)  # ZeRO-3 grads: per micro-batch, below
     dp = np.where(la.zero >= 3, zero3_tied, np.where(la.zero >= 1, sharded, replicated))
-    gathers = 2 + np.where(la.recompute >= FULL, 1.0, np.where(la.recompute == PARTIAL, recompute_share, 0.0))
+    redo = np.where(la.recompute >= FULL, 1.0, np.where(la.recompute == PARTIAL, recompute_share, 0.0))
+    gathers = 2 + (redo if ctx.zero3_recompute_regathers else 0.0)  # the recompute's gather, unless the backward reuses it
     per_micro_batch = gathers * zero3_gather + zero3_scatter  # and this micro-batch's grads reduce-scattered
     zero3 = np.where(la.zero >= 3, la.m * per_micro_batch, 0.0)
     zero3_overlap = overlap if ctx.zero3_overlap_fraction is None else ctx.zero3_overlap_fraction

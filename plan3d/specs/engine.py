@@ -331,6 +331,12 @@ class RunsAs(SpecModel):
         "transformer layer and pass, each paying the ring's latency over the data-parallel group: 1 for FSDP2 "
         "(one unit per block) and Megatron-FSDP; DeepSpeed fetches submodule by submodule, one gather per "
         "weight above stage3_param_persistence_threshold (QKV, attention output, the MLP's two: 4).")
+    zero3_recompute_regathers: bool = Field(
+        True, description="ZeRO-3 with full recompute: the recompute's forward gathers the layer's parameters "
+        "again (three gathers per micro-batch: DeepSpeed's per-module fetch and release); false: the gather of "
+        "the recompute serves the backward too (two: FSDP2 unshards in its pre-backward hook and skips the "
+        "recompute's reshard, torch/distributed/fsdp/_fully_shard/_fsdp_state.py _pre_forward; Megatron-FSDP "
+        "'gather parameters once for both the recomputation and backward computation', megatron_fsdp.py).")
     sharded_zero: list[Literal[2, 3]] = Field(
         [3], description="ZeRO stages the engine runs through its fully sharded data-parallel implementation "
         "(Megatron-Core: Megatron-FSDP for 2 and 3); their predictions form the ZeRO-3/FSDP region of the error "

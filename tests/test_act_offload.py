@@ -178,3 +178,31 @@ def test_recommend_names_a_faster_offloaded_layout(capsys):
     assert code == 0 and not any("--act-offload" in n for n in offloaded["notes"])
     assert offloaded["top"][0]["step_time_s"] < plain["top"][0]["step_time_s"]
     assert offloaded["top"][0]["offload_s"] >= 0 and "less than the fastest layout without" in note
+
+
+JOB = """cluster: gb200-nvl72
+nodes: 2
+model: mixtral-8x7b
+training: {global_batch: 256, precision: bf16}
+layout: {tp: 1, pp: 4, dp: 2, ep: 2, micro_batch: 2, zero: 1}
+engine: megatron-core
+"""
+
+
+def test_a_job_file_states_its_offload(tmp_path, capsys):
+    """`act_offload:` in a CI job file is --act-offload: less GPU memory, the offload shown; a value
+    the engine lacks is one line naming it."""
+    plain, offload, titan = (tmp_path / f"{n}.yaml" for n in ("plain", "offload", "titan"))
+    plain.write_text(JOB)
+    offload.write_text(JOB + "act_offload: experts\n")
+    titan.write_text(JOB.replace("megatron-core", "torchtitan") + "act_offload: experts\n")
+    peaks = []
+    for job in (plain, offload):
+        code, out, _ = run_cli(capsys, "check", str(job), "--json")
+        assert code == 0, out
+        est = json.loads(out)["estimate"]
+        peaks.append((est["peak_memory_bytes"], est["act_offload"], est["host_offload_bytes"]))
+    assert peaks[1][0] < peaks[0][0] and peaks[1][1:] == ("experts", peaks[1][2]) and peaks[1][2] > 0
+    assert peaks[0][1] == "none" and peaks[0][2] == 0
+    code, out, err = run_cli(capsys, "check", str(titan))
+    assert code == 2 and "torchtitan cannot run --act-offload experts; use one of none" in err

@@ -111,7 +111,8 @@ def check_dict(path: str, job, report: CheckReport, places: list[Place] | None =
     places = places or [("", None)] * len(report.findings)
     est = report.estimate
     keep = ("step_time_s", "step_time_s_band", "validated", "region", "tokens_per_s", "model_tflops_per_gpu",
-            *UTILISATION, "peak_memory_bytes", "capacity_bytes", "fits", "bubble_fraction")
+            *UTILISATION, "peak_memory_bytes", "capacity_bytes", "fits", "bubble_fraction",
+            "cp_comm", "ep_dispatcher", "ep_overlap", "act_offload", "host_offload_bytes")  # the job's choices
     return {"schema_version": SCHEMA_VERSION, "file": path, "valid": True, "ok": report.ok,
             "engine": job.engine.name, "cluster": job.cluster.name, "gpus": job.cluster.world_size,
             "model": job.model.name,

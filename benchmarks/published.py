@@ -51,6 +51,7 @@ import yaml  # noqa: E402
 
 from plan3d.cost.bands import BAND_FILE, REGION_FIELDS, BandData, MeasuredRun, Region, band_of, load_band_data, sharded_stages, without_source  # noqa: E402
 from plan3d.cost.estimate import estimate  # noqa: E402
+from plan3d.cost.context import MOE_IMBALANCE  # noqa: E402
 from plan3d.errors import LayoutError  # noqa: E402
 from plan3d.layout import Layout  # noqa: E402
 from plan3d.specs.catalog import bundled_names, load_cluster, load_engine  # noqa: E402
@@ -372,6 +373,7 @@ def held_out(params: dict, path: Path = EXTRA) -> dict:
             "sources_if_causal": {s: summary(np.array(e)) for s, e in causal.items()},
             "all": summary(np.array([r["error_pct"] for r in rows])),
             "pairs": fp8_pairs(rows, {r.id: r for r in runs}, layouts, key),
+            "balance": balance_pairs([r for r in runs if r.id in layouts], layouts, key),
             "excluded": excluded, "titles": {k: v.get("title", k) for k, v in sources.items()}}
 
 
@@ -407,6 +409,23 @@ def fp8_pairs(rows: list[dict], runs: dict[str, Run], layouts: dict[str, Layout]
     return out
 
 
+def balance_pairs(runs: list[Run], layouts: dict[str, Layout], key: tuple) -> list[dict]:
+    """Forced-balance rows that also measured dropless routing: the measured slow-down of dropless
+    against the one predicted with plan3d's dropless imbalance prior (MOE_IMBALANCE), the layout
+    and everything else the same -- a check of that stated prior, not a fit."""
+    out = []
+    for run in runs:
+        if run.measured_dropless_s is None:
+            continue
+        cluster, engine = _cluster(run.cluster, run.gpus, key), run_engine(run, key)
+        dropless = run.model.model_copy(update={"moe": run.model.moe.model_copy(update={"load_factor": None})})
+        forced = estimate(cluster, run.model, run.training, layouts[run.id], engine).step_time_s
+        prior = estimate(cluster, dropless, run.training, layouts[run.id], engine).step_time_s
+        out.append({"id": run.id, "measured_ratio": run.measured_dropless_s / run.measured_s,
+                    "predicted_ratio": prior / forced})
+    return out
+
+
 def print_held_out(rep: dict, title: str) -> None:
     print(f"\n## held-out validation ({title}; never fitted): published MoE, FP8 and long-context runs, "
           "benchmarks/data/extra_runs.yaml")
@@ -433,6 +452,9 @@ def print_held_out(rep: dict, title: str) -> None:
     for p in rep["pairs"]:
         print(f"fp8/bf16 speedup, {p['fp8']} vs {p['bf16']} (both on {p['layout']}): "
               f"measured {p['measured_speedup']:.3f}x, predicted {p['predicted_speedup']:.3f}x")
+    for p in rep.get("balance", []):
+        print(f"dropless / forced balance, {p['id']}: measured {p['measured_ratio']:.3f}x, predicted "
+              f"{p['predicted_ratio']:.3f}x with the dropless imbalance prior {MOE_IMBALANCE}")
     reasons = defaultdict(list)
     for run_id, why in rep["excluded"]:
         reasons[why].append(run_id)

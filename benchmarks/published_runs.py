@@ -78,6 +78,7 @@ class Run:
     dispatcher: str = "alltoall"  # the MoE token dispatcher it ran (RunsAs.ep_dispatcher; held-out rows)
     ep_overlap: str = "none"  # how it hid the all-to-alls (RunsAs.ep_overlap; held-out rows)
     act_offload: str = "none"  # the activations it offloaded to host memory (RunsAs.act_offload; held-out rows)
+    measured_dropless_s: float | None = None  # held-out forced-balance rows: the same run with dropless routing
 
     @property
     def framework_key(self) -> str:
@@ -313,7 +314,8 @@ def extra_to_run(row: dict, require_time: bool = True) -> Run:
                vpp_choices=vpp_depths(model.layers, knobs["pp"]),
                measured_alt_s=(row.get("derived") or {}).get("iteration_time_s_if_causal"),
                framework=str(train.get("framework") or ""), dispatcher=extra_dispatcher(train),
-               ep_overlap=str(train.get("ep_overlap") or "none"), act_offload=str(train.get("act_offload") or "none"))
+               ep_overlap=str(train.get("ep_overlap") or "none"), act_offload=str(train.get("act_offload") or "none"),
+               measured_dropless_s=(row.get("derived") or {}).get("iteration_time_s_dropless"))
 
 
 def extra_dispatcher(train: dict) -> str:
@@ -362,10 +364,20 @@ def extra_step_time(row: dict) -> tuple[float, str]:
 
 
 def extra_model(row: dict) -> ModelSpec:
+    """The row's model; a run that forced balanced routing (Megatron-Core
+    --moe-router-force-load-balancing) states its expert load, 1.0 (`MoESpec.load_factor`)."""
     m = row["model"]
     fields = ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn_hidden", "vocab", "seq_len", "activation",
               "norm", "position", "bias", "qkv_bias", "tied_embeddings", "moe", "mla")
-    return ModelSpec(name=row["id"], **{k: m[k] for k in fields if m.get(k) is not None})
+    values = {k: m[k] for k in fields if m.get(k) is not None}
+    if "moe" in values and forced_balance(row.get("training") or {}):
+        values["moe"] = dict(values["moe"], load_factor=1.0)
+    return ModelSpec(name=row["id"], **values)
+
+
+def forced_balance(train: dict) -> bool:
+    """The run forced balanced routing (its measured step is the forced-balance one)."""
+    return str(train.get("token_routing") or "").startswith("forced balance")
 
 
 def extra_knobs(par: dict, batch: dict, train: dict) -> tuple[dict, tuple[str, ...]]:

@@ -365,3 +365,24 @@ def test_an_all_to_all_across_nodes_sends_what_stays_over_nvlink_and_what_leaves
     assert all_to_all_bandwidth(32, 8, 360e9, 45e9) == pytest.approx(31 / 24 * 45e9)
     assert all_to_all_bandwidth(8, 8, 360e9, 45e9) == pytest.approx(360e9)  # nothing leaves the node
     assert all_to_all_bandwidth(4, 1, 360e9, 45e9) == pytest.approx(45e9)  # one rank per node: all over the NIC
+
+
+def test_a_stated_load_factor_replaces_the_prior_and_the_capacity(h100_512, mixtral):
+    """MoESpec.load_factor is the busiest rank's load: 1.0 under forced balance (fewer routed tokens
+    than the 1.1 dropless prior: a faster step, fewer activations), above a capacity factor it wins too."""
+    from plan3d.cost.context import moe_load_factor
+
+    def with_moe(**update):
+        return mixtral.model_copy(update={"moe": mixtral.moe.model_copy(update=update)})
+
+    assert moe_load_factor(mixtral) == MOE_IMBALANCE
+    assert moe_load_factor(with_moe(capacity_factor=1.25)) == 1.25
+    assert moe_load_factor(with_moe(capacity_factor=1.25, load_factor=1.0)) == 1.0
+    training, layout = TrainingSpec(global_batch=512), Layout(tp=2, pp=4, dp=64, ep=8, sequence_parallel=True)
+    engine = load_engine(MEGATRON)
+    prior = estimate(h100_512, mixtral, training, layout, engine)
+    even = estimate(h100_512, with_moe(load_factor=1.0), training, layout, engine)
+    assert even.step_time_s < prior.step_time_s
+    assert even.memory_bytes["activations"] < prior.memory_bytes["activations"]
+    with pytest.raises(ValueError, match="load_factor"):
+        with_moe(load_factor=0.5).model_validate(with_moe(load_factor=0.5).model_dump())

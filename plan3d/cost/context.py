@@ -283,7 +283,10 @@ def moe_load_factor(model: ModelSpec) -> float:
     """Tokens an expert-parallel rank computes, as a multiple of its even share top_k*tokens/ep:
     the capacity factor when one is set (Megatron-Core pads each expert to its capacity with
     --moe-pad-expert-input-to-capacity; without padding the capacity caps the busiest expert at
-    the same figure), else the MOE_IMBALANCE prior of dropless routing."""
+    the same figure), else the MOE_IMBALANCE prior of dropless routing; a stated `load_factor`
+    (forced balance: 1.0, or a measured imbalance) replaces both."""
+    if model.moe.load_factor is not None:
+        return float(model.moe.load_factor)
     cf = model.moe.capacity_factor
     return float(cf) if cf is not None else MOE_IMBALANCE
 

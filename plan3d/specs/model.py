@@ -31,6 +31,12 @@ class MoESpec(SpecModel):
     capacity_factor: float | None = Field(None, gt=0, le=1000, allow_inf_nan=False,
                                           description="Tokens an expert takes, as a multiple of its even share; "
                                           "None: dropless (every routed token is computed).")
+    load_factor: float | None = Field(None, ge=1, le=1000, allow_inf_nan=False,
+                                      description="Tokens the busiest expert-parallel rank computes, as a multiple "
+                                      "of its even share (every rank waits for it at the combine); None: the "
+                                      "capacity_factor where set, else plan3d's dropless prior 1.1; 1.0 under forced "
+                                      "balance (Megatron-Core --moe-router-force-load-balancing, a benchmarking "
+                                      "setting), or an imbalance measured on the user's own router.")
     normalize_top_k: bool = Field(True, description="The top-k routing weights are renormalised to sum to 1 "
                                   "(Hugging Face `norm_topk_prob`; Mixtral, DeepSeek-V3: yes; Qwen2-MoE, "
                                   "DeepSeek-V2: no, Megatron `--moe-router-pre-softmax`).")

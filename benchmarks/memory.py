@@ -277,7 +277,8 @@ def layout_row(run: Run, key: tuple) -> dict:
     if not fitting:
         lay, est = min(estimated, key=lambda pair: pair[1].peak_memory_bytes)
         return row | {"verdict": "false_refusal", "layout": lay.short(), "peak_gib": est.peak_memory_bytes / GIB,
-                      "capacity_gib": est.capacity_bytes / GIB, "terms_gib": terms_gib(est)}
+                      "capacity_gib": est.capacity_bytes / GIB, "terms_gib": terms_gib(est),
+                      "device_gib": cluster.gpu.memory_gib}
     best_lay, best = min(fitting, key=lambda pair: pair[1].step_time_s)
     row |= {"layout": best_lay.short(), "peak_gib": best.peak_memory_bytes / GIB}
     if "recompute" in run.unknown and all(lay.recompute == "full" for lay, _ in fitting):
@@ -385,8 +386,10 @@ def print_layouts(rep: dict, skipped: list) -> None:
         if v == "refused_by_rule":
             print(f"  refused  {r['id']}: {r['why']}")
         elif v == "false_refusal":
+            within = (f" (within the {r['device_gib']:g} GiB device: refused by the planning headroom only)"
+                      if r["peak_gib"] <= r["device_gib"] else "")
             print(f"  FALSE REFUSAL {r['id']} ({r['engine']}): smallest {r['layout']} needs {r['peak_gib']:.1f} of "
-                  f"{r['capacity_gib']:.1f} GiB: {fmt_terms(r['terms_gib'])}")
+                  f"{r['capacity_gib']:.1f} GiB{within}: {fmt_terms(r['terms_gib'])}")
         elif v.startswith("forced_full"):
             times = (f"; full recompute {r['full_error_pct']:+.0f}% vs measured, without it {r['lighter_error_pct']:+.0f}%"
                      if "full_error_pct" in r else "")

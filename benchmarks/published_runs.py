@@ -179,6 +179,8 @@ def engine_of(source: str, row: dict) -> str:
 FINE_GRAINED = {  # Megatron-Core --recompute-modules lists as the sources write them -> plan3d's mode
     frozenset({"layernorm", "moe"}): "moe", frozenset({"moe_act", "layernorm"}): "moe-act",
     frozenset({"norm", "act"}): "moe-act",
+    # DeepSeek-V3 (sec. 3.2.3: RMSNorm and MLA up-projection; sec. 3.3.2: the SwiGLU output from its cached input)
+    frozenset({"rmsnorm and mla up-projection"}): "mla-up",
 }
 
 

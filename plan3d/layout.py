@@ -22,8 +22,9 @@ from plan3d.specs.base import FrozenModel
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.order import AXES, DEFAULT_ORDER, parse_order  # noqa: F401  (re-exported)
 from plan3d.specs.training import TrainingSpec
+from plan3d.vocab import RECOMPUTE_MODES
 
-Recompute = Literal["none", "selective", "moe-act", "moe", "partial", "full"]
+Recompute = Literal[RECOMPUTE_MODES]
 
 
 def full_order(order: str) -> str:
@@ -420,6 +421,10 @@ RECOMPUTE_RULES = (
     # recompute under delayed scaling only: emit megatron writes the tensorwise recipe for them
     RecomputeRule("moe", lambda m, t: m.moe is None,
                   lambda m, t: f"recompute moe recomputes the MoE layers; {m.name} is dense: use none, selective or full"),
+    # TransformerConfig: "mla_up_proj in recompute_modules is only supported with multi_latent_attention"
+    RecomputeRule("mla-up", lambda m, t: m.mla is None,
+                  lambda m, t: f"recompute mla-up recomputes multi-head latent attention's up-projections; {m.name} "
+                               "has no MLA: use none, selective, moe-act or full"),
 )
 
 

@@ -62,10 +62,15 @@ PHASES = ("forward_backward", "grad_reduce", "clip", "optimizer", "loss")
 # "moe": `--recompute-granularity selective --recompute-modules moe layernorm`: the whole MoE layer
 # (router, dispatch, shared and routed experts, combine) under one checkpoint, recomputed with its
 # all-to-alls in the backward (MoELayer.forward: tensor_parallel.checkpoint), and the pre-MLP norm.
+# "mla-up": `--recompute-granularity selective --recompute-modules mla_up_proj layernorm` (+ moe_act
+# for an MoE model): output-discarding checkpoints of multi-head latent attention's up-projections
+# (the per-head Q, K, V rebuilt from the latents in the backward), the norms and the experts'
+# activation -- what DeepSeek-V3 recomputes (arXiv 2412.19437, sec. 3.2.3 RMSNorm and MLA
+# up-projection; sec. 3.3.2 the SwiGLU output from its cached input); MLA models only.
 # "partial": full recompute of the first N layers of every virtual chunk, N the fewest that make
 # the most-loaded rank fit (Megatron-Core `--recompute-granularity full --recompute-method block
 # --recompute-num-layers N`; the estimate's `recompute_layers`).
-RECOMPUTE_MODES = ("none", "selective", "moe-act", "moe", "partial", "full")
+RECOMPUTE_MODES = ("none", "selective", "moe-act", "moe", "mla-up", "partial", "full")
 RECOMPUTE_CODES = {mode: code for code, mode in enumerate(RECOMPUTE_MODES)}
 
 # ---- collectives ------------------------------------------------------------------------------

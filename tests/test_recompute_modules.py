@@ -12,6 +12,7 @@ from plan3d.layout import Layout, layout_problems, recompute_modes
 from plan3d.plan import build_plan
 from plan3d.search import Space, search
 from plan3d.specs.catalog import load_cluster, load_engine, load_model
+from plan3d.specs.model import MLASpec, ModelSpec, MoESpec
 from plan3d.specs.training import TrainingSpec
 from plan3d.vocab import RECOMPUTE_MODES
 
@@ -168,3 +169,42 @@ def test_fp8_saves_an_moe_layers_gemm_inputs_in_one_byte(cluster, mixtral):
     assert bf16 - fp8 == pytest.approx(8 * 4 * per_layer, rel=1e-6)
     block_b, block_f = activations("bf16", "moe")[0], activations("fp8", "moe")[0]
     assert block_b - block_f == pytest.approx(8 * 4 * (s * h / tp + s * q_dim / tp), rel=1e-6)  # FC1 input dropped
+
+
+# a small MLA MoE model: 4 heads of nope 32 + rope 16 (values 32), latents q 64 / kv 32, first layer dense
+SMALL_MLA = ModelSpec(name="small-mla", layers=4, hidden=256, heads=4, vocab=512, seq_len=1024, activation="swiglu",
+                      norm="rmsnorm", position="rope", bias=False, ffn_hidden=512,
+                      mla=MLASpec(q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                                  v_head_dim=32),
+                      moe=MoESpec(experts=8, top_k=2, expert_ffn_hidden=64, first_dense_layers=1))
+
+
+def _mla(recompute: str) -> dict:
+    cluster = load_cluster("dgx-h100", 1)
+    layout = Layout(tp=2, pp=1, dp=4, ep=4, micro_batch=1, zero=1, recompute=recompute, sequence_parallel=True)
+    return estimate(cluster, SMALL_MLA, TrainingSpec(global_batch=8), layout, engine=load_engine("megatron-core")).to_dict()
+
+
+def test_mla_up_frees_the_per_head_qkv_of_every_layer_beyond_moe_act():
+    """By hand: mla-up drops what moe-act drops (the experts' activation output, the pre-MLP norm
+    output, and for MLA the separate input norm's output) and, in every layer, the per-head Q (4 x
+    48), K (4 x 48) and V (4 x 32) the up-projections build: s (q + 2 kv) / tp elements of 2 bytes,
+    one micro-batch in flight (pp 1) of 4 layers."""
+    act, up = _mla("moe-act"), _mla("mla-up")
+    s, tp, per_head_qkv = 1024, 2, 4 * 48 + 4 * (48 + 32)
+    freed = act["memory_bytes"]["activations"] - up["memory_bytes"]["activations"]
+    assert freed == pytest.approx(SMALL_MLA.layers * s * per_head_qkv / tp * 2, rel=1e-6)
+    assert up["time_s"]["recompute"] > act["time_s"]["recompute"] and up["hfu"] > act["hfu"]
+
+
+def test_mla_up_needs_mla_and_is_what_emit_megatron_writes():
+    problems = layout_problems(Layout(recompute="mla-up"), load_model("mixtral-8x7b"), TrainingSpec(global_batch=8), 1)
+    assert any("has no MLA" in p for p in problems)
+    cluster = load_cluster("dgx-h100", 1)
+    layout = Layout(tp=2, pp=1, dp=4, ep=4, micro_batch=1, zero=1, recompute="mla-up", sequence_parallel=True)
+    plan = build_plan(cluster, SMALL_MLA, TrainingSpec(global_batch=8), layout, engine=load_engine("megatron-core"))
+    args = megatron_args(plan)
+    at = args.index("--recompute-modules")
+    assert args[at + 1:at + 4] == ["mla_up_proj", "moe_act", "layernorm"]
+    assert "mla-up" in recompute_modes(RECOMPUTE_MODES, SMALL_MLA, TrainingSpec(global_batch=8))
+    assert "mla-up" not in recompute_modes(RECOMPUTE_MODES, load_model("mixtral-8x7b"), TrainingSpec(global_batch=8))

@@ -93,7 +93,7 @@ SCHEDULE_HELP = ("Pipeline schedule: 1f1b, interleaved-1f1b (vpp > 1), zb1p (zer
                  "with vpp > 1. Which ones an engine runs: its profile's can_run.schedules.")
 ScheduleOpt = Annotated[Optional[str], typer.Option("--schedule", help=SCHEDULE_HELP)]
 ZeroOpt = Annotated[int, typer.Option("--zero", help="ZeRO stage 0-3.")]
-RecomputeOpt = Annotated[str, typer.Option("--recompute", help="none, selective, moe-act (Megatron-Core: the MoE activation and norm, MoE models), moe (Megatron-Core: the whole MoE layer and norm, MoE models), partial (Megatron-Core: full recompute of the fewest layers per virtual chunk that fit) or full.")]
+RecomputeOpt = Annotated[str, typer.Option("--recompute", help="none, selective, moe-act (Megatron-Core: the MoE activation and norm, MoE models), moe (Megatron-Core: the whole MoE layer and norm, MoE models), mla-up (Megatron-Core: MLA's up-projections, the norms and the experts' activation, MLA models), partial (Megatron-Core: full recompute of the fewest layers per virtual chunk that fit) or full.")]
 SeqParallelOpt = Annotated[bool, typer.Option("--sequence-parallel", help="Megatron sequence parallelism.")]
 CpCommOpt = Annotated[Optional[str], typer.Option(
     "--cp-comm", help="Context parallelism's K/V exchange: p2p (ring overlapped with attention), all_gather or a2a "

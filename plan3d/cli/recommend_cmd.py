@@ -352,7 +352,7 @@ def explain_cmd(
     vpp: Annotated[int, _opt("--vpp", "Virtual pipeline stages per rank.")] = 1,
     schedule: ScheduleOpt = None,
     zero: Annotated[int, _opt("--zero", "ZeRO stage 0-3.")] = 0,
-    recompute: Annotated[str, _opt("--recompute", "none, selective, moe-act, moe (Megatron-Core, MoE models), partial (Megatron-Core: the fewest layers per chunk that fit) or full.")] = "none",
+    recompute: Annotated[str, _opt("--recompute", "none, selective, moe-act, moe (Megatron-Core, MoE models), mla-up (Megatron-Core, MLA models), partial (Megatron-Core: the fewest layers per chunk that fit) or full.")] = "none",
     sequence_parallel: Annotated[bool, _opt("--sequence-parallel", "Megatron sequence parallelism.")] = False,
     order: Annotated[str, _opt("--order", "Rank order, first axis fastest.")] = "tp-cp-ep-dp-pp",
     nodes: NodesOpt = None,

@@ -72,7 +72,7 @@ def recompute_flops_per_step(ctx: CostContext, recompute, partial_share=0.0):
     """FLOPs the recompute pass adds to a step (`recompute`: RECOMPUTE_CODES, scalar or array):
     full recompute repeats every layer's forward (not the output layer's), selective only the
     attention core (Korthikanti et al. 2022, section 5), moe the MoE layers' expert, shared-expert
-    and router GEMMs; the s^2 term in full, as hardware FLOPs
+    and router GEMMs, mla-up the MLA up-projections; the s^2 term in full, as hardware FLOPs
     are counted (Narayanan et al. 2021: 96 B s L h^2 (1 + s/6h + V/16Lh) with full recompute)."""
     tokens = ctx.global_batch * ctx.seq
     attention = ctx.layers * layer_attention_flops(ctx, ctx.global_batch)
@@ -81,11 +81,13 @@ def recompute_flops_per_step(ctx: CostContext, recompute, partial_share=0.0):
         layers += ctx.moe_layers * (moe_active_gemm_flops(ctx, tokens) - layer_gemm_flops(ctx, tokens))
     # the moe module reruns an MoE layer's expert, shared-expert and router GEMMs, not its attention
     moe_block = ctx.moe_layers * (moe_active_gemm_flops(ctx, tokens) - 2 * tokens * ctx.attn_weight_params)
+    mla_up = ctx.layers * 2 * tokens * ctx.mla_up_params  # mla-up reruns the up-projections
     recompute = np.asarray(recompute)
     return np.where(recompute >= RECOMPUTE_CODES["full"], layers,
                     np.where(recompute == RECOMPUTE_CODES["selective"], attention,
                              np.where(recompute == RECOMPUTE_CODES["partial"], partial_share * layers,
-                                      np.where(recompute == RECOMPUTE_CODES["moe"], moe_block, 0.0))))
+                                      np.where(recompute == RECOMPUTE_CODES["moe"], moe_block,
+                                               np.where(recompute == RECOMPUTE_CODES["mla-up"], mla_up, 0.0)))))
 
 
 def hardware_flops_per_step(ctx: CostContext, recompute, partial_share=0.0):

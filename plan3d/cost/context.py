@@ -98,6 +98,7 @@ class CostContext:
     attn_replicated: int = 0  # attention parameters every tp rank holds (row-parallel bias, MLA down-projections)
     attn_extra_gemms: int = 0  # linear GEMMs beyond fused QKV and the output projection (MLA latents)
     score_dim: float = 0.0  # (Q.K width + V width) / 2 per token over all heads: q_dim without MLA
+    mla_up_params: int = 0  # MLA's up-projections (latent -> per-head Q, K, V), which mla-up recompute reruns
     # mixture of experts (`_moe_fields`; all zero for a dense model)
     moe_layers: int = 0  # MoE layers of the whole model
     experts: int = 0  # routed experts per MoE layer
@@ -258,7 +259,7 @@ def _attention_fields(model: ModelSpec) -> dict:
         q, kv = model.heads * model.head_dim_, model.kv_heads_ * model.head_dim_
         weights = h * (q + 2 * kv) + q * h
         return dict(q_dim=q, kv_dim=kv, attn_weight_params=weights, attn_split=weights + (q + 2 * kv) * model.qkv_bias_,
-                    attn_replicated=h * model.bias, attn_extra_gemms=0, score_dim=q)
+                    attn_replicated=h * model.bias, attn_extra_gemms=0, score_dim=q, mla_up_params=0)
     mla, a = model.mla, model.heads
     qk, v = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim
     q_down = h * mla.q_lora_rank if mla.q_lora_rank else 0
@@ -268,7 +269,8 @@ def _attention_fields(model: ModelSpec) -> dict:
     split = q_up + kv_up + a * v * h
     return dict(q_dim=a * qk, kv_dim=a * (qk + v) / 2, attn_weight_params=split + q_down + kv_down,
                 attn_split=split, attn_replicated=q_down + (mla.q_lora_rank or 0) + kv_down + mla.kv_lora_rank,
-                attn_extra_gemms=1 + (mla.q_lora_rank is not None), score_dim=a * (qk + v) / 2)
+                attn_extra_gemms=1 + (mla.q_lora_rank is not None), score_dim=a * (qk + v) / 2,
+                mla_up_params=q_up + kv_up)
 
 
 # The load the busiest expert-parallel rank gets, over the mean: a stated prior, neither fitted nor

@@ -19,7 +19,7 @@ from plan3d.specs import schedule as schedules
 from plan3d.vocab import COLLECTIVE_KINDS, MEMORY_TERMS, PER_MICRO_BATCH_TERMS, RECOMPUTE_CODES, TIME_TERMS
 
 FULL, SELECTIVE, MOE_ACT = RECOMPUTE_CODES["full"], RECOMPUTE_CODES["selective"], RECOMPUTE_CODES["moe-act"]
-MOE_BLOCK = RECOMPUTE_CODES["moe"]
+MOE_BLOCK, MLA_UP = RECOMPUTE_CODES["moe"], RECOMPUTE_CODES["mla-up"]
 PARTIAL, NONE = RECOMPUTE_CODES["partial"], RECOMPUTE_CODES["none"]
 
 
@@ -73,11 +73,12 @@ def stage_micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_ran
     tp_pair = 2 * _tp_exchange_s(la, links, boundary_bytes) * (1 - tp_overlap(ctx, la))  # exposed, per pass
     full = la.recompute >= FULL
     attention_fwd = compute.attention_core_forward_s(ctx, share, la.tp)
-    dense = _layer_passes(ctx, la, layer_fwd, tp_pair, attention_fwd)
+    mla_up = mla_up_redo_s(ctx, la)
+    dense = _layer_passes(ctx, la, layer_fwd, tp_pair, attention_fwd, mla_up_s=mla_up)
     if ctx.moe_layers:
         moe_fwd = moe.moe_layer_forward_s(ctx, la)
         routed = _layer_passes(ctx, la, moe_fwd, tp_pair, attention_fwd, moe_act_redo_s(ctx, la),
-                               moe.moe_block_redo_s(ctx, la))
+                               moe.moe_block_redo_s(ctx, la), mla_up)
         per_rank = lambda key: (layers - moe_layers) * dense[key] + moe_layers * routed[key]  # noqa: E731
         off_dense, off_moe = offload_exposed_s(ctx, la, layer_fwd, moe_fwd)
         redo_moe_comm = full | (la.recompute == MOE_BLOCK)  # the recompute's forward repeats the all-to-alls
@@ -154,15 +155,25 @@ def moe_act_redo_s(ctx: CostContext, la: LayoutArrays):
     return compute.memory_bound_s(ctx, act, ctx.mlp_mats * ctx.act_bytes) + compute.memory_bound_s(ctx, norm, 2 * ctx.act_bytes)
 
 
+def mla_up_redo_s(ctx: CostContext, la: LayoutArrays):
+    """Seconds per layer and micro-batch to rebuild what mla-up discards (`memory.mla_up_discarded_elements`):
+    the two up-projection GEMMs (latent -> per-head Q; latent -> per-head K and V), 2 sB (q_up +
+    kv_up) / tp FLOPs, on the GEMM curve; 0 without MLA."""
+    tokens = ctx.seq * la.mb_share
+    return np.where(ctx.mla_up_params > 0, compute.gemm_s(ctx, 2 * tokens * ctx.mla_up_params / la.tp, 2), 0.0)
+
+
 def _layer_passes(ctx: CostContext, la: LayoutArrays, layer_fwd, tp_pair, attention_fwd, moe_act_s=0.0,
-                  moe_block_s=0.0) -> dict:
+                  moe_block_s=0.0, mla_up_s=0.0) -> dict:
     """One layer's forward time (`fwd`), its recompute (`redo`: the whole forward under full
     recompute, the attention core under selective, `moe_act_s` under moe-act, `moe_block_s` under
-    moe) and what the host adds to its passes (`host`)."""
+    moe, `mla_up_s` and `moe_act_s` under mla-up) and what the host adds to its passes (`host`)."""
     full = la.recompute >= FULL
     redo = np.where(full, layer_fwd, np.where(la.recompute == SELECTIVE, attention_fwd,
                                               np.where(la.recompute == MOE_ACT, moe_act_s,
-                                                       np.where(la.recompute == MOE_BLOCK, moe_block_s, 0.0))))
+                                                       np.where(la.recompute == MOE_BLOCK, moe_block_s,
+                                                                np.where(la.recompute == MLA_UP, mla_up_s + moe_act_s,
+                                                                         0.0)))))
     host = ctx.layer_overhead_s
     passes = (compute.pass_s(ctx, layer_fwd + tp_pair, host)
               + compute.pass_s(ctx, 2 * layer_fwd + tp_pair, 2 * host)

@@ -279,6 +279,28 @@ def moe_act_discarded_elements(ctx: CostContext, la: LayoutArrays):
     return routed_tokens(ctx, la) * ctx.expert_ffn / la.tp, sb * ctx.hidden / la.sp_div
 
 
+NORM_RECOMPUTE = ("moe-act", "moe", "mla-up")  # the modes whose module list has layernorm
+
+
+def input_norm_discarded_elements(ctx: CostContext, la: LayoutArrays):
+    """Elements per layer and micro-batch the layernorm recompute module also drops where the
+    attention's input norm is a module of its own: multi-head latent attention (Megatron-Core's MLA
+    layer spec builds input_layernorm as a separate norm, read by the q and kv down-projections;
+    plain attention fuses it into the QKV LayerNormLinear, an IdentityOp). Its output, h wide
+    (sequence-split under SP); 0 without MLA."""
+    return ctx.seq * la.mb_share * ctx.hidden / la.sp_div * (1.0 if ctx.mla_up_params else 0.0)
+
+
+def mla_up_discarded_elements(ctx: CostContext, la: LayoutArrays):
+    """Elements per layer and micro-batch that Megatron-Core's mla_up_proj recompute (`mla-up`)
+    does not keep: the per-head Q, K and V the up-projections build from the latents
+    (q_dim + 2 kv_dim per token over tp, `context._attention_fields`), an output-discarding
+    checkpoint that frees them once the attention kernel has saved its reference and rebuilds them
+    in the backward (MultiLatentAttention: qkv_up_checkpoint.discard_output_and_register_recompute).
+    The latents the up-projections save as their input stay (not counted either way)."""
+    return ctx.seq * la.mb_share * (ctx.q_dim + 2 * ctx.kv_dim) / la.tp
+
+
 def moe_block_discarded_bytes(ctx: CostContext, la: LayoutArrays):
     """Bytes per MoE layer and micro-batch that Megatron-Core's moe recompute (`--recompute-modules
     moe layernorm`) does not keep: everything the MoE block of `moe_layer_activation_bytes` stores
@@ -357,7 +379,10 @@ def stage_activation_bytes(ctx: CostContext, la: LayoutArrays, pp_rank, layers_o
     Partial recompute keeps `recompute_share` of the rank's layers as full recompute does and the
     rest as without recompute (`partial_recompute_layers`). Moe recompute keeps an MoE layer
     without its MoE block (`moe_block_discarded_bytes`), which is live again while one layer's
-    backward recomputes it. Offloaded activations (`offloaded_bytes`) leave every kept layer but
+    backward recomputes it. Mla-up recompute keeps every layer without its per-head Q, K, V
+    (`mla_up_discarded_elements`) and an MoE layer also without what moe-act drops; the layernorm
+    module of moe-act, moe and mla-up also drops an MLA layer's input-norm output
+    (`input_norm_discarded_elements`). Offloaded activations (`offloaded_bytes`) leave every kept layer but
     OFFLOAD_RESIDENT_LAYERS: the last layer of the chunk whose backward comes next, which Megatron-Core
     keeps on the GPU (PipelineOffloadManager's offload margin), and the one reloaded ahead of its
     backward (ChunkOffloadHandler.pre_reload_last_layer); a fully recomputed layer keeps nothing to move."""
@@ -369,9 +394,14 @@ def stage_activation_bytes(ctx: CostContext, la: LayoutArrays, pp_rank, layers_o
     per_moe = moe_layer_activation_bytes(ctx, la) if ctx.moe_layers else per_layer
     moe_block = la.recompute == RECOMPUTE_CODES["moe"]
     redone_moe = moe_block_discarded_bytes(ctx, la) if ctx.moe_layers else 0.0  # live again in one layer's backward
+    mla_up = la.recompute == RECOMPUTE_CODES["mla-up"]
+    norm_modes = np.isin(la.recompute, [RECOMPUTE_CODES[m] for m in NORM_RECOMPUTE])
+    mla_discarded = (np.where(mla_up, mla_up_discarded_elements(ctx, la) * ctx.act_bytes, 0.0)
+                     + np.where(norm_modes, input_norm_discarded_elements(ctx, la) * ctx.act_bytes, 0.0))
+    per_layer = per_layer - mla_discarded
     if ctx.moe_layers:
-        per_moe = per_moe - np.where(la.recompute == RECOMPUTE_CODES["moe-act"],
-                                     sum(moe_act_discarded_elements(ctx, la)) * ctx.act_bytes, 0.0)
+        per_moe = per_moe - mla_discarded - np.where(
+            (la.recompute == RECOMPUTE_CODES["moe-act"]) | mla_up, sum(moe_act_discarded_elements(ctx, la)) * ctx.act_bytes, 0.0)
         per_moe = per_moe - np.where(moe_block, redone_moe, 0.0)
     checkpoint = 2 * ctx.seq * la.mb_share * ctx.hidden / la.sp_div * ctx.act_bytes / 2
     scores = np.where(selective, attention_score_store_bytes(ctx, la), 0.0)  # selective recomputes the scores

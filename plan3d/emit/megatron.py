@@ -231,6 +231,9 @@ def _recompute_args(plan: Plan) -> list[str]:
         return ["--recompute-granularity", "selective", "--recompute-modules", "moe_act", "layernorm"]
     if layout.recompute == "moe":  # the MoE layer under one checkpoint (MoELayer.moe_layer_recompute) and the norm
         return ["--recompute-granularity", "selective", "--recompute-modules", "moe", "layernorm"]
+    if layout.recompute == "mla-up":  # DeepSeek-V3's: the up-projections, the norms, the experts' activation
+        experts = ["moe_act"] if plan.model.moe is not None else []
+        return ["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj", *experts, "layernorm"]
     if layout.recompute == "full":
         return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     return []
@@ -265,11 +268,11 @@ def _precision_args(plan: Plan) -> list[str]:
     return []
 
 
-NORM_RECOMPUTE_MODES = ("moe-act", "moe")  # modes that recompute the layernorm module
+NORM_RECOMPUTE_MODES = ("moe-act", "moe", "mla-up")  # modes that recompute the layernorm module
 
 
 def fp8_recipe(plan: Plan) -> str:
-    """Delayed scaling, except with moe-act / moe recompute: TransformerConfig refuses moe_act and
+    """Delayed scaling, except with moe-act / moe / mla-up recompute: TransformerConfig refuses moe_act and
     layernorm recompute under delayed scaling ("Delayed scaling does not support moe_act and
     layernorm recompute for fp8") and takes them with per-tensor current scaling (tensorwise) on
     Transformer Engine >= 2.6."""
@@ -298,8 +301,9 @@ def _model_args(plan: Plan, engine: EngineSpec) -> list[str]:
 def _moe_mla_args(plan: Plan, dispatcher: str, combined: bool) -> list[str]:
     """Experts and multi-latent attention (plan3d.emit.megatron_moe), after refusing what Megatron refuses."""
     problems = moe_problems(plan) + mla_problems(plan.model)
-    if plan.layout.recompute == "moe-act" and gpu_arch(plan) < GROUPED_GEMM_MIN_ARCH:
-        problems.append("recompute moe-act needs --moe-grouped-gemm (TransformerConfig: 'moe_act in recompute_modules "
+    moe_act = plan.layout.recompute == "moe-act" or (plan.layout.recompute == "mla-up" and plan.model.moe is not None)
+    if moe_act and gpu_arch(plan) < GROUPED_GEMM_MIN_ARCH:
+        problems.append(f"recompute {plan.layout.recompute} needs --moe-grouped-gemm (TransformerConfig: 'moe_act in recompute_modules "
                         "is only supported with moe_grouped_gemm'), which needs compute capability >= 8; "
                         "use selective or full recompute")
     if problems:

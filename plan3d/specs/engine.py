@@ -31,6 +31,7 @@ from plan3d.specs.order import DEFAULT_ORDER, LayoutShape, parse_order
 from plan3d.specs.schedule import code_of, schedule_names, schedules
 from plan3d.specs.schedule import zero_bubble as is_zero_bubble
 from plan3d.specs.training import TrainingSpec
+from plan3d.vocab import RECOMPUTE_MODES
 
 
 def split_text(split: tuple[int, ...]) -> str:
@@ -55,7 +56,7 @@ def balanced_split(layers: int, chunks: int) -> tuple[int, ...]:
         split[stage] += 1
     return tuple(split)
 
-Recompute = Literal["none", "selective", "moe-act", "moe", "partial", "full"]
+Recompute = Literal[RECOMPUTE_MODES]
 CpComm = Literal["p2p", "all_gather", "a2a"]
 CP_COMM_HELP = ("p2p: K/V chunks passed round a ring, each transfer overlapped with one block of attention; "
                 "all_gather: the whole sequence's K/V gathered before attention (blocking), dK/dV reduce-scattered "

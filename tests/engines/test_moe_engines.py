@@ -360,6 +360,17 @@ def test_megatron_runs_the_combined_1f1b_overlap_and_refuses_what_plan3d_refuses
         transformer_config(megatron_args(megatron, flat, argv + ["--overlap-moe-expert-parallel-comm"], env))
 
 
+def test_megatron_recomputes_the_mla_up_projections_for_mla_up(megatron):
+    """plan3d's mla-up is Megatron-Core's selective recompute of MLA's up-projections, the experts'
+    activation and the norms, as TransformerConfig reads it on an MLA model."""
+    base = build_moe(next(c for c in MOE_CASES if c.name == "deepseek-tp2-pp2-ep4-dp4-mla"))
+    plan = build_plan(base.cluster, base.model, base.training, base.layout.model_copy(update={"recompute": "mla-up"}))
+    env, _, argv = shell_parts(emit_megatron(plan, RUN).text)
+    config = transformer_config(megatron_args(megatron, plan, argv, env))
+    assert config.recompute_granularity == "selective" and config.multi_latent_attention
+    assert config.recompute_modules == ["mla_up_proj", "moe_act", "layernorm"]
+
+
 @pytest.mark.parametrize("offload", ["experts", "all"])
 def test_megatron_offloads_the_modules_the_plan_was_priced_with(megatron, offload):
     """--act-offload experts / all is Megatron-Core's fine-grained activation offloading of

@@ -324,3 +324,24 @@ def test_flash_engines_price_half_the_score_work_and_unfused_ones_all_of_it():
         (model.seq_len / 128 + 1) / (2 * model.seq_len / 128))
     assert make_context(None, model, training, load_engine("megatron-lm-2021")).attention_work == 1.0
     assert make_context(None, model, training, None).attention_work == 1.0
+
+
+def test_recommend_names_the_fastest_layout_at_each_expert_parallel_degree(capsys):
+    """An MoE recommend says, per ep, the fastest fitting layout and the term that grows most
+    against #1 (why EP64 recipes are not at the top), as the search's own rows give them."""
+    import json
+    import re
+
+    code, out, _ = run_cli(capsys, "recommend", "-c", "dgx-h100", "--nodes", "16", "-m", "mixtral-8x7b",
+                           "--engine", "megatron-core", "--top", "1", "--json")
+    assert code == 0, out
+    data = json.loads(out)
+    note = next(n for n in data["notes"] if n.startswith("fastest fitting layout per expert-parallel degree"))
+    assert f"ep{data['top'][0]['layout']['ep']} {data['top'][0]['step_time_s']:.1f} s (#1)" in note
+    per_ep = dict(re.findall(r"ep(\d+) ([\d.]+) s", note))
+    assert len(per_ep) >= 3 and "8" in per_ep
+    slower = [e for e, t in per_ep.items() if float(t) > data["top"][0]["step_time_s"]]
+    assert all(re.search(rf"ep{e} [\d.]+ s, [a-z ]+ \+[\d.]+ s", note) for e in slower)
+    code, out, _ = run_cli(capsys, "recommend", "-c", "dgx-h100", "--nodes", "2", "-m", "llama3-8b",
+                           "--engine", "megatron-core", "--top", "1", "--json")
+    assert not any("expert-parallel degree" in n for n in json.loads(out)["notes"])

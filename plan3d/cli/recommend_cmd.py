@@ -125,7 +125,8 @@ def recommend(
     order_ = ranking.rank(result, objective, ranking_mode)
     notes = [n for n in (_cp_bound_note(space, specs, engine_spec),
                          _dispatcher_note(result, specs, engine_spec, ep_dispatcher),
-                         _offload_note(result, specs, space, thresholds, act_offload) if sweep is None else "") if n]
+                         _offload_note(result, specs, space, thresholds, act_offload) if sweep is None else "",
+                         _ep_note(result, order_)) if n]
     report = render.Recommendation(result, order_, objective, top, pick, sweep, tokens, notes, ranking=ranking_mode)
     _require_pick(report)
     if not result.feasible_count:
@@ -186,6 +187,43 @@ def _dispatcher_note(result, specs, engine, chosen: str | None) -> str:
     return (f"with --ep-dispatcher {dispatcher} (its kernels installed; a token crosses the network once per node "
             f"it reaches): {layout.short()} at {times[best]:.1f} s, {1 - times[best] / fastest:.0%} less than the "
             f"fastest layout with the all-to-all ({fastest:.1f} s); re-run with it to rank them")
+
+
+def _ep_note(result, order) -> str:
+    """For an MoE model, the fastest fitting layout at each expert-parallel degree the search
+    evaluated, against #1, with the time term that grows most: why a published recipe's EP64 (or
+    any other ep) is not at the top. '' for a dense model, or when only one ep fits."""
+    from plan3d.vocab import TIME_TERMS, seconds_column
+
+    if result.model.moe is None or not result.feasible_count or "ep" not in result.layouts:
+        return ""
+    ep, times = result.layouts["ep"], result.metrics["step_time_s"]
+    top = int(order[0])
+    fitting = sorted(set(ep[result.feasible].tolist()))
+    if len(fitting) < 2:
+        return ""
+    parts = []
+    for value in sorted(set(ep.tolist())):
+        rows = np.flatnonzero(result.feasible & (ep == value))
+        if not len(rows):
+            parts.append(f"ep{value} none fits")
+            continue
+        best = int(rows[np.argmin(times[rows])])
+        if value == ep[top]:
+            parts.append(f"ep{value} {times[top]:.1f} s (#1)")
+            continue
+        if times[best] < times[top]:
+            tier = result.metrics.get("band_tier")
+            why = ("a less validated region" if tier is not None and tier[best] > tier[top]
+                   else "its error band or the objective")
+            parts.append(f"ep{value} {times[best]:.1f} s (ranked below #1: {why})")
+            continue
+        grow = {t: float(result.metrics[seconds_column(t)][best] - result.metrics[seconds_column(t)][top])
+                for t in TIME_TERMS if seconds_column(t) in result.metrics}
+        term = max(grow, key=grow.get)
+        why = f", {term.replace('_', ' ')} +{grow[term]:.1f} s" if grow[term] > 0 else ""
+        parts.append(f"ep{value} {times[best]:.1f} s{why}")
+    return "fastest fitting layout per expert-parallel degree: " + "; ".join(parts)
 
 
 def _offload_note(result, specs, space, thresholds: dict, chosen: str | None) -> str:

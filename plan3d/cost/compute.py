@@ -83,6 +83,10 @@ def recompute_flops_per_step(ctx: CostContext, recompute, partial_share=0.0):
     moe_block = ctx.moe_layers * (moe_active_gemm_flops(ctx, tokens) - 2 * tokens * ctx.attn_weight_params)
     mla_up = ctx.layers * 2 * tokens * ctx.mla_up_params  # mla-up reruns the up-projections
     recompute = np.asarray(recompute)
+    if ctx.selective_per_op:  # the dense layers' dropped linears (core.per_op_redo_s); MoE layers their attention
+        dense = ctx.layers - ctx.moe_layers
+        attention = (dense * 2 * tokens * ctx.hidden * (ctx.kv_dim + ctx.q_dim + ctx.ffn)
+                     + ctx.moe_layers * layer_attention_flops(ctx, ctx.global_batch))
     return np.where(recompute >= RECOMPUTE_CODES["full"], layers,
                     np.where(recompute == RECOMPUTE_CODES["selective"], attention,
                              np.where(recompute == RECOMPUTE_CODES["partial"], partial_share * layers,

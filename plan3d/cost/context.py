@@ -86,6 +86,7 @@ class CostContext:
     zero3_collectives_per_layer: float = 1.0  # ZeRO-3 gathers / reduce-scatters per layer and pass
     zero3_live_params: float = 0.0  # ZeRO-3: parameters gathered at once, at most (0: two whole layers)
     zero3_recompute_regathers: bool = True  # full recompute gathers the weights a third time (RunsAs)
+    selective_per_op: bool = False  # selective recompute is torchtitan's per-op SelectiveAC (RunsAs.selective)
     logit_bytes: float = 4.0  # bytes per logit element at the loss's peak (engine runs_as.logit_bytes)
     fsdp_unsharded_with_pp: bool = False  # pp > 1: FSDP keeps weights gathered and fp32 grads unsharded
     allocator_overhead_fraction: float = 0.0  # allocator's cache beyond live activations and buffers, as a share
@@ -234,6 +235,7 @@ def _model_fields(model: ModelSpec, training: TrainingSpec, engine: EngineSpec |
         pipeline_outputs_kept=bool(runs_as and runs_as.pipeline_outputs_kept),
         zero3_live_params=runs_as.zero3_live_params if runs_as else 0.0,
         zero3_recompute_regathers=runs_as.zero3_recompute_regathers if runs_as else True,
+        selective_per_op=bool(runs_as and runs_as.selective == "per-op"),
         zero3_collectives_per_layer=runs_as.zero3_collectives_per_layer if runs_as else 1.0,
         logit_bytes=runs_as.logit_bytes if runs_as else 4.0,
         **offload_fields(runs_as.act_offload if runs_as else "none"),

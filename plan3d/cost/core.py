@@ -74,7 +74,8 @@ def stage_micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_ran
     full = la.recompute >= FULL
     attention_fwd = compute.attention_core_forward_s(ctx, share, la.tp)
     mla_up = mla_up_redo_s(ctx, la)
-    dense = _layer_passes(ctx, la, layer_fwd, tp_pair, attention_fwd, mla_up_s=mla_up)
+    selective_dense = per_op_redo_s(ctx, la) if ctx.selective_per_op else attention_fwd
+    dense = _layer_passes(ctx, la, layer_fwd, tp_pair, selective_dense, mla_up_s=mla_up)
     if ctx.moe_layers:
         moe_fwd = moe.moe_layer_forward_s(ctx, la)
         routed = _layer_passes(ctx, la, moe_fwd, tp_pair, attention_fwd, moe_act_redo_s(ctx, la),
@@ -155,6 +156,17 @@ def moe_act_redo_s(ctx: CostContext, la: LayoutArrays):
     return compute.memory_bound_s(ctx, act, ctx.mlp_mats * ctx.act_bytes) + compute.memory_bound_s(ctx, norm, 2 * ctx.act_bytes)
 
 
+def per_op_redo_s(ctx: CostContext, la: LayoutArrays):
+    """Seconds per dense layer and micro-batch that a per-op selective policy (torchtitan's
+    SelectiveAC, `memory.per_op_saved_bytes`) recomputes: the linears whose outputs it drops (K, the
+    attention output projection and the MLP's second: 2 sB h (kv + q + f) / tp FLOPs, three GEMMs)
+    and the layer's element-wise work (norms, RoPE, the activation), as `layer_forward_s` prices it."""
+    tokens = ctx.seq * la.mb_share
+    gemms = compute.gemm_s(ctx, 2 * tokens * ctx.hidden * (ctx.kv_dim + ctx.q_dim + ctx.ffn) / la.tp, 3)
+    elements = tokens * ctx.hidden / la.sp_div + tokens * (ctx.q_dim + 2 * ctx.kv_dim + ctx.mlp_mats * ctx.ffn) / la.tp
+    return gemms + compute.memory_bound_s(ctx, elements, ctx.elementwise_bytes)
+
+
 def mla_up_redo_s(ctx: CostContext, la: LayoutArrays):
     """Seconds per layer and micro-batch to rebuild what mla-up discards (`memory.mla_up_discarded_elements`):
     the two up-projection GEMMs (latent -> per-head Q; latent -> per-head K and V), 2 sB (q_up +
@@ -166,7 +178,7 @@ def mla_up_redo_s(ctx: CostContext, la: LayoutArrays):
 def _layer_passes(ctx: CostContext, la: LayoutArrays, layer_fwd, tp_pair, attention_fwd, moe_act_s=0.0,
                   moe_block_s=0.0, mla_up_s=0.0) -> dict:
     """One layer's forward time (`fwd`), its recompute (`redo`: the whole forward under full
-    recompute, the attention core under selective, `moe_act_s` under moe-act, `moe_block_s` under
+    recompute, `attention_fwd` under selective (the attention core, or a per-op policy's share), `moe_act_s` under moe-act, `moe_block_s` under
     moe, `mla_up_s` and `moe_act_s` under mla-up) and what the host adds to its passes (`host`)."""
     full = la.recompute >= FULL
     redo = np.where(full, layer_fwd, np.where(la.recompute == SELECTIVE, attention_fwd,

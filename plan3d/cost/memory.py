@@ -291,6 +291,22 @@ def input_norm_discarded_elements(ctx: CostContext, la: LayoutArrays):
     return ctx.seq * la.mb_share * ctx.hidden / la.sp_div * (1.0 if ctx.mla_up_params else 0.0)
 
 
+def per_op_saved_bytes(ctx: CostContext, la: LayoutArrays):
+    """Bytes a dense layer keeps per micro-batch under a per-op selective policy (`RunsAs.selective`
+    per-op: torchtitan's SelectiveAC, distributed/activation_checkpoint.py): the block's input (the
+    checkpoint's, h wide, sequence-split under SP), the outputs of the 1st, 3rd, ... linear of the
+    block (Q; V; the MLP's first; and SwiGLU's down-projection, whose partial sums are h wide on
+    every tp rank), the attention kernel's output (q_dim / tp) and, with tp > 1, the two
+    reduce-scatters' outputs (h / tp each). Norms, RoPE, the activation and the other linears are
+    recomputed; the attention kernel's inputs are rebuilt from the saved Q and V."""
+    sb = ctx.seq * la.mb_share
+    linears = ctx.q_dim + ctx.kv_dim + ctx.ffn  # wq, wv, the MLP's first (w1 / fc1), split by tp
+    elements = (sb * ctx.hidden / la.sp_div + sb * (linears + ctx.q_dim) / la.tp
+                + (sb * ctx.hidden if ctx.mlp_mats == 3 else 0.0)
+                + np.where(la.tp > 1, 2 * sb * ctx.hidden / la.tp, 0.0))
+    return elements * ctx.act_bytes
+
+
 def mla_up_discarded_elements(ctx: CostContext, la: LayoutArrays):
     """Elements per layer and micro-batch that Megatron-Core's mla_up_proj recompute (`mla-up`)
     does not keep: the per-head Q, K and V the up-projections build from the latents
@@ -379,7 +395,9 @@ def stage_activation_bytes(ctx: CostContext, la: LayoutArrays, pp_rank, layers_o
     Partial recompute keeps `recompute_share` of the rank's layers as full recompute does and the
     rest as without recompute (`partial_recompute_layers`). Moe recompute keeps an MoE layer
     without its MoE block (`moe_block_discarded_bytes`), which is live again while one layer's
-    backward recomputes it. Mla-up recompute keeps every layer without its per-head Q, K, V
+    backward recomputes it. Selective recompute under a per-op policy (`RunsAs.selective`,
+    torchtitan) keeps a dense layer's `per_op_saved_bytes`, the rest rebuilt in one layer's
+    backward at a time. Mla-up recompute keeps every layer without its per-head Q, K, V
     (`mla_up_discarded_elements`) and an MoE layer also without what moe-act drops; the layernorm
     module of moe-act, moe and mla-up also drops an MLA layer's input-norm output
     (`input_norm_discarded_elements`). Offloaded activations (`offloaded_bytes`) leave every kept layer but
@@ -405,14 +423,18 @@ def stage_activation_bytes(ctx: CostContext, la: LayoutArrays, pp_rank, layers_o
         per_moe = per_moe - np.where(moe_block, redone_moe, 0.0)
     checkpoint = 2 * ctx.seq * la.mb_share * ctx.hidden / la.sp_div * ctx.act_bytes / 2
     scores = np.where(selective, attention_score_store_bytes(ctx, la), 0.0)  # selective recomputes the scores
+    per_op = selective & ctx.selective_per_op  # a dense layer keeps only what the per-op policy saves
+    saved = np.minimum(per_layer - scores, per_op_saved_bytes(ctx, la)) if ctx.selective_per_op else per_layer - scores
+    rebuilt = np.where(per_op & (layers_on_rank > moe_on_rank), per_layer - scores - saved, 0.0)  # one layer's backward
     off_dense, off_moe = offloaded_bytes(ctx, la)
-    stored = np.where(full, checkpoint, (1 - share) * (per_layer - scores - off_dense) + share * checkpoint)
+    stored = np.where(full, checkpoint, (1 - share) * (np.where(per_op, saved, per_layer - scores) - off_dense)
+                      + share * checkpoint)
     stored_moe = np.where(full, checkpoint, (1 - share) * (per_moe - scores - off_moe) + share * checkpoint)
     flight = in_flight(ctx, la, pp_rank)
     resident = np.where(full, 0.0, np.minimum(OFFLOAD_RESIDENT_LAYERS, flight * layers_on_rank) * (1 - share)
                         * np.where(moe_on_rank > 0, np.maximum(off_dense, off_moe), off_dense))
     largest = np.where(moe_on_rank > 0, np.maximum(per_layer, per_moe), per_layer)
-    working = np.where(full | partial, largest, np.where(moe_block & (moe_on_rank > 0), redone_moe, 0.0))
+    working = np.where(full | partial, largest, np.where(moe_block & (moe_on_rank > 0), redone_moe, rebuilt))
     kept = flight * ((layers_on_rank - moe_on_rank) * stored + moe_on_rank * stored_moe) + resident
     logits = np.where(pp_rank == la.last_rank, ctx.seq * la.mb_share * padded_vocab(ctx, la.tp) / la.tp
                       * ctx.logit_bytes, 0.0)

@@ -198,9 +198,10 @@ def _notes(plan: Plan, flavor: Flavor | None) -> list[str]:
         if plan.engine is None or plan.engine.name != "torchtitan-compile":
             notes.append("fp8 without torch.compile runs torchao's casts as separate kernels: expect a slower "
                          "step than predicted; plan with --engine torchtitan-compile")
-    if plan.layout.recompute == "selective":
-        notes.append("torchtitan's selective recompute is per-op (it saves matmul and attention outputs and "
-                     "recomputes every second matmul), not Megatron's attention-only recompute")
+    if plan.layout.recompute == "selective" and (plan.engine is None or plan.engine.runs_as.selective != "per-op"):
+        notes.append("torchtitan's selective recompute is per-op (it saves every other matmul's output and the "
+                     "attention's, and recomputes the rest), not the attention-only recompute this plan was "
+                     "predicted with: re-estimate with --engine torchtitan")
     return notes
 
 

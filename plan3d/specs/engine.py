@@ -323,6 +323,12 @@ class RunsAs(SpecModel):
     attention: Literal["flash", "unfused"] | None = Field(
         None, description="flash: scores never reach HBM; unfused: scores, softmax and dropout go through "
         "HBM (attention_score_bytes per score element); empty: the GPU spec's value.")
+    selective: Literal["attention-core", "per-op"] = Field(
+        "attention-core", description="What `selective` recompute is in this engine. attention-core: the "
+        "attention core alone is recomputed (Korthikanti et al. 2022; Megatron --recompute-granularity "
+        "selective); per-op: torchtitan's SelectiveAC, a per-op policy that saves the block's input, the "
+        "outputs of every other linear (the 1st, 3rd, ...), the attention kernel and the collectives, and "
+        "recomputes the rest (torchtitan/distributed/activation_checkpoint.py, _get_custom_policy).")
     zero3_collectives: Literal["ring", "per-gpu-nic"] = Field(
         "ring", description="ring: parameter gathers and gradient reduce-scatters of ZeRO-3 use the "
         "bandwidth of every NIC of a node (NCCL's rings, one per NIC); per-gpu-nic: each GPU gets only its "

@@ -206,3 +206,17 @@ def test_a_job_file_states_its_offload(tmp_path, capsys):
     assert peaks[0][1] == "none" and peaks[0][2] == 0
     code, out, err = run_cli(capsys, "check", str(titan))
     assert code == 2 and "torchtitan cannot run --act-offload experts; use one of none" in err
+
+
+def test_every_band_axis_has_a_recommend_table_label():
+    from plan3d.cost.bands import AXES, SCALE
+    from plan3d.render.recommend import AXIS_LABELS
+    assert {a.name for a in AXES + (SCALE,)} <= set(AXIS_LABELS)
+
+
+def test_recommend_table_with_offload_prints(capsys):
+    code, out, err = run_cli(capsys, "recommend", "-c", "gb200-nvl72", "--nodes", "2", "-m", "mixtral-8x7b",
+                             "--engine", "megatron-core", "--global-batch", "128", "--micro-batch", "16",
+                             "--recompute", "none", "--act-offload", "experts", "--top", "2")
+    assert code == 0, out + err
+    assert "offload" in out and "Traceback" not in out + err

@@ -335,7 +335,7 @@ HEADERS = ["#", "tp", "pp", "dp", "mb", "vpp", "zero", "recompute", "sp", "order
            "step", "band", "validated", "tokens/s", "MFU", "bubble", "top comm"]
 # the short names of a band's extrapolated features in the table (plan3d.cost.bands.AXES)
 AXIS_LABELS = {"engine": "engine", "gpu": "gpu", "sharding": "ZeRO-3", "cp": "cp", "moe": "MoE", "fp8": "fp8",
-               "zero_bubble": "zero-bubble", "scale": "scale"}
+               "zero_bubble": "zero-bubble", "offload": "offload", "scale": "scale"}
 
 
 def band_cells(result: SearchResult, row: int) -> list[str]:

@@ -148,10 +148,13 @@ def sbatch_body(plan: Plan, job: JobScript, srun_cpus: str) -> tuple[list[str], 
 
 
 def _array_lines(args: list[str]) -> list[str]:
-    """Array elements, one flag (and its value) per line."""
+    """Array elements, one flag and its values per line (a list-valued flag such as
+    `--recompute-modules moe_act layernorm` keeps all its values on its line)."""
     lines, i = [], 0
     while i < len(args):
-        takes_value = i + 1 < len(args) and not args[i + 1].startswith("--")
-        lines.append("  " + " ".join(shlex.quote(a) for a in args[i:i + 2]) if takes_value else "  " + args[i])
-        i += 2 if takes_value else 1
+        end = i + 1
+        while end < len(args) and not args[end].startswith("--"):
+            end += 1
+        lines.append("  " + " ".join(shlex.quote(a) for a in args[i:end]))
+        i = end
     return lines

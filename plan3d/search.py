@@ -721,9 +721,10 @@ def evaluate_even(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec
                           moe_layers_per_rank)
 
 
-def refuse_model(engine: EngineSpec, model: ModelSpec) -> None:
-    """No layout of a model the engine's code cannot build is searched (`can_run.models`)."""
-    problems = engine.model_problems(model)
+def refuse_model(engine: EngineSpec, model: ModelSpec, training: TrainingSpec | None = None) -> None:
+    """No layout of a model the engine's code cannot build (`can_run.models`), or of a training its
+    run choices refuse (`EngineSpec.training_problems`), is searched."""
+    problems = engine.model_problems(model) + (engine.training_problems(training) if training is not None else [])
     if problems:
         raise LayoutError(problems[0])
 
@@ -735,7 +736,7 @@ def search(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space
     every layout, predicted with the cluster's values alone), with every rejection counted."""
     start = time.perf_counter()
     if engine is not None:
-        refuse_model(engine, model)
+        refuse_model(engine, model, training)
         space = engine_space(space, engine)
     space = model_recompute_space(space, model, training)
     if model.moe is None:  # the engine's MoE-only rules do not apply

@@ -346,3 +346,21 @@ def test_recommend_names_the_fastest_layout_at_each_expert_parallel_degree(capsy
     code, out, _ = run_cli(capsys, "recommend", "-c", "dgx-h100", "--nodes", "2", "-m", "llama3-8b",
                            "--engine", "megatron-core", "--top", "1", "--json")
     assert not any("expert-parallel degree" in n for n in json.loads(out)["notes"])
+
+
+def test_combined_1f1b_needs_a_16_bit_model_everywhere(capsys):
+    """TransformerConfig: 'overlap_moe_expert_parallel_comm is only supported with bf16 or fp16
+    model': estimate, recommend and check refuse fp32 with it, in one sentence."""
+    from plan3d.errors import LayoutError
+    from plan3d.search import search
+
+    engine = load_engine("megatron-core").with_ep_overlap("combined-1f1b")
+    assert engine.training_problems(TrainingSpec(global_batch=64, precision="fp32"))
+    assert not engine.training_problems(TrainingSpec(global_batch=64, precision="fp8"))
+    with pytest.raises(LayoutError, match="bf16 or fp16 model"):
+        search(load_cluster("dgx-h100", 2), load_model("mixtral-8x7b"), TrainingSpec(global_batch=64, precision="fp32"),
+               engine=engine)
+    code, out, err = run_cli(capsys, "estimate", "-c", "dgx-h100", "--nodes", "2", "-m", "mixtral-8x7b",
+                             "--engine", "megatron-core", "--precision", "fp32", "--tp", "2", "--pp", "2", "--vpp", "2",
+                             "--dp", "4", "--ep", "4", "--ep-overlap", "combined-1f1b", "--global-batch", "64")
+    assert code != 0 and "bf16 or fp16 model" in out + err and "Traceback" not in out + err

@@ -76,7 +76,7 @@ def estimate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, lay
     if engine is not None:
         notes = [n for n in (engine.zero_note(layout), engine.split_note(layout, model)) if n]
         layout = engine.resolve_split(layout, model)
-        problems = engine.layout_problems(layout, model)
+        problems = engine.layout_problems(layout, model) + engine.training_problems(training)
         if problems:
             raise LayoutError("; ".join(problems))
     check_layout(layout, model, training, cluster.world_size)

@@ -572,6 +572,15 @@ class EngineSpec(SpecModel):
                        "use --act-offload all or none")
         return out
 
+    def training_problems(self, training: TrainingSpec) -> list[str]:
+        """What the engine's run choices refuse of the training's precision: Megatron-Core's
+        combined-1F1B overlap runs only a bf16 or fp16 model (TransformerConfig asserts it; fp8
+        keeps a bf16 model)."""
+        if self.runs_as.combined_1f1b and training.precision == "fp32":
+            return [f"{self.name} runs --ep-overlap combined-1f1b only with a bf16 or fp16 model "
+                    "(TransformerConfig asserts it): use --precision bf16, or --ep-overlap none"]
+        return []
+
     def offload_problems(self, recompute: str) -> list[str]:
         """The engine's rule for its activation offload next to `recompute` (OFFLOAD_REFUSED_RECOMPUTE):
         the expert modules cannot be offloaded inside a recomputed MoE block."""

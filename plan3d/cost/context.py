@@ -77,6 +77,7 @@ class CostContext:
     dropout: bool = False  # the model trains with dropout: 1-byte masks are saved (plan3d.cost.memory)
     attention_work: float = 1.0  # share of the s^2 score work the attention kernel does (`causal_attention_work`)
     scores_stored: bool = False  # unfused attention: the softmax output (and dropout mask and output) is saved
+    flash_attention: bool = False  # the engine's attention is a flash kernel (its backward recomputes the scores)
     grad_dtype: str = "fp32"  # the gradient buffer's dtype (`grad_dtype`)
     grad_label: str = "fp32"  # the gradients as budgeted, for display: "fp32", "bf16", "fp32 + bf16 .grad"
     grad_copy_bytes: int = 0  # 16-bit .grad tensors kept next to an fp32 buffer (DeepSpeed BF16_Optimizer), per parameter
@@ -229,6 +230,7 @@ def _model_fields(model: ModelSpec, training: TrainingSpec, engine: EngineSpec |
         global_batch=training.global_batch, act_bytes=4 if training.precision == "fp32" else 2,
         fp8=training.precision == "fp8", dropout=model.dropout > 0,
         scores_stored=bool(runs_as and runs_as.attention == "unfused"),
+        flash_attention=bool(runs_as and runs_as.attention == "flash"),
         attention_work=causal_attention_work(training.seq_len or model.seq_len) if runs_as and runs_as.attention == "flash" else 1.0,
         weight_bytes=weights, grad_bytes=grads, optim_bytes=optim, **gradient_extras(training, engine),
         reduce_bucket_elements=runs_as.reduce_bucket_elements if runs_as else 0.0,

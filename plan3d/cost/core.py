@@ -75,11 +75,12 @@ def stage_micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_ran
     attention_fwd = compute.attention_core_forward_s(ctx, share, la.tp)
     mla_up = mla_up_redo_s(ctx, la)
     selective_dense = per_op_redo_s(ctx, la) if ctx.selective_per_op else attention_fwd
-    dense = _layer_passes(ctx, la, layer_fwd, tp_pair, selective_dense, mla_up_s=mla_up)
+    flash = flash_backward_extra_s(ctx, la)
+    dense = _layer_passes(ctx, la, layer_fwd, tp_pair, selective_dense, mla_up_s=mla_up, bwd_extra_s=flash)
     if ctx.moe_layers:
         moe_fwd = moe.moe_layer_forward_s(ctx, la)
         routed = _layer_passes(ctx, la, moe_fwd, tp_pair, attention_fwd, moe_act_redo_s(ctx, la),
-                               moe.moe_block_redo_s(ctx, la), mla_up)
+                               moe.moe_block_redo_s(ctx, la), mla_up, flash)
         per_rank = lambda key: (layers - moe_layers) * dense[key] + moe_layers * routed[key]  # noqa: E731
         off_dense, off_moe = offload_exposed_s(ctx, la, layer_fwd, moe_fwd)
         redo_moe_comm = full | (la.recompute == MOE_BLOCK)  # the recompute's forward repeats the all-to-alls
@@ -93,14 +94,14 @@ def stage_micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_ran
     embed = np.where(first, compute.memory_bound_s(ctx, share * ctx.seq * ctx.hidden, ctx.elementwise_bytes), 0.0)
     ring_fwd, ring_bwd = cp_exposed_s(ctx, la, links, attention_fwd)
     ring = np.where(full, 2 * ring_fwd, ring_fwd) + ring_bwd
-    return {"compute": 3 * (per_rank("fwd") + logits_fwd + embed), "recompute": per_rank("redo"),
+    return {"compute": 3 * (per_rank("fwd") + logits_fwd + embed) + per_rank("bwd_extra"), "recompute": per_rank("redo"),
             "tp_comm": (layers * np.where(full, 3, 2) * tp_pair + _vocab_parallel_s(ctx, la, links, first, last)
                         + np.where(la.cp > 1, layers * ring, 0.0) + expert_tp),
             "pp_comm": _p2p_s(ctx, la, links, boundary_bytes),
             "ep_comm": ep_comm,
             "offload": (layers - moe_layers) * off_dense + moe_layers * off_moe,
             "overhead": per_rank("host") + ctx.micro_batch_overhead_s,
-            "backward": 2 * (per_rank("fwd") + logits_fwd)}
+            "backward": 2 * (per_rank("fwd") + logits_fwd) + per_rank("bwd_extra")}
 
 
 def offload_exposed_s(ctx: CostContext, la: LayoutArrays, layer_fwd, moe_fwd):
@@ -175,8 +176,20 @@ def mla_up_redo_s(ctx: CostContext, la: LayoutArrays):
     return np.where(ctx.mla_up_params > 0, compute.gemm_s(ctx, 2 * tokens * ctx.mla_up_params / la.tp, 2), 0.0)
 
 
+def flash_backward_extra_s(ctx: CostContext, la: LayoutArrays):
+    """Seconds per layer and micro-batch a flash-attention backward adds beyond twice the forward:
+    it recomputes the scores S = QK^T from Q and K (it keeps only the softmax statistics) before
+    dP, dV, dQ and dK, five score-sized GEMMs against the forward's two, 2.5x the forward's
+    FLOPs (Dao 2023, FlashAttention-2, sec. 3.1.2 and its FLOP count for the backward pass); the
+    extra half of the attention core's GEMMs. Unfused attention keeps the softmax output and pays
+    twice the forward, as every other kernel."""
+    if not ctx.flash_attention:
+        return 0.0 * la.tp
+    return 0.5 * compute.gemm_s(ctx, compute.attention_work_flops(ctx, la.mb_share) / la.tp, 2)
+
+
 def _layer_passes(ctx: CostContext, la: LayoutArrays, layer_fwd, tp_pair, attention_fwd, moe_act_s=0.0,
-                  moe_block_s=0.0, mla_up_s=0.0) -> dict:
+                  moe_block_s=0.0, mla_up_s=0.0, bwd_extra_s=0.0) -> dict:
     """One layer's forward time (`fwd`), its recompute (`redo`: the whole forward under full
     recompute, `attention_fwd` under selective (the attention core, or a per-op policy's share), `moe_act_s` under moe-act, `moe_block_s` under
     moe, `mla_up_s` and `moe_act_s` under mla-up) and what the host adds to its passes (`host`)."""
@@ -188,10 +201,10 @@ def _layer_passes(ctx: CostContext, la: LayoutArrays, layer_fwd, tp_pair, attent
                                                                          0.0)))))
     host = ctx.layer_overhead_s
     passes = (compute.pass_s(ctx, layer_fwd + tp_pair, host)
-              + compute.pass_s(ctx, 2 * layer_fwd + tp_pair, 2 * host)
+              + compute.pass_s(ctx, 2 * layer_fwd + bwd_extra_s + tp_pair, 2 * host)
               + np.where(full, compute.pass_s(ctx, layer_fwd + tp_pair, host), redo))
-    gpu_layer = 3 * layer_fwd + redo + np.where(full, 3, 2) * tp_pair
-    return {"fwd": layer_fwd, "redo": redo, "host": passes - gpu_layer}
+    gpu_layer = 3 * layer_fwd + bwd_extra_s + redo + np.where(full, 3, 2) * tp_pair
+    return {"fwd": layer_fwd, "redo": redo, "host": passes - gpu_layer, "bwd_extra": bwd_extra_s + 0.0 * layer_fwd}
 
 
 def cp_exposed_s(ctx: CostContext, la: LayoutArrays, links: Links, attention_fwd):

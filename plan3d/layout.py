@@ -424,7 +424,7 @@ RECOMPUTE_RULES = (
     # TransformerConfig: "mla_up_proj in recompute_modules is only supported with multi_latent_attention"
     RecomputeRule("mla-up", lambda m, t: m.mla is None,
                   lambda m, t: f"recompute mla-up recomputes multi-head latent attention's up-projections; {m.name} "
-                               "has no MLA: use none, selective, moe-act or full"),
+                               f"has no MLA: use none, selective{', moe-act' if m.moe is not None else ''} or full"),
 )
 
 

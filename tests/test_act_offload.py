@@ -202,7 +202,7 @@ def test_a_job_file_states_its_offload(tmp_path, capsys):
         assert code == 0, out
         est = json.loads(out)["estimate"]
         peaks.append((est["peak_memory_bytes"], est["act_offload"], est["host_offload_bytes"]))
-    assert peaks[1][0] < peaks[0][0] and peaks[1][1:] == ("experts", peaks[1][2]) and peaks[1][2] > 0
+    assert peaks[1][0] < peaks[0][0] and peaks[1][1] == "experts" and peaks[1][2] > 0
     assert peaks[0][1] == "none" and peaks[0][2] == 0
     code, out, err = run_cli(capsys, "check", str(titan))
     assert code == 2 and "torchtitan cannot run --act-offload experts; use one of none" in err
@@ -220,3 +220,39 @@ def test_recommend_table_with_offload_prints(capsys):
                              "--recompute", "none", "--act-offload", "experts", "--top", "2")
     assert code == 0, out + err
     assert "offload" in out and "Traceback" not in out + err
+
+
+def test_offloading_moves_only_what_the_recompute_keeps():
+    """mla-up already drops the per-head Q, K, V (and the layernorm module MLA's input-norm output):
+    `all` offloading moves what is left, so the two savings do not add up."""
+    cluster, model = load_cluster("dgx-h100", 16), load_model("deepseek-v3")
+    training = TrainingSpec(global_batch=1024)
+    layout = Layout(tp=1, pp=16, dp=8, ep=8, micro_batch=1, zero=1, recompute="mla-up",
+                    pp_layers=(3,) + (4,) * 14 + (2,))
+    none = Layout(**{**layout.model_dump(), "recompute": "none"})
+    act = {(r.recompute, o): estimate(cluster, model, training, r, engine(o)).memory_bytes["activations"]
+           for r in (none, layout) for o in ("none", "all")}
+    saved_by_recompute = act[("none", "none")] - act[("mla-up", "none")]
+    saved_by_offload = act[("none", "none")] - act[("none", "all")]
+    saved_by_both = act[("none", "none")] - act[("mla-up", "all")]
+    assert 0 < saved_by_both < saved_by_recompute + saved_by_offload
+    ctx = make_context(None, model, training, engine("all"))
+    la = layout_arrays(1024, [1], [16], [8], [1], [1], [1], [RECOMPUTE_CODES["mla-up"]], [0], ep=[8])
+    plain = layout_arrays(1024, [1], [16], [8], [1], [1], [1], [RECOMPUTE_CODES["none"]], [0], ep=[8])
+    dropped = one(memory.mla_up_discarded_elements(ctx, la) + memory.input_norm_discarded_elements(ctx, la)) * 2
+    assert one(memory.offloaded_bytes(ctx, plain)[0] - memory.offloaded_bytes(ctx, la)[0]) == pytest.approx(dropped)
+
+
+def test_a_dense_model_offloads_the_attention_modules_only():
+    cluster, model = load_cluster("dgx-h100", 2), load_model("llama3-8b")
+    plan = build_plan(cluster, model, TrainingSpec(global_batch=64), Layout(tp=2, dp=8, zero=1, sequence_parallel=True),
+                      None, engine("all"))
+    args = megatron_args(plan)
+    at = args.index("--offload-modules")
+    assert args[at + 1:at + 4] == ["qkv_linear", "core_attn", "attn_proj"] and "expert_fc1" not in args
+
+
+def test_a_list_valued_flag_keeps_its_values_on_its_line():
+    from plan3d.emit.launch_script import _array_lines
+    lines = _array_lines(["--recompute-modules", "moe_act", "layernorm", "--bf16", "--tp", "2"])
+    assert lines == ["  --recompute-modules moe_act layernorm", "  --bf16", "  --tp 2"]

@@ -43,3 +43,21 @@ def test_the_extra_grows_with_the_sequence_and_lands_in_compute():
         shares.append(extra / est.time_s["compute"])
         assert 0 < extra < est.time_s["compute"]
     assert shares[1] > 2 * shares[0]
+
+
+def test_zero3_full_recompute_gathers_again_only_where_the_engine_releases_the_weights():
+    """RunsAs.zero3_recompute_regathers: DeepSpeed fetches a layer's weights again for the
+    recompute's forward (3 gathers per micro-batch); FSDP2 and Megatron-FSDP reuse that gather for
+    the backward (2, as without recompute). With nothing hidden the ZeRO-3 time shows it."""
+    cluster, model = load_cluster("dgx-a100-80g", 4), load_model("llama3-8b")
+    training = TrainingSpec(global_batch=64)
+    base = load_engine("megatron-core")
+    def zero_comm(regathers: bool, recompute: str) -> float:
+        runs_as = base.runs_as.model_copy(update={"zero3_recompute_regathers": regathers, "zero3_overlap_fraction": 0.0})
+        engine = base.model_copy(update={"runs_as": runs_as})
+        layout = Layout(dp=32, micro_batch=1, zero=3, recompute=recompute)
+        return estimate(cluster, model, training, layout, engine).time_s["zero_comm"]
+    assert zero_comm(False, "full") == pytest.approx(zero_comm(False, "none"))
+    assert zero_comm(True, "none") == pytest.approx(zero_comm(False, "none"))
+    assert zero_comm(True, "full") > 1.2 * zero_comm(False, "full")
+    assert not base.runs_as.zero3_recompute_regathers and load_engine("deepspeed-0.19").runs_as.zero3_recompute_regathers

@@ -368,8 +368,9 @@ def test_an_all_to_all_across_nodes_sends_what_stays_over_nvlink_and_what_leaves
 
 
 def test_a_stated_load_factor_replaces_the_prior_and_the_capacity(h100_512, mixtral):
-    """MoESpec.load_factor is the busiest rank's load: 1.0 under forced balance (fewer routed tokens
-    than the 1.1 dropless prior: a faster step, fewer activations), above a capacity factor it wins too."""
+    """MoESpec.load_factor is the busiest rank's load under dropless routing: 1.0 under forced balance
+    (fewer routed tokens than the 1.1 prior: a faster step, fewer activations); a capacity factor pads
+    every expert to it (what emit megatron writes), so it wins over a stated load."""
     from plan3d.cost.context import moe_load_factor
 
     def with_moe(**update):
@@ -377,7 +378,8 @@ def test_a_stated_load_factor_replaces_the_prior_and_the_capacity(h100_512, mixt
 
     assert moe_load_factor(mixtral) == MOE_IMBALANCE
     assert moe_load_factor(with_moe(capacity_factor=1.25)) == 1.25
-    assert moe_load_factor(with_moe(capacity_factor=1.25, load_factor=1.0)) == 1.0
+    assert moe_load_factor(with_moe(capacity_factor=1.25, load_factor=1.0)) == 1.25
+    assert moe_load_factor(with_moe(load_factor=1.3)) == 1.3
     training, layout = TrainingSpec(global_batch=512), Layout(tp=2, pp=4, dp=64, ep=8, sequence_parallel=True)
     engine = load_engine(MEGATRON)
     prior = estimate(h100_512, mixtral, training, layout, engine)

@@ -1,4 +1,5 @@
-"""torchtitan's selective recompute (`RunsAs.selective: per-op`, SelectiveAC): what a dense layer
+"""torchtitan's selective recompute (`RunsAs.selective: per-op`, SelectiveAC, with the fused QKV
+torchtitan builds): what a dense layer
 keeps, what one layer's backward rebuilds, and what the recompute pass costs, by hand; Megatron's
 selective (the attention core) is untouched."""
 from __future__ import annotations
@@ -34,7 +35,7 @@ def arrays(recompute: str, tp: int = 1, pp: int = 1):
 def test_per_op_policy_keeps_the_input_every_other_linear_the_attention_and_the_collectives(tp):
     ctx = make_context(None, DENSE, TRAINING, load_engine("torchtitan"))
     s, h, q, kv, f = 32, 64, 64, 32, 192
-    by_hand = s * (h / tp + (q + kv + f) / tp + q / tp + h + (2 * h / tp if tp > 1 else 0)) * 2
+    by_hand = s * (h / tp + (q + 2 * kv + f) / tp + q / tp + h + (2 * h / tp if tp > 1 else 0)) * 2  # wqkv fused
     assert one(memory.per_op_saved_bytes(ctx, arrays("selective", tp))) == pytest.approx(by_hand)
 
 
@@ -51,13 +52,13 @@ def test_a_per_op_layer_keeps_its_saved_tensors_and_one_layer_is_rebuilt_in_its_
     assert one(memory.stage_activation_bytes(megatron, la_sel, *rank0)) == one(memory.stage_activation_bytes(megatron, la_none, *rank0))
 
 
-def test_the_per_op_recompute_pass_is_three_linears_and_the_elementwise_work():
+def test_the_per_op_recompute_pass_is_the_two_dropped_linears_and_the_elementwise_work():
     cluster = load_cluster("dgx-h100", 1)
     ctx = make_context(cluster, DENSE, TRAINING, load_engine("torchtitan"))
     la = arrays("selective")
     s, h, q, kv, f = 32, 64, 64, 32, 192
     from plan3d.cost import compute
-    gemms = compute.gemm_s(ctx, 2 * s * h * (kv + q + f), 3)
+    gemms = compute.gemm_s(ctx, 2 * s * h * (q + f), 2)  # wo and w3 (fused wqkv, w1 and w2 are saved)
     elementwise = compute.memory_bound_s(ctx, s * h + s * (q + 2 * kv + 3 * f), ctx.elementwise_bytes)
     assert one(core.per_op_redo_s(ctx, la)) == pytest.approx(gemms + elementwise)
 

@@ -85,7 +85,7 @@ def recompute_flops_per_step(ctx: CostContext, recompute, partial_share=0.0):
     recompute = np.asarray(recompute)
     if ctx.selective_per_op:  # the dense layers' dropped linears (core.per_op_redo_s); MoE layers their attention
         dense = ctx.layers - ctx.moe_layers
-        attention = (dense * 2 * tokens * ctx.hidden * (ctx.kv_dim + ctx.q_dim + ctx.ffn)
+        attention = (dense * 2 * tokens * ctx.hidden * (ctx.q_dim + ctx.ffn)
                      + ctx.moe_layers * layer_attention_flops(ctx, ctx.global_batch))
     return np.where(recompute >= RECOMPUTE_CODES["full"], layers,
                     np.where(recompute == RECOMPUTE_CODES["selective"], attention,

@@ -289,12 +289,12 @@ def moe_load_factor(model: ModelSpec) -> float:
     """Tokens an expert-parallel rank computes, as a multiple of its even share top_k*tokens/ep:
     the capacity factor when one is set (Megatron-Core pads each expert to its capacity with
     --moe-pad-expert-input-to-capacity; without padding the capacity caps the busiest expert at
-    the same figure), else the MOE_IMBALANCE prior of dropless routing; a stated `load_factor`
-    (forced balance: 1.0, or a measured imbalance) replaces both."""
-    if model.moe.load_factor is not None:
-        return float(model.moe.load_factor)
+    the same figure), else a stated `load_factor` (forced balance: 1.0, or a measured imbalance),
+    else the MOE_IMBALANCE prior of dropless routing."""
     cf = model.moe.capacity_factor
-    return float(cf) if cf is not None else MOE_IMBALANCE
+    if cf is not None:
+        return float(cf)
+    return float(model.moe.load_factor) if model.moe.load_factor is not None else MOE_IMBALANCE
 
 
 FLASH_BLOCK = 128  # query/key tile of FlashAttention-2/3 (Dao 2023, Shah et al. 2024): the diagonal tiles run whole

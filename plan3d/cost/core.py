@@ -99,9 +99,12 @@ def stage_micro_batch_s(ctx: CostContext, la: LayoutArrays, links: Links, pp_ran
                         + np.where(la.cp > 1, layers * ring, 0.0) + expert_tp),
             "pp_comm": _p2p_s(ctx, la, links, boundary_bytes),
             "ep_comm": ep_comm,
-            "offload": (layers - moe_layers) * off_dense + moe_layers * off_moe,
+            # every layer's copies but one: the layer whose backward comes next stays on the GPU
+            "offload": np.maximum((layers - moe_layers) * off_dense + moe_layers * off_moe
+                                  - np.where(moe_layers > 0, off_moe, off_dense), 0.0),
             "overhead": per_rank("host") + ctx.micro_batch_overhead_s,
-            "backward": 2 * (per_rank("fwd") + logits_fwd) + per_rank("bwd_extra")}
+            "backward": 2 * (per_rank("fwd") + logits_fwd) + per_rank("bwd_extra"),
+            "bwd_extra": per_rank("bwd_extra")}  # in compute and backward: input-gradient work, not W
 
 
 def offload_exposed_s(ctx: CostContext, la: LayoutArrays, layer_fwd, moe_fwd):
@@ -159,11 +162,11 @@ def moe_act_redo_s(ctx: CostContext, la: LayoutArrays):
 
 def per_op_redo_s(ctx: CostContext, la: LayoutArrays):
     """Seconds per dense layer and micro-batch that a per-op selective policy (torchtitan's
-    SelectiveAC, `memory.per_op_saved_bytes`) recomputes: the linears whose outputs it drops (K, the
-    attention output projection and the MLP's second: 2 sB h (kv + q + f) / tp FLOPs, three GEMMs)
-    and the layer's element-wise work (norms, RoPE, the activation), as `layer_forward_s` prices it."""
+    SelectiveAC, `memory.per_op_saved_bytes`) recomputes: the linears whose outputs it drops (the
+    attention output projection and the MLP's second: 2 sB h (q + f) / tp FLOPs, two GEMMs) and the
+    layer's element-wise work (norms, RoPE, the activation), as `layer_forward_s` prices it."""
     tokens = ctx.seq * la.mb_share
-    gemms = compute.gemm_s(ctx, 2 * tokens * ctx.hidden * (ctx.kv_dim + ctx.q_dim + ctx.ffn) / la.tp, 3)
+    gemms = compute.gemm_s(ctx, 2 * tokens * ctx.hidden * (ctx.q_dim + ctx.ffn) / la.tp, 2)
     elements = tokens * ctx.hidden / la.sp_div + tokens * (ctx.q_dim + 2 * ctx.kv_dim + ctx.mlp_mats * ctx.ffn) / la.tp
     return gemms + compute.memory_bound_s(ctx, elements, ctx.elementwise_bytes)
 
@@ -424,7 +427,8 @@ def _evaluate(ctx: CostContext, la: LayoutArrays, links: Links, pp_rank, layers,
     mem = memory.stage_memory(ctx, la, pp_rank, layers, moe_layers)
     per_mb = f_b_overlapped(ctx, la, micro_batch_s(ctx, la, links, pp_rank, layers, moe_layers, mem["recompute_share"]))
     per_mb_total = sum(per_mb[k] for k in PER_MICRO_BATCH_TERMS)
-    pipe, bubble = pipeline_s(per_mb_total, weights, la.m, la.vpp, core_share(ctx, la), per_mb["compute"] / 3,
+    weight_grad = (per_mb["compute"] - per_mb["bwd_extra"]) / 3  # W of a zero-bubble schedule
+    pipe, bubble = pipeline_s(per_mb_total, weights, la.m, la.vpp, core_share(ctx, la), weight_grad,
                               schedules.bubble_weights(la.schedule_codes))
     extra = stage_step_s(ctx, la, links, pp_rank, mem["params"], per_mb["backward"],
                          la.m * (per_mb["compute"] + per_mb["recompute"]), mem["expert_params"], layers,

@@ -295,12 +295,13 @@ def per_op_saved_bytes(ctx: CostContext, la: LayoutArrays):
     """Bytes a dense layer keeps per micro-batch under a per-op selective policy (`RunsAs.selective`
     per-op: torchtitan's SelectiveAC, distributed/activation_checkpoint.py): the block's input (the
     checkpoint's, h wide, sequence-split under SP), the outputs of the 1st, 3rd, ... linear of the
-    block (Q; V; the MLP's first; and SwiGLU's down-projection, whose partial sums are h wide on
-    every tp rank), the attention kernel's output (q_dim / tp) and, with tp > 1, the two
-    reduce-scatters' outputs (h / tp each). Norms, RoPE, the activation and the other linears are
-    recomputed; the attention kernel's inputs are rebuilt from the saved Q and V."""
+    block as torchtitan builds it (fused QKV, `emit.torchtitan` writes fuse_qkv: wqkv, then w1,
+    then SwiGLU's down-projection w2, whose partial sums are h wide on every tp rank; wo and w3
+    are dropped), the attention kernel's output (q_dim / tp) and, with tp > 1, the two
+    reduce-scatters' outputs (h / tp each). Norms, RoPE, the activation and the dropped linears are
+    recomputed."""
     sb = ctx.seq * la.mb_share
-    linears = ctx.q_dim + ctx.kv_dim + ctx.ffn  # wq, wv, the MLP's first (w1 / fc1), split by tp
+    linears = ctx.q_dim + 2 * ctx.kv_dim + ctx.ffn  # wqkv and the MLP's first (w1 / fc1), split by tp
     elements = (sb * ctx.hidden / la.sp_div + sb * (linears + ctx.q_dim) / la.tp
                 + (sb * ctx.hidden if ctx.mlp_mats == 3 else 0.0)
                 + np.where(la.tp > 1, 2 * sb * ctx.hidden / la.tp, 0.0))
@@ -341,12 +342,18 @@ def offloaded_bytes(ctx: CostContext, la: LayoutArrays):
       tensors of `norm_mask_bytes`, the output in FP8 under fp8), core_attn, Q, K, V and the output,
       and attn_proj, the output as the projection saves it (2 q_dim + 2 kv_dim per token over tp,
       the projection's input in FP8 under fp8).
+    Net of what the layout's recompute already drops (a tensor is moved only if it is kept):
+    mla-up's per-head Q, K, V and the layernorm module's MLA input-norm output.
     Zero without offloading."""
     sb = ctx.seq * la.mb_share
     fp8 = 1.0 if ctx.fp8 else 0.0  # one byte less per element Transformer Engine saves in FP8
     norm_side = sb * ctx.hidden / la.sp_div
-    attention = (2 * ctx.act_bytes - fp8) * norm_side + sb * ((2 * ctx.q_dim + 2 * ctx.kv_dim) * ctx.act_bytes
-                                                            - fp8 * ctx.q_dim) / la.tp
+    norm_modes = np.isin(la.recompute, [RECOMPUTE_CODES[m] for m in NORM_RECOMPUTE])
+    qkv_linear = (2 * ctx.act_bytes - fp8) * norm_side - np.where(
+        norm_modes, input_norm_discarded_elements(ctx, la) * ctx.act_bytes, 0.0)
+    core = sb * ((2 * ctx.q_dim + 2 * ctx.kv_dim) * ctx.act_bytes - fp8 * ctx.q_dim) / la.tp - np.where(
+        la.recompute == RECOMPUTE_CODES["mla-up"], mla_up_discarded_elements(ctx, la) * ctx.act_bytes, 0.0)
+    attention = np.maximum(qkv_linear, 0.0) + np.maximum(core, 0.0)
     attention = attention if ctx.offload_attention else 0.0 * attention
     if not ctx.moe_layers or not ctx.offload_experts:
         return attention, attention

@@ -63,7 +63,7 @@ from plan3d.emit.megatron_moe import GROUPED_GEMM_MIN_ARCH, mla_args, mla_proble
 from plan3d.errors import InfeasibleError, SpecError
 from plan3d.layout import Layout
 from plan3d.plan import Plan
-from plan3d.specs.engine import ACT_OFFLOAD_MODULES, EngineSpec
+from plan3d.specs.engine import ACT_OFFLOAD_MODULES, EXPERT_OFFLOAD_MODULES, EngineSpec
 
 PROFILE = "megatron-core"
 VERSIONS = "0.17-0.19"
@@ -120,7 +120,7 @@ def megatron_args(plan: Plan, engine: EngineSpec | None = None) -> list[str]:
         engine, _ = target_engine(plan, PROFILE, VERSIONS)
     layout = plan.layout
     return (_parallel_args(layout) + _cp_comm_args(layout, engine) + _order_args(layout) + _pipeline_split_args(plan) + _zero_args(layout)
-            + _overlap_args(plan, engine) + _batch_args(plan) + _recompute_args(plan) + _offload_args(engine)
+            + _overlap_args(plan, engine) + _batch_args(plan) + _recompute_args(plan) + _offload_args(plan, engine)
             + _precision_args(plan) + _model_args(plan, engine))
 
 
@@ -239,9 +239,11 @@ def _recompute_args(plan: Plan) -> list[str]:
     return []
 
 
-def _offload_args(engine: EngineSpec) -> list[str]:
-    """Fine-grained activation offloading of the modules the plan was priced with (ACT_OFFLOAD_MODULES)."""
-    modules = ACT_OFFLOAD_MODULES[engine.runs_as.act_offload]
+def _offload_args(plan: Plan, engine: EngineSpec) -> list[str]:
+    """Fine-grained activation offloading of the modules the plan was priced with (ACT_OFFLOAD_MODULES;
+    the expert modules only for an MoE model)."""
+    modules = [m for m in ACT_OFFLOAD_MODULES[engine.runs_as.act_offload]
+               if plan.model.moe is not None or m not in EXPERT_OFFLOAD_MODULES]
     return ["--fine-grained-activation-offloading", "--offload-modules", *modules] if modules else []
 
 

@@ -79,8 +79,9 @@ ActOffload = Literal["none", "experts", "all"]
 # --fine-grained-activation-offloading --offload-modules ...: TransformerConfig.offload_modules);
 # attn_norm and mlp_norm are left out: with Transformer Engine the norms before QKV and the dense
 # MLP are fused into LayerNormLinear / LayerNormMLP (IdentityOp modules that offload nothing)
-ACT_OFFLOAD_MODULES = {"none": (), "experts": ("expert_fc1", "moe_act"),
-                       "all": ("qkv_linear", "core_attn", "attn_proj", "expert_fc1", "moe_act")}
+EXPERT_OFFLOAD_MODULES = ("expert_fc1", "moe_act")
+ACT_OFFLOAD_MODULES = {"none": (), "experts": EXPERT_OFFLOAD_MODULES,
+                       "all": ("qkv_linear", "core_attn", "attn_proj", *EXPERT_OFFLOAD_MODULES)}
 ACT_OFFLOAD_HELP = ("none: activations stay on the GPU; experts: the routed experts' FC1 input and activation input "
                     "go to host memory in the forward and come back before the backward (Megatron-Core "
                     "--fine-grained-activation-offloading --offload-modules expert_fc1 moe_act), MoE models; all: "
@@ -584,7 +585,8 @@ class EngineSpec(SpecModel):
     def offload_problems(self, recompute: str) -> list[str]:
         """The engine's rule for its activation offload next to `recompute` (OFFLOAD_REFUSED_RECOMPUTE):
         the expert modules cannot be offloaded inside a recomputed MoE block."""
-        if "expert_fc1" in ACT_OFFLOAD_MODULES[self.runs_as.act_offload] and recompute in OFFLOAD_REFUSED_RECOMPUTE:
+        if set(EXPERT_OFFLOAD_MODULES) & set(ACT_OFFLOAD_MODULES[self.runs_as.act_offload]) and \
+                recompute in OFFLOAD_REFUSED_RECOMPUTE:
             return [f"{self.name} cannot offload the experts' activations (--act-offload {self.runs_as.act_offload}) "
                     f"while recomputing the whole MoE block ({recompute} recompute; TransformerConfig asserts it): "
                     "use moe-act, selective, none or full recompute, or --act-offload none"]

@@ -33,8 +33,9 @@ class MoESpec(SpecModel):
                                           "None: dropless (every routed token is computed).")
     load_factor: float | None = Field(None, ge=1, le=1000, allow_inf_nan=False,
                                       description="Tokens the busiest expert-parallel rank computes, as a multiple "
-                                      "of its even share (every rank waits for it at the combine); None: the "
-                                      "capacity_factor where set, else plan3d's dropless prior 1.1; 1.0 under forced "
+                                      "of its even share (every rank waits for it at the combine), for dropless "
+                                      "routing (a capacity_factor pads every expert to it instead); None: plan3d's "
+                                      "prior 1.1; 1.0 under forced "
                                       "balance (Megatron-Core --moe-router-force-load-balancing, a benchmarking "
                                       "setting), or an imbalance measured on the user's own router.")
     normalize_top_k: bool = Field(True, description="The top-k routing weights are renormalised to sum to 1 "

@@ -117,7 +117,9 @@ def _layout_text(layout: dict, cp_comm: str = "", recompute_layers: int = 0, ep_
                       if recompute_layers else " (nothing to recompute: fits without, runs as none)")
     parts += [f"ZeRO {layout['zero']}", recompute]
     if act_offload not in ("", "none"):
-        parts.append(f"{act_offload} activations offloaded ({' '.join(ACT_OFFLOAD_MODULES[act_offload])})")
+        modules = ' '.join(ACT_OFFLOAD_MODULES[act_offload])
+        parts.append(f"{act_offload} activations offloaded ({modules}; the expert modules in MoE layers only)"
+                     if act_offload == "all" else f"{act_offload} activations offloaded ({modules})")
     if layout["sequence_parallel"]:
         parts.append("sequence parallel")
     return ", ".join(parts) + f", order {layout['order']}"

@@ -374,9 +374,16 @@ def host_offload_bytes(ctx: CostContext, la: LayoutArrays, pp_rank, layers_on_ra
     off_dense, off_moe = offloaded_bytes(ctx, la)
     flight = in_flight(ctx, la, pp_rank)
     kept = flight * ((layers_on_rank - moe_on_rank) * off_dense + moe_on_rank * off_moe) * (1 - recompute_share)
-    resident = np.minimum(OFFLOAD_RESIDENT_LAYERS, flight * layers_on_rank) * (1 - recompute_share) * np.where(
-        moe_on_rank > 0, np.maximum(off_dense, off_moe), off_dense)
+    resident = resident_offload_bytes(la, flight, layers_on_rank, moe_on_rank, recompute_share, off_dense, off_moe)
     return np.where(la.recompute >= RECOMPUTE_CODES["full"], 0.0, np.maximum(kept - resident, 0.0))
+
+
+def resident_offload_bytes(la: LayoutArrays, flight, layers_on_rank, moe_on_rank, share, off_dense, off_moe):
+    """The offloaded bytes still on the GPU at the peak: OFFLOAD_RESIDENT_LAYERS layers' worth (at
+    most the layers in flight), of the non-recomputed share; none under full recompute."""
+    layers = np.minimum(OFFLOAD_RESIDENT_LAYERS, flight * layers_on_rank) * (1 - share)
+    per_layer = np.where(moe_on_rank > 0, np.maximum(off_dense, off_moe), off_dense)
+    return np.where(la.recompute >= RECOMPUTE_CODES["full"], 0.0, layers * per_layer)
 
 
 def in_flight(ctx: CostContext, la: LayoutArrays, pp_rank):
@@ -438,8 +445,7 @@ def stage_activation_bytes(ctx: CostContext, la: LayoutArrays, pp_rank, layers_o
                       + share * checkpoint)
     stored_moe = np.where(full, checkpoint, (1 - share) * (per_moe - scores - off_moe) + share * checkpoint)
     flight = in_flight(ctx, la, pp_rank)
-    resident = np.where(full, 0.0, np.minimum(OFFLOAD_RESIDENT_LAYERS, flight * layers_on_rank) * (1 - share)
-                        * np.where(moe_on_rank > 0, np.maximum(off_dense, off_moe), off_dense))
+    resident = resident_offload_bytes(la, flight, layers_on_rank, moe_on_rank, share, off_dense, off_moe)
     largest = np.where(moe_on_rank > 0, np.maximum(per_layer, per_moe), per_layer)
     working = np.where(full | partial, largest, np.where(moe_block & (moe_on_rank > 0), redone_moe, rebuilt))
     kept = flight * ((layers_on_rank - moe_on_rank) * stored + moe_on_rank * stored_moe) + resident

@@ -314,7 +314,7 @@ def extra_to_run(row: dict, require_time: bool = True) -> Run:
                gpus=int(row["hardware"]["num_gpus"]), model=model, training=training, knobs=knobs, unknown=unknown,
                measured_s=measured[0], how_measured=measured[1], pair_of=row.get("pair_of"),
                vpp_choices=vpp_depths(model.layers, knobs["pp"]),
-               measured_alt_s=(row.get("derived") or {}).get("iteration_time_s_if_causal"),
+               measured_alt_s=(row.get("derived") or {}).get("iteration_time_s_other_count"),
                framework=str(train.get("framework") or ""), dispatcher=extra_dispatcher(train),
                ep_overlap=str(train.get("ep_overlap") or "none"), act_offload=str(train.get("act_offload") or "none"),
                measured_dropless_s=(row.get("derived") or {}).get("iteration_time_s_dropless"))

@@ -96,9 +96,10 @@ def expected_derived(row: dict) -> dict:
             out["model_tflops_per_gpu"] = achieved_tflops(meas)
         if "tflops_per_gpu_dropless" in meas:
             out["iteration_time_s_dropless"] = flops / (n * meas["tflops_per_gpu_dropless"] * 1e12)
-        if counting == "megatron_core_r011":
-            out["iteration_time_s_if_causal"] = (flops_megatron_causal(m, batch["global_batch_seqs"])
-                                                 / (n * achieved_tflops(meas) * 1e12))
+        other = row.get("flops_counting_other")
+        if other in FLOPS:
+            out["iteration_time_s_other_count"] = (FLOPS[other](m, batch["global_batch_seqs"])
+                                                   / (n * achieved_tflops(meas) * 1e12))
     if "tokens_per_s_per_gpu" in meas:
         out["iteration_time_s"] = batch["global_batch_tokens"] / (n * meas["tokens_per_s_per_gpu"])
     if "samples_per_s" in meas:

@@ -61,7 +61,8 @@ def hand_memory(model: ModelSpec, tp: int, pp: int, dp: int, ep: int, pp_rank: i
     edp = dp // ep
     tokens, routed = seq, top_k * seq * MOE_IMBALANCE  # per rank; routed copies at the 1.1x prior
     moe_layer = ((8 * tokens * h / tp + 2 * tokens * (2 * q + 2 * kv) / tp + 2 * routed * fe * 3 / tp)
-                 + (2 * routed * h + 2 * tokens * experts / tp) * 2)  # bf16 bytes: stored + permuted, router
+                 + (routed * h + 2 * tokens * experts / tp) * 2)  # bf16 bytes: stored + permuted input, router
+    # (Megatron-Core scales the experts' activation by the router probabilities: the combine keeps nothing)
     checkpoint = 2 * tokens * h / tp  # each layer's input, sequence-split, bf16
     in_flight = min(pp - pp_rank, micro_batches)
     logits = tokens * vocab_rows / h / tp * 4 * (pp_rank == pp - 1)
@@ -87,7 +88,7 @@ def test_the_documented_mixtral_example_adds_up_by_hand(h100_512, mixtral):
         states = model_state_bytes(mixtral, training, layout, r)
         mine = hand_memory(mixtral, 2, 4, 64, 8, r, 16)
         assert states == pytest.approx({k: mine[k] for k in states}, rel=1e-12)
-    assert est.fits and rank == 0 and est.peak_memory_bytes / 2**30 == pytest.approx(9.50, abs=0.005)  # the docs' figure
+    assert est.fits and rank == 0 and est.peak_memory_bytes / 2**30 == pytest.approx(9.43, abs=0.005)  # the docs' figure
     assert est.tiers["ep"] == "ib-ndr" and est.tiers["edp"] == "ib-ndr"  # tp 2 x ep 8 = 16 ranks: two nodes
     assert not any("dense" in w for w in est.warnings)
 
@@ -388,3 +389,31 @@ def test_a_stated_load_factor_replaces_the_prior_and_the_capacity(h100_512, mixt
     assert even.memory_bytes["activations"] < prior.memory_bytes["activations"]
     with pytest.raises(ValueError, match="load_factor"):
         with_moe(load_factor=0.5).model_validate(with_moe(load_factor=0.5).model_dump())
+
+
+@pytest.mark.parametrize("kept_bytes", [0.0, 2.0, 4.0])
+def test_the_combine_keeps_the_experts_output_at_the_engines_bytes(h100_512, mixtral, kept_bytes):
+    """By hand: Mixtral tp2 pp4 ep8 sp without recompute, micro-batch 1 of 4,096 tokens. The
+    experts' output before the combine, routed = top_k * s * 1.1 tokens x h, whole on every tp rank,
+    is kept at `moe_combine_output_bytes` per element: rank 0 holds it for 8 layers x 4 micro-batches.
+    Megatron-Core keeps none (its router probabilities scale the activation), torchtitan fp32."""
+    training = TrainingSpec(global_batch=1024)
+    layout = Layout(tp=2, pp=4, dp=64, ep=8, zero=1, recompute="none", sequence_parallel=True)
+    base = load_engine(MEGATRON)
+
+    def activations(stated):
+        engine = base.model_copy(update={"runs_as": base.runs_as.model_copy(update={"moe_combine_output_bytes": stated})})
+        est = estimate(h100_512, mixtral, training, layout, engine=engine)
+        assert est.worst_pp_rank == 0
+        return est.memory_bytes["activations"]
+
+    routed = 2 * 4096 * MOE_IMBALANCE
+    assert activations(kept_bytes) - activations(0.0) == pytest.approx(8 * 4 * routed * 4096 * kept_bytes, rel=1e-9)
+    assert activations(None) == pytest.approx(activations(2.0), rel=1e-12)  # empty: the bf16 activation dtype
+
+
+def test_megatron_core_keeps_no_combine_output_and_torchtitan_an_fp32_copy():
+    """The profiles state what their code keeps (experts.py bias_act_func with permuted_probs; the
+    torchtitan combine's routed_output.to(float32) * scores)."""
+    assert load_engine("megatron-core").runs_as.moe_combine_output_bytes == 0
+    assert load_engine("torchtitan").runs_as.moe_combine_output_bytes == 4

@@ -109,7 +109,7 @@ def test_moe_recompute_frees_the_moe_block_of_every_layer_in_flight_but_one(clus
     """By hand, the case above with `--recompute-modules moe layernorm`: MoELayer.forward runs under
     one checkpoint, so per MoE layer and micro-batch the routed experts' FFN tensors (SwiGLU: the
     gate and up outputs and their product, 3 x routed * ffn / tp, routed = top_k * s * load), the
-    permuted tokens each way (2 * routed * h), the
+    permuted input tokens (routed * h: Megatron-Core's combine keeps no output), the
     router's logits and probabilities (2 * s * experts / tp, sequence parallel) and the pre-MLP
     norm output (s * h / tp) are dropped, 2 bytes each; one layer's block is live again while its
     backward recomputes it. Rank 0 holds 8 layers x 4 micro-batches."""
@@ -117,7 +117,7 @@ def test_moe_recompute_frees_the_moe_block_of_every_layer_in_flight_but_one(clus
     assert none["worst_pp_rank"] == block["worst_pp_rank"] == 0
     s, h, ffn, top_k, tp, experts = 4096, mixtral.hidden, mixtral.moe.expert_ffn_hidden or mixtral.ffn_hidden_, 2, 2, 8
     routed = top_k * s * 1.1
-    per_layer = (3 * routed * ffn / tp + 2 * routed * h + 2 * s * experts / tp + s * h / tp) * 2
+    per_layer = (3 * routed * ffn / tp + routed * h + 2 * s * experts / tp + s * h / tp) * 2
     freed = none["memory_bytes"]["activations"] - block["memory_bytes"]["activations"]
     assert freed == pytest.approx((8 * 4 - 1) * per_layer, rel=1e-6)
     act = _estimate(cluster, mixtral, "moe-act")

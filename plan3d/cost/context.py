@@ -89,6 +89,7 @@ class CostContext:
     zero3_recompute_regathers: bool = True  # full recompute gathers the weights a third time (RunsAs)
     selective_per_op: bool = False  # selective recompute is torchtitan's per-op SelectiveAC (RunsAs.selective)
     logit_bytes: float = 4.0  # bytes per logit element at the loss's peak (engine runs_as.logit_bytes)
+    moe_combine_output_bytes: float = 2.0  # bytes per routed-output element the combine keeps (RunsAs)
     fsdp_unsharded_with_pp: bool = False  # pp > 1: FSDP keeps weights gathered and fp32 grads unsharded
     allocator_overhead_fraction: float = 0.0  # allocator's cache beyond live activations and buffers, as a share
     offload_experts: bool = False  # the routed experts' FC1 and activation inputs go to host memory (RunsAs.act_offload)
@@ -156,6 +157,13 @@ def tp_overlap_off_zero(runs_as, generation: str) -> tuple:
     """The ZeRO stages with which the engine's TP overlap is off on this GPU generation."""
     conflict = runs_as.tp_overlap_conflict if runs_as is not None else None
     return tuple(conflict.zero) if conflict is not None and generation in conflict.generations else ()
+
+
+def combine_output_bytes(runs_as, precision: str) -> float:
+    """Bytes per element of the experts' output the MoE combine keeps (`RunsAs.moe_combine_output_bytes`;
+    empty: the activation dtype's)."""
+    stated = runs_as.moe_combine_output_bytes if runs_as else None
+    return float(stated) if stated is not None else (4.0 if precision == "fp32" else 2.0)
 
 
 def make_context(cluster: ClusterSpec | None, model: ModelSpec, training: TrainingSpec,
@@ -240,6 +248,7 @@ def _model_fields(model: ModelSpec, training: TrainingSpec, engine: EngineSpec |
         selective_per_op=bool(runs_as and runs_as.selective == "per-op"),
         zero3_collectives_per_layer=runs_as.zero3_collectives_per_layer if runs_as else 1.0,
         logit_bytes=runs_as.logit_bytes if runs_as else 4.0,
+        moe_combine_output_bytes=combine_output_bytes(runs_as, training.precision),
         **offload_fields(runs_as.act_offload if runs_as else "none"),
         fsdp_unsharded_with_pp=bool(runs_as and runs_as.fsdp_unsharded_with_pp),
         allocator_overhead_fraction=engine.efficiency.allocator_overhead_fraction if engine else 0.0,

@@ -228,10 +228,11 @@ def routed_tokens(ctx: CostContext, la: LayoutArrays):
 def moe_layer_activation_bytes(ctx: CostContext, la: LayoutArrays):
     """Bytes one MoE layer stores for one micro-batch without recompute: the dense layer's
     norm/attention terms, the shared experts as a dense MLP of their width, the routed experts'
-    FFN activations for the `routed_tokens` they compute (split by tp), the permuted tokens each
-    way (the experts' input and their output before the combine, routed x h, whole on every tp
-    rank: Megatron-Core MoEAlltoAllTokenDispatcher keeps both for the backward) and the router's
-    logits and probabilities (tokens x experts, sequence-split under sequence parallelism)."""
+    FFN activations for the `routed_tokens` they compute (split by tp), the permuted tokens (the
+    experts' input, routed x h, whole on every tp rank) and their output before the combine,
+    and the router's logits and probabilities (tokens x experts, sequence-split under sequence
+    parallelism). The output is kept at the engine's `moe_combine_output_bytes` per element: none where the router
+    probabilities scale the experts' activation (current Megatron-Core), fp32 under torchtitan."""
     sb = ctx.seq * la.mb_share
     attention = 2 * sb * (2 * ctx.q_dim + 2 * ctx.kv_dim) / la.tp
     return (attention * ctx.act_bytes / 2 + moe_block_bytes(ctx, la) + norm_mask_bytes(ctx, la)
@@ -245,8 +246,9 @@ def moe_block_bytes(ctx: CostContext, la: LayoutArrays):
     sb = ctx.seq * la.mb_share
     routed = routed_tokens(ctx, la)
     ffn = 2 * sb * ctx.shared_ffn * ctx.mlp_mats / la.tp + 2 * routed * ctx.expert_ffn * ctx.mlp_mats / la.tp
-    dispatch = 2 * routed * la.expert_tp / la.tp * ctx.hidden + 2 * sb * ctx.experts / la.sp_div  # elements
-    return ffn * ctx.act_bytes / 2 + dispatch * ctx.act_bytes
+    permuted = routed * la.expert_tp / la.tp * ctx.hidden  # elements, each way
+    router = 2 * sb * ctx.experts / la.sp_div
+    return ffn * ctx.act_bytes / 2 + (permuted + router) * ctx.act_bytes + permuted * ctx.moe_combine_output_bytes
 
 
 def fp8_moe_saved_input_bytes(ctx: CostContext, la: LayoutArrays):

@@ -413,6 +413,14 @@ class RunsAs(SpecModel):
                                  "(plan3d's runtime); 6, the bf16 output plus the fp32 copy the loss saves (Megatron's "
                                  "vocab_parallel_cross_entropy(logits.float()) keeps exp_logits); 10, plus an fp32 "
                                  "log_softmax (torch's cross_entropy(pred.float()): torchtitan, Hugging Face models).")
+    moe_combine_output_bytes: float | None = bounded(None, dict(ge=0, le=8), description="Bytes per element "
+                                                     "of the routed experts' output (routed tokens x h) that the "
+                                                     "combine keeps for its backward: 0, the router probabilities "
+                                                     "scale the experts' activation instead, so the combine is a "
+                                                     "pure permutation (Megatron-Core since MR 2668, 2025-04, "
+                                                     "'Memory efficient token permutation'); 4, an fp32 copy "
+                                                     "multiplied by the scores (torchtitan's combine); empty: the "
+                                                     "output at the activation dtype (a multiply in the unpermute).")
     fsdp_unsharded_with_pp: bool = Field(False, description="With pp > 1, FSDP (ZeRO 2/3) keeps the stage's parameters "
                                          "gathered and its gradients unsharded in fp32 across the micro-batches, "
                                          "reduce-scattering once after the last (torchtitan: reshard_after_forward = "

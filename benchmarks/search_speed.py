@@ -6,7 +6,7 @@ Prints three tables:
    vectorised cost model), feasible ones, wall and CPU ms, layouts/s and valid layouts/s; plus the
    405B case with uneven layer splits (one run). These in-process searches have no engine, so
    their splits are even unless asked;
-2. the same cases through the real command (`plan3d recommend --json`, the default engine
+2. the same cases and DeepSeek-V3 on 1,024 H100 through the real command (`plan3d recommend --json`, the default engine
    megatron-core, which searches uneven splits by default: issue 29) in a fresh process pinned
    to one core (`taskset -c 0` when available): wall time including interpreter and import start-up;
 3. a sweep of cluster sizes from 8 to 32,768 GPUs (DGX H100 nodes, GPT-3 175B) showing how the
@@ -32,6 +32,8 @@ CASES = [  # label, cluster, nodes, model
     ("GPT-3 175B on 512 A100 (seed)", "dgx-a100-80g", 64, "gpt3-175b"),
     ("Llama-3 405B on 16,384 H100", "dgx-h100", 2048, "llama3-405b"),
 ]
+COMMAND_CASES = CASES + [("DeepSeek-V3 on 1,024 H100", "dgx-h100", 128, "deepseek-v3")]
+TARGET_S = {"Llama-3 405B on 16,384 H100": 1.0, "DeepSeek-V3 on 1,024 H100": 5.0}  # issue 29's bars
 SWEEP_NODES = (1, 4, 16, 64, 256, 1024, 2048, 4096)
 
 
@@ -85,10 +87,12 @@ def main() -> None:
     label, cluster, nodes, model = CASES[1]
     print(row(label + ", uneven splits", *timed_search(cluster, nodes, model, 1, Space(uneven=True))))
     print("\nthe command (engine megatron-core: uneven splits searched), fresh process, one core (includes "
-          "start-up; CPU = user + sys, which a busy machine does not inflate)\n| case | wall s | CPU s |\n|---|---|---|")
-    for label, cluster, nodes, model in CASES:
+          "start-up; CPU = user + sys, which a busy machine does not inflate)\n| case | wall s | CPU s | target |\n"
+          "|---|---|---|---|")
+    for label, cluster, nodes, model in COMMAND_CASES:
         wall, cpu = cli_wall(cluster, nodes, model, repeat)
-        print(f"| {label} | {wall:.3f} | {cpu:.3f} |")
+        bar = f"< {TARGET_S[label]:g} s: {'met' if wall < TARGET_S[label] else 'MISSED'}" if label in TARGET_S else "-"
+        print(f"| {label} | {wall:.3f} | {cpu:.3f} | {bar} |")
     print("\ncluster-size sweep: GPT-3 175B on DGX H100 nodes\n" + HEADER)
     for nodes in SWEEP_NODES:
         print(row(f"{nodes} nodes", *timed_search("dgx-h100", nodes, "gpt3-175b", repeat)))

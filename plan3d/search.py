@@ -776,6 +776,25 @@ def search(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, space
                         lifted_by=lifting_options(space, engine))
 
 
+def reevaluate(result: SearchResult, engine: EngineSpec, which: np.ndarray, min_mfu: float | None = None,
+               max_memory_fraction: float | None = None) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray]:
+    """The evaluated layouts of `result` selected by `which`, predicted again as `engine` runs them
+    (a run choice of the same engine, such as its activation offload): their indices in `result`,
+    their metrics and their fit codes. Layouts whose recompute `engine.offload_problems` refuses are
+    left out, and so are partial-recompute layouts that recompute no layer under it (the run of
+    recompute none, `drop_idle_partial`): the indices are what that engine's own search keeps."""
+    refused = [RECOMPUTE_CODES[m] for m in RECOMPUTE_MODES if engine.offload_problems(m)]
+    keep = np.flatnonzero(np.asarray(which, dtype=bool) & ~np.isin(result.layouts["recompute"], refused))
+    if not len(keep):
+        return keep, {}, np.zeros(0, dtype=np.int8)
+    layouts = {k: a[keep] for k, a in result.layouts.items()}
+    metrics = evaluate(result.cluster, result.model, result.training, layouts, result.orders, engine)
+    active = ~((layouts["recompute"] == RECOMPUTE_CODES["partial"]) & (metrics["recompute_layers"] == 0))
+    keep, metrics = keep[active], {k: a[active] for k, a in metrics.items()}
+    codes = fit_reasons(metrics, len(keep), min_mfu, max_memory_fraction, result.cluster.gpu.memory_bytes)
+    return keep, metrics, codes
+
+
 UNEVEN_CODE = 4  # "pp*vpp does not divide the layer count"
 
 

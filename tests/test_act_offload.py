@@ -256,3 +256,25 @@ def test_a_list_valued_flag_keeps_its_values_on_its_line():
     from plan3d.emit.launch_script import _array_lines
     lines = _array_lines(["--recompute-modules", "moe_act", "layernorm", "--bf16", "--tp", "2"])
     assert lines == ["  --recompute-modules moe_act layernorm", "  --bf16", "  --tp 2"]
+
+
+def test_reevaluating_a_search_with_offload_matches_the_offloaded_search():
+    """`search.reevaluate` (what recommend's offload note predicts) gives each layout the metrics and
+    fit the offloaded engine's own search gives it, and leaves out the recompute it refuses (moe)."""
+    from plan3d.search import reevaluate
+
+    cluster = load_cluster("gb200-nvl72").with_size(nodes=2)
+    model, training = load_model("mixtral-8x7b"), TrainingSpec(global_batch=128)
+    engine = load_engine("megatron-core")
+    space = Space(max_micro_batch=4)
+    plain = search(cluster, model, training, space, engine=engine)
+    offload = engine.with_act_offload("experts")
+    full = search(cluster, model, training, space, engine=offload)
+    index, metrics, codes = reevaluate(plain, offload, np.ones(plain.size, dtype=bool))
+    assert len(index) == full.size > 0
+    assert not (plain.layouts["recompute"][index] == RECOMPUTE_CODES["moe"]).any()
+    mine = {plain.layout(int(i)).short(): (t, c) for i, t, c in zip(index, metrics["step_time_s"], codes)}
+    theirs = {full.layout(i).short(): (full.metrics["step_time_s"][i], full.codes[i]) for i in range(full.size)}
+    assert mine.keys() == theirs.keys()
+    for key, (t, c) in mine.items():
+        assert t == pytest.approx(theirs[key][0], rel=1e-12) and c == theirs[key][1], key

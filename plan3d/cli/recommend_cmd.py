@@ -13,6 +13,7 @@ from plan3d.cli.common import (SCHEDULE_HELP, ClusterOpt, CpCommOpt, EpDispatche
                                GpuMemoryOpt, JsonOpt, ModelOpt, ScheduleOpt, NodesOpt, PlotOpt, SeqLenOpt, load_engine_opt, load_specs, make_layout)
 from plan3d.errors import InfeasibleError, LayoutError
 from plan3d.specs.training import with_precision
+from plan3d.vocab import RECOMPUTE_CODES
 
 IntOpt = Optional[int]
 # --precision of the planning commands (recommend, explain, estimate): the default follows the
@@ -125,7 +126,7 @@ def recommend(
     order_ = ranking.rank(result, objective, ranking_mode)
     notes = [n for n in (_cp_bound_note(space, specs, engine_spec),
                          _dispatcher_note(result, specs, engine_spec, ep_dispatcher),
-                         _offload_note(result, specs, space, thresholds, act_offload) if sweep is None else "",
+                         _offload_note(result, specs, thresholds, act_offload) if sweep is None else "",
                          _ep_note(result, order_)) if n]
     report = render.Recommendation(result, order_, objective, top, pick, sweep, tokens, notes, ranking=ranking_mode)
     _require_pick(report)
@@ -226,31 +227,37 @@ def _ep_note(result, order) -> str:
     return "fastest fitting layout per expert-parallel degree: " + "; ".join(parts)
 
 
-def _offload_note(result, specs, space, thresholds: dict, chosen: str | None) -> str:
+def _offload_note(result, specs, thresholds: dict, chosen: str | None) -> str:
     """What offloading the routed experts' activations to host memory (Megatron-Core's fine-grained
     activation offloading, `--act-offload experts`) would make of the search, for an MoE model when
     the engine can and the user left it at the engine's none: memory changes, so the space is
     searched again with the offloading profile, and its fastest layout is named where nothing fit
-    without or where it beats the fastest without by more than 3%."""
+    without or where it beats the fastest without by more than 3%. Offloading adds copy time and
+    frees memory, so only two kinds of layout can win: one refused for memory that was already
+    faster than that, and partial recompute, which recomputes fewer layers when memory frees;
+    those are predicted again (`search.reevaluate`), not the whole space."""
     from plan3d import search
 
     engine, model = thresholds["engine"], specs[1]
     if (model.moe is None or chosen is not None or engine.runs_as.act_offload != "none"
-            or "experts" not in engine.can_run.act_offloads):
+            or "experts" not in engine.can_run.act_offloads or not len(result.layouts.get("tp", ()))):
         return ""
-    try:
-        other = search.search(*specs, space, **dict(thresholds, engine=engine.with_act_offload("experts")))
-    except LayoutError:  # a fixed knob the offload cannot run next to (moe recompute)
+    step = result.metrics["step_time_s"]
+    fastest = float(step[result.feasible].min()) if result.feasible_count else np.inf
+    memory = result.codes == search.MEMORY_CODE
+    partial = (result.layouts["recompute"] == RECOMPUTE_CODES["partial"]) & (memory | result.feasible)
+    which = (memory & (step < 0.97 * fastest)) | partial
+    index, metrics, codes = search.reevaluate(result, engine.with_act_offload("experts"), which,
+                                              thresholds.get("min_mfu"), thresholds.get("max_memory_fraction"))
+    if not (codes == 0).any():
         return ""
-    if not other.feasible_count:
-        return ""
-    times = np.where(other.feasible, other.metrics["step_time_s"], np.inf)
+    times = np.where(codes == 0, metrics["step_time_s"], np.inf)
     best = int(np.argmin(times))
     how = (f"with --act-offload experts (the experts' FC1 and activation inputs kept in host memory, "
-           f"{specs[0].gpu.host_link_gbytes_per_s:g} GB/s each way): {other.layout(best).short()} at {times[best]:.1f} s")
+           f"{specs[0].gpu.host_link_gbytes_per_s:g} GB/s each way): {result.layout(int(index[best])).short()} "
+           f"at {times[best]:.1f} s")
     if not result.feasible_count:
         return f"nothing fits on the GPU alone; {how}; re-run with it"
-    fastest = float(result.metrics["step_time_s"][result.feasible].min())
     if not times[best] < 0.97 * fastest:
         return ""
     return f"{how}, {1 - times[best] / fastest:.0%} less than the fastest layout without ({fastest:.1f} s); re-run with it to rank them"

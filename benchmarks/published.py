@@ -58,6 +58,7 @@ from plan3d.specs.catalog import bundled_names, load_cluster, load_engine  # noq
 
 # name -> (what it sets, where); GPU generations by GPU spec names, engines by engine names
 LEGACY = ("megatron-lm-2021", "deepspeed", "megatron-deepspeed")  # Megatron's 2020-2022 GPT model code
+HOPPER = ("h100-sxm", "h100-nvl", "h200", "h800", "gh200")
 FIT_KEYS = {
     "a100.max_fraction": ("gpu", ("a100-80gb", "a100-40gb"), "max_fraction"),
     "unfused.attention_score_bytes": ("engine", LEGACY, "attention_score_bytes"),
@@ -68,15 +69,17 @@ FIT_KEYS = {
     "a100.nvlink_latency_us": ("tier", ("dgx-a100-80g", "dgx-a100-40g"), "latency_us"),
     "deepspeed-0.19.zero3_overlap_fraction": ("runs_as", ("deepspeed-0.19",), "zero3_overlap_fraction"),
     "deepspeed-0.19.gemm_efficiency_scale": ("engine", ("deepspeed-0.19",), "gemm_efficiency_scale"),
+    "hopper.fp8_gemm_fraction": ("gpu", HOPPER, "fp8_gemm_fraction"),  # fitted on the fp8/bf16 pairs only
 }
 SCALE = {"a100.max_fraction": 1.0, "a100.nvlink_latency_us": 10.0, "megatron-core.gemm_efficiency_scale": 1.0, "unfused.attention_score_bytes": 10.0,
          "legacy.layer_overhead_s": 1e-3, "megatron-deepspeed.gemm_efficiency_scale": 1.0,
          "megatron-core.elementwise_bytes": 1.0, "deepspeed-0.19.zero3_overlap_fraction": 1.0,
-         "deepspeed-0.19.gemm_efficiency_scale": 1.0}
+         "deepspeed-0.19.gemm_efficiency_scale": 1.0, "hopper.fp8_gemm_fraction": 1.0}
 BOUNDS = {"a100.max_fraction": (0.3, 1.0), "a100.nvlink_latency_us": (0.5, 50.0), "megatron-core.gemm_efficiency_scale": (0.3, 1.0),
           "unfused.attention_score_bytes": (0.0, 100.0), "legacy.layer_overhead_s": (0.0, 5e-3),
           "megatron-deepspeed.gemm_efficiency_scale": (0.3, 1.0), "megatron-core.elementwise_bytes": (0.0, 64.0),
-          "deepspeed-0.19.zero3_overlap_fraction": (0.0, 1.0), "deepspeed-0.19.gemm_efficiency_scale": (0.3, 1.0)}
+          "deepspeed-0.19.zero3_overlap_fraction": (0.0, 1.0), "deepspeed-0.19.gemm_efficiency_scale": (0.3, 1.0),
+          "hopper.fp8_gemm_fraction": (0.4, 1.0)}
 # Where each value starts, and what it keeps when no training run informs it (leave-one-source-out
 # never starts from the bundled values, which were fitted on every source): the GPU spec's
 # datasheet default for a GEMM ceiling, the vTrain fit (another data set) for the legacy Megatron
@@ -86,7 +89,8 @@ PRIORS = {"a100.max_fraction": 0.75, "a100.nvlink_latency_us": 5.0, "megatron-co
           "legacy.layer_overhead_s": 7.87e-4, "megatron-deepspeed.gemm_efficiency_scale": 1.0,
           "megatron-core.elementwise_bytes": 4.0,
           "deepspeed-0.19.zero3_overlap_fraction": 0.9,  # megatron-core's stated ZeRO-3 overlap
-          "deepspeed-0.19.gemm_efficiency_scale": 1.0}
+          "deepspeed-0.19.gemm_efficiency_scale": 1.0,
+          "hopper.fp8_gemm_fraction": 0.9}  # DeepGEMM's 1,350 of 1,979 FP8 TFLOP/s against bf16's ~75% (gpu.py)
 ENGINE_SCALES = ("megatron-deepspeed.gemm_efficiency_scale", "megatron-core.gemm_efficiency_scale",
                  "deepspeed-0.19.gemm_efficiency_scale")
 # which runs inform which value (a value no training run informs keeps its prior)
@@ -100,6 +104,7 @@ INFORMED_BY = {
     "megatron-core.elementwise_bytes": lambda r: r.engine == "megatron-core",
     "deepspeed-0.19.zero3_overlap_fraction": lambda r: r.engine == "deepspeed-0.19" and r.knobs.get("zero") == 3,
     "deepspeed-0.19.gemm_efficiency_scale": lambda r: r.engine == "deepspeed-0.19",
+    "hopper.fp8_gemm_fraction": lambda r: False,  # no calibration run is fp8: fitted on the pairs (fit_fp8_fraction)
 }
 ORDER_GAP = 0.10
 
@@ -346,7 +351,8 @@ NOT_YET = ("modelled as dense",)  # estimate() warnings that mean the run's feat
 
 
 def held_out(params: dict, path: Path = EXTRA) -> dict:
-    """Predictions of the held-out rows under `params` (never fitted on them): per row, per source,
+    """Predictions of the held-out rows under `params` (their times never fitted; the FP8/BF16
+    pairs' speed-ups fit hopper.fp8_gemm_fraction, `fp8_fraction_fit`): per row, per source,
     overall, the FP8/BF16 pairs, and every row left out with its reason."""
     runs, excluded, sources = load_extra(path)
     key = tuple(sorted(params.items()))
@@ -375,6 +381,7 @@ def held_out(params: dict, path: Path = EXTRA) -> dict:
             "all": summary(np.array([r["error_pct"] for r in rows])),
             "moe": summary(np.array([r["error_pct"] for r in rows if r["moe"]])),
             "pairs": fp8_pairs(rows, {r.id: r for r in runs}, layouts, key),
+            "fp8_fit": fp8_fraction_fit(rows, {r.id: r for r in runs}, layouts, params),
             "balance": balance_pairs([r for r in runs if r.id in layouts], layouts, key),
             "excluded": excluded, "titles": {k: v.get("title", k) for k, v in sources.items()}}
 
@@ -411,6 +418,44 @@ def fp8_pairs(rows: list[dict], runs: dict[str, Run], layouts: dict[str, Layout]
     return out
 
 
+FP8_KEY = "hopper.fp8_gemm_fraction"
+HOPPER_CLUSTERS = ("dgx-h100", "h800")
+FP8_GRID = np.round(np.arange(0.50, 1.0001, 0.01), 2)
+
+
+def fp8_speedup_errors(rows, runs, layouts, params: dict, fraction: float) -> list[tuple[str, float]]:
+    """(source, speed-up error %) of every Hopper FP8/BF16 pair with the fp8 GEMM fraction at `fraction`."""
+    key = tuple(sorted((params | {FP8_KEY: float(fraction)}).items()))
+    return [(runs[p["fp8"]].source, (p["predicted_speedup"] / p["measured_speedup"] - 1) * 100)
+            for p in fp8_pairs(rows, runs, layouts, key) if runs[p["fp8"]].cluster in HOPPER_CLUSTERS]
+
+
+def fp8_fraction_fit(rows, runs, layouts, params: dict) -> dict:
+    """`hopper.fp8_gemm_fraction` fitted on the FP8/BF16 pairs' speed-ups (the only value fitted on
+    held-out rows, and on ratios only: each pair is one source running one layout both ways), on a
+    grid, minimising the mean over sources of each source's mean |speed-up error|; and left one
+    source out: each source's pairs at the value fitted on the others, against the prior."""
+    table = {f: fp8_speedup_errors(rows, runs, layouts, params, f) for f in FP8_GRID}
+    sources = sorted({s for s, _ in table[FP8_GRID[0]]})
+
+    def score(f, keep):
+        per = [np.mean([abs(e) for s, e in table[f] if s == src]) for src in keep]
+        return float(np.mean(per)) if per else np.inf
+
+    def best(keep):
+        return float(min(FP8_GRID, key=lambda f: (score(f, keep), abs(f - PRIORS[FP8_KEY]))))
+
+    prior = float(min(FP8_GRID, key=lambda f: abs(f - PRIORS[FP8_KEY])))
+    loso = {}
+    for src in sources:
+        others = [s for s in sources if s != src]
+        f = best(others) if others else prior
+        loso[src] = {"fitted_on_others": f, "error_pct": score(f, [src]), "error_at_prior_pct": score(prior, [src])}
+    return {"fitted": best(sources) if sources else prior, "bundled": params[FP8_KEY], "prior": PRIORS[FP8_KEY],
+            "error_at_bundled_pct": score(float(min(FP8_GRID, key=lambda f: abs(f - params[FP8_KEY]))), sources),
+            "leave_one_source_out": loso}
+
+
 def balance_pairs(runs: list[Run], layouts: dict[str, Layout], key: tuple) -> list[dict]:
     """Forced-balance rows that also measured dropless routing: the measured slow-down of dropless
     against the one predicted with plan3d's dropless imbalance prior (MOE_IMBALANCE), the layout
@@ -429,7 +474,8 @@ def balance_pairs(runs: list[Run], layouts: dict[str, Layout], key: tuple) -> li
 
 
 def print_held_out(rep: dict, title: str) -> None:
-    print(f"\n## held-out validation ({title}; never fitted): published MoE, FP8 and long-context runs, "
+    print(f"\n## held-out validation ({title}; times never fitted, the fp8 pairs' speed-ups fit the Hopper "
+          "fp8 GEMM fraction): published MoE, FP8 and long-context runs, "
           "benchmarks/data/extra_runs.yaml")
     print("(other: the error under the other reading of a FLOP count the source does not state: non-causal for MoE "
           "Parallel Folding, see benchmarks/data/README.md)")
@@ -456,6 +502,14 @@ def print_held_out(rep: dict, title: str) -> None:
     for p in rep["pairs"]:
         print(f"fp8/bf16 speedup, {p['fp8']} vs {p['bf16']} (both on {p['layout']}): "
               f"measured {p['measured_speedup']:.3f}x, predicted {p['predicted_speedup']:.3f}x")
+    fit = rep.get("fp8_fit")
+    if fit:
+        print(f"fp8 GEMM fraction (hopper; of the bf16 GEMM efficiency, against the fp8 peak), fitted on the "
+              f"pairs' speed-ups: {fit['fitted']:.2f} (bundled {fit['bundled']:.2f}, prior {fit['prior']:.2f}); "
+              f"mean speed-up error at the bundled value {fit['error_at_bundled_pct']:.1f}%")
+        for src, s in fit["leave_one_source_out"].items():
+            print(f"  left out {src}: fitted on the others {s['fitted_on_others']:.2f}, its speed-up error "
+                  f"{s['error_pct']:.1f}% (at the prior {s['error_at_prior_pct']:.1f}%)")
     for p in rep.get("balance", []):
         print(f"dropless / forced balance, {p['id']}: measured {p['measured_ratio']:.3f}x, predicted "
               f"{p['predicted_ratio']:.3f}x with the dropless imbalance prior {MOE_IMBALANCE}")

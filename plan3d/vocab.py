@@ -72,6 +72,22 @@ PHASES = ("forward_backward", "grad_reduce", "clip", "optimizer", "loss")
 # --recompute-num-layers N`; the estimate's `recompute_layers`).
 RECOMPUTE_MODES = ("none", "selective", "moe-act", "moe", "mla-up", "partial", "full")
 RECOMPUTE_CODES = {mode: code for code, mode in enumerate(RECOMPUTE_MODES)}
+# Megatron-Core's --recompute-modules of each module-list mode (TransformerConfig.recompute_modules),
+# read by the emitter (the flags) and the memory model (what each mode drops); the expert modules
+# (moe_act, moe) apply to MoE models only.
+RECOMPUTE_MODULES = {"moe-act": ("moe_act", "layernorm"), "moe": ("moe", "layernorm"),
+                     "mla-up": ("mla_up_proj", "moe_act", "layernorm")}
+EXPERT_RECOMPUTE_MODULES = ("moe_act", "moe")
+
+
+def recompute_modules(mode: str, moe: bool) -> tuple[str, ...]:
+    """The --recompute-modules of `mode` for a model with (moe) or without experts; () for the rest."""
+    return tuple(m for m in RECOMPUTE_MODULES.get(mode, ()) if moe or m not in EXPERT_RECOMPUTE_MODULES)
+
+
+def modes_recomputing(module: str) -> tuple[str, ...]:
+    """The recompute modes whose module list holds `module` (RECOMPUTE_MODULES)."""
+    return tuple(mode for mode, modules in RECOMPUTE_MODULES.items() if module in modules)
 
 # ---- collectives ------------------------------------------------------------------------------
 # The kinds of transfer a network tier prices (a spec's `collectives:` keys) and the cost model

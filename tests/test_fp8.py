@@ -87,11 +87,12 @@ def test_a_cpu_cluster_is_told_its_own_precision():
 
 def test_fp8_is_faster_than_bf16_by_less_than_the_peak_ratio():
     """The fp8/bf16 peak ratio (2x) is the bound no model with bf16 attention and casts can reach;
-    the linear GEMMs dominate a 70B layer, so the gain is well above 1."""
+    the linear GEMMs dominate a 70B layer, so the gain is above 1 (Hopper's fitted 0.73 caps the
+    linear GEMMs at 1.46x)."""
     bf16, fp8 = h100_step("bf16"), h100_step("fp8")
     speedup = bf16.step_time_s / fp8.step_time_s
     peaks = load_cluster("dgx-h100").gpu.peak_tflops
-    assert 1.2 <= speedup < peaks["fp8"] / peaks["bf16"]
+    assert 1.1 <= speedup < 2 * load_cluster("dgx-h100").gpu.compute_efficiency.fp8_gemm_fraction < peaks["fp8"] / peaks["bf16"]
 
 
 def test_only_the_linear_gemms_change_attention_and_logits_stay_bf16():
@@ -144,7 +145,7 @@ def test_small_per_gpu_matrices_gain_less_from_fp8():
         return compute.layer_gemms_s(bf16, 1, 8) / compute.layer_gemms_s(fp8, 1, 8)
 
     assert gemm_speedup(64) < gemm_speedup(8192)
-    assert gemm_speedup(8192) > 1.3
+    assert 1.1 < gemm_speedup(8192) < 2 * cluster.gpu.compute_efficiency.fp8_gemm_fraction
 
 
 def test_the_gpu_specs_fp8_gemm_fraction_drives_the_prediction():
@@ -163,10 +164,13 @@ def test_fp8_mfu_is_counted_against_the_bf16_peak():
     assert est.mfu == pytest.approx(est.model_tflops_per_gpu * 1e12 / load_cluster("dgx-h100").gpu.peak_flops("bf16"))
 
 
-def test_the_estimate_says_the_fp8_efficiency_is_a_prior():
+def test_the_estimate_says_where_the_fp8_efficiency_comes_from():
+    """Hopper: 0.73, fitted on the published pairs; Blackwell: the 0.9 prior, said to be one."""
     warnings = h100_step("fp8").warnings
-    assert any(w.startswith("fp8 is not calibrated") and "prior 0.9" in w for w in warnings)
+    assert any(w.startswith("fp8:") and "0.73 x the bf16" in w and "fitted on five" in w for w in warnings)
     assert not any("fp8" in w for w in h100_step("bf16").warnings)
+    blackwell = h100_step("fp8", cluster=load_cluster("gb200-nvl72", nodes=16)).warnings
+    assert any(w.startswith("fp8:") and "0.9 x the bf16" in w and "a prior" in w for w in blackwell)
 
 
 # emitters

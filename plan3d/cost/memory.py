@@ -19,7 +19,7 @@ from plan3d.specs import schedule as schedules
 from plan3d.specs.engine import EngineSpec
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
-from plan3d.vocab import RECOMPUTE_CODES
+from plan3d.vocab import RECOMPUTE_CODES, modes_recomputing
 
 
 # ---- parameters ----------------------------------------------------------------------------
@@ -281,7 +281,9 @@ def moe_act_discarded_elements(ctx: CostContext, la: LayoutArrays):
     return routed_tokens(ctx, la) * ctx.expert_ffn / la.tp, sb * ctx.hidden / la.sp_div
 
 
-NORM_RECOMPUTE = ("moe-act", "moe", "mla-up")  # the modes whose module list has layernorm
+def recomputes_module(la: LayoutArrays, module: str):
+    """Per layout: whether its recompute mode's Megatron-Core module list holds `module`."""
+    return np.isin(la.recompute, [RECOMPUTE_CODES[m] for m in modes_recomputing(module)])
 
 
 def input_norm_discarded_elements(ctx: CostContext, la: LayoutArrays):
@@ -350,7 +352,7 @@ def offloaded_bytes(ctx: CostContext, la: LayoutArrays):
     sb = ctx.seq * la.mb_share
     fp8 = 1.0 if ctx.fp8 else 0.0  # one byte less per element Transformer Engine saves in FP8
     norm_side = sb * ctx.hidden / la.sp_div
-    norm_modes = np.isin(la.recompute, [RECOMPUTE_CODES[m] for m in NORM_RECOMPUTE])
+    norm_modes = recomputes_module(la, "layernorm")
     qkv_linear = (2 * ctx.act_bytes - fp8) * norm_side - np.where(
         norm_modes, input_norm_discarded_elements(ctx, la) * ctx.act_bytes, 0.0)
     core = sb * ((2 * ctx.q_dim + 2 * ctx.kv_dim) * ctx.act_bytes - fp8 * ctx.q_dim) / la.tp - np.where(
@@ -429,13 +431,13 @@ def stage_activation_bytes(ctx: CostContext, la: LayoutArrays, pp_rank, layers_o
     moe_block = la.recompute == RECOMPUTE_CODES["moe"]
     redone_moe = moe_block_discarded_bytes(ctx, la) if ctx.moe_layers else 0.0  # live again in one layer's backward
     mla_up = la.recompute == RECOMPUTE_CODES["mla-up"]
-    norm_modes = np.isin(la.recompute, [RECOMPUTE_CODES[m] for m in NORM_RECOMPUTE])
+    norm_modes = recomputes_module(la, "layernorm")
     mla_discarded = (np.where(mla_up, mla_up_discarded_elements(ctx, la) * ctx.act_bytes, 0.0)
                      + np.where(norm_modes, input_norm_discarded_elements(ctx, la) * ctx.act_bytes, 0.0))
     per_layer = per_layer - mla_discarded
     if ctx.moe_layers:
         per_moe = per_moe - mla_discarded - np.where(
-            (la.recompute == RECOMPUTE_CODES["moe-act"]) | mla_up, sum(moe_act_discarded_elements(ctx, la)) * ctx.act_bytes, 0.0)
+            recomputes_module(la, "moe_act"), sum(moe_act_discarded_elements(ctx, la)) * ctx.act_bytes, 0.0)
         per_moe = per_moe - np.where(moe_block, redone_moe, 0.0)
     checkpoint = 2 * ctx.seq * la.mb_share * ctx.hidden / la.sp_div * ctx.act_bytes / 2
     scores = np.where(selective, attention_score_store_bytes(ctx, la), 0.0)  # selective recomputes the scores

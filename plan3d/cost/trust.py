@@ -47,7 +47,10 @@ def provenance(cluster: ClusterSpec, engine: EngineSpec | None, training: Traini
     if not gpu_fit and not engine_on_gpu:
         warnings.append(f"{gpu.name} has no fitted efficiency values (datasheet only): treat times as a first guess")
     if training.precision == "fp8":
-        warnings.append(f"fp8 is not calibrated: the linear-layer GEMMs run at the fp8 peak with a prior "
+        fitted = gpu.generation == "hopper"
+        warnings.append(f"fp8: the linear-layer GEMMs run at the fp8 peak with "
                         f"{gpu.compute_efficiency.fp8_gemm_fraction:g} x the bf16 GEMM efficiency, plus the FP8 "
-                        "casts (no measured fp8 run fitted it; docs/cost-model.md, FP8)")
+                        "casts; " + ("fitted on five published FP8/BF16 speed-ups on H100 (docs/cost-model.md, FP8)"
+                                     if fitted else "a prior, no measured fp8 run on this GPU generation fitted it "
+                                     "(docs/cost-model.md, FP8)"))
     return Trust(lines, warnings)

@@ -64,6 +64,7 @@ from plan3d.errors import InfeasibleError, SpecError
 from plan3d.layout import Layout
 from plan3d.plan import Plan
 from plan3d.specs.engine import ACT_OFFLOAD_MODULES, EXPERT_OFFLOAD_MODULES, EngineSpec
+from plan3d.vocab import recompute_modules
 
 PROFILE = "megatron-core"
 VERSIONS = "0.17-0.19"
@@ -227,13 +228,12 @@ def _recompute_args(plan: Plan) -> list[str]:
                 "--recompute-num-layers", str(partial_recompute_layers(plan))]
     if layout.recompute == "selective":
         return ["--recompute-granularity", "selective"]
-    if layout.recompute == "moe-act":  # output-discarding checkpoints; core_attn left out: flash attention saves nothing to drop
-        return ["--recompute-granularity", "selective", "--recompute-modules", "moe_act", "layernorm"]
-    if layout.recompute == "moe":  # the MoE layer under one checkpoint (MoELayer.moe_layer_recompute) and the norm
-        return ["--recompute-granularity", "selective", "--recompute-modules", "moe", "layernorm"]
-    if layout.recompute == "mla-up":  # DeepSeek-V3's: the up-projections, the norms, the experts' activation
-        experts = ["moe_act"] if plan.model.moe is not None else []
-        return ["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj", *experts, "layernorm"]
+    # moe-act: output-discarding checkpoints (core_attn left out: flash attention saves nothing to
+    # drop); moe: the MoE layer under one checkpoint (MoELayer.moe_layer_recompute) and the norm;
+    # mla-up: DeepSeek-V3's, the up-projections, the norms, the experts' activation (RECOMPUTE_MODULES)
+    modules = recompute_modules(layout.recompute, plan.model.moe is not None)
+    if modules:
+        return ["--recompute-granularity", "selective", "--recompute-modules", *modules]
     if layout.recompute == "full":
         return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     return []
@@ -270,7 +270,7 @@ def _precision_args(plan: Plan) -> list[str]:
     return []
 
 
-NORM_RECOMPUTE_MODES = ("moe-act", "moe", "mla-up")  # modes that recompute the layernorm module
+DELAYED_SCALING_REFUSES = ("moe_act", "layernorm")  # recompute modules delayed FP8 scaling refuses
 
 
 def fp8_recipe(plan: Plan) -> str:
@@ -278,7 +278,8 @@ def fp8_recipe(plan: Plan) -> str:
     layernorm recompute under delayed scaling ("Delayed scaling does not support moe_act and
     layernorm recompute for fp8") and takes them with per-tensor current scaling (tensorwise) on
     Transformer Engine >= 2.6."""
-    return "tensorwise" if plan.layout.recompute in NORM_RECOMPUTE_MODES else "delayed"
+    modules = recompute_modules(plan.layout.recompute, plan.model.moe is not None)
+    return "tensorwise" if set(modules) & set(DELAYED_SCALING_REFUSES) else "delayed"
 
 
 def _grad_dtype_args(plan: Plan) -> list[str]:

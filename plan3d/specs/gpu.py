@@ -41,10 +41,11 @@ class ComputeEfficiency(SpecModel):
     process: the host time and the kernel time add).
     `fp8_gemm_fraction`: under fp8 training, the share of the bf16 GEMM efficiency an fp8 GEMM
     reaches against the fp8 peak (its ceiling is fp8_gemm_fraction * max_fraction of the fp8
-    peak). A stated prior, not fitted on any fp8 run: DeepSeek's DeepGEMM announcement (Feb.
-    2025) reports 1,350+ FP8 TFLOP/s on Hopper, 68% of the 1,979 dense FP8 peak, where bf16
-    GEMMs of training shapes reach about 75% of 989 (the max_fraction fitted here): 0.68 / 0.75
-    is about 0.9.
+    peak). The default is a stated prior: DeepSeek's DeepGEMM announcement (Feb. 2025) reports
+    1,350+ FP8 TFLOP/s on Hopper, 68% of the 1,979 dense FP8 peak, where bf16 GEMMs of training
+    shapes reach about 75% of 989: 0.68 / 0.75 is about 0.9. The Hopper GPU specs carry 0.73,
+    fitted by benchmarks/published.py on five published FP8/BF16 speed-ups of Transformer Engine
+    (cuBLAS FP8 GEMMs at training shapes, not DeepGEMM's); other generations keep the prior.
     Values are fitted by `benchmarks/accuracy.py` (and later `plan3d calibrate`).
     """
 

@@ -451,8 +451,7 @@ def job_problems(layout: Layout, model: ModelSpec, training: TrainingSpec, world
     """Every reason `layout` cannot run as a job: the layout rules (`layout_problems`), then what
     `engine` (an EngineSpec, or None) cannot run (`EngineSpec.layout_problems`, its profile's
     `can_run`). The one call for the pair; `check` keeps them apart only to label its findings."""
-    engine_problems = (engine.layout_problems(layout, model) + engine.training_problems(training)
-                       if engine is not None else [])
+    engine_problems = engine.job_problems(layout, model, training) if engine is not None else []
     return layout_problems(layout, model, training, world_size) + engine_problems
 
 

@@ -376,8 +376,7 @@ def check_job(cluster, model, training, layout, min_mfu: float | None = None,
     else:
         if engine is not None:
             layout = engine.resolve_split(layout, model)
-            report.findings += [engine_finding(p) for p in engine.layout_problems(layout, model)
-                                + engine.training_problems(training)]
+            report.findings += [engine_finding(p) for p in engine.job_problems(layout, model, training)]
         report.findings += [problem_finding(p) for p in layout_problems(layout, model, training, cluster.world_size)]
         if report.ok:
             _check_fit(report, cluster, model, training, layout, min_mfu, max_memory_fraction, engine, strict)

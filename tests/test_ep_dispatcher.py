@@ -364,3 +364,19 @@ def test_combined_1f1b_needs_a_16_bit_model_everywhere(capsys):
                              "--engine", "megatron-core", "--precision", "fp32", "--tp", "2", "--pp", "2", "--vpp", "2",
                              "--dp", "4", "--ep", "4", "--ep-overlap", "combined-1f1b", "--global-batch", "64")
     assert code != 0 and "bf16 or fp16 model" in out + err and "Traceback" not in out + err
+
+
+def test_job_problems_joins_the_layout_and_the_training_refusals():
+    """EngineSpec.job_problems, the one call of estimate, check, emit and recommend: combined-1F1B
+    refuses an fp32 model (training) and, with pp > 1, a layout without a virtual pipeline (layout)."""
+    from plan3d.layout import Layout
+
+    engine = load_engine("megatron-core").with_ep_overlap("combined-1f1b")
+    model, fp32 = load_model("mixtral-8x7b"), TrainingSpec(global_batch=64, precision="fp32")
+    good = Layout(tp=2, pp=2, vpp=2, dp=4, ep=4, zero=1, sequence_parallel=True)
+    bad = good.model_copy(update={"vpp": 1})
+    assert engine.job_problems(good, model, fp32) == engine.training_problems(fp32) != []
+    both = engine.job_problems(bad, model, fp32)
+    assert both == engine.layout_problems(bad, model) + engine.training_problems(fp32)
+    assert len(both) > len(engine.training_problems(fp32))
+    assert engine.job_problems(good, model, TrainingSpec(global_batch=64)) == []

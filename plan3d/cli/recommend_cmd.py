@@ -428,7 +428,7 @@ def explain_cmd(
         dp = max(1, world // max(tp * pp * cp, 1))
     layout = make_layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, micro_batch=micro_batch, vpp=vpp, schedule=schedule, zero=zero,
                          recompute=recompute, sequence_parallel=sequence_parallel, order=order)
-    problems = engine_spec.layout_problems(layout, specs[1]) + engine_spec.training_problems(specs[2])
+    problems = engine_spec.job_problems(layout, specs[1], specs[2])
     if problems:
         raise LayoutError("; ".join(problems))
     check_layout(layout, specs[1], specs[2], world)

@@ -2,8 +2,6 @@
 search, the CLI and the runtime code against)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
-
 import numpy as np
 
 from plan3d.cost.arrays import layout_arrays
@@ -17,50 +15,13 @@ from plan3d.cost.core import Links, evaluate, link_row
 from plan3d.errors import LayoutError
 from plan3d.layout import Layout, check_layout
 from plan3d.rankmap import rankmap_for
+from plan3d.records import Estimate
 from plan3d.specs import schedule as schedules
 from plan3d.specs.cluster import ClusterSpec
 from plan3d.specs.engine import EngineSpec
 from plan3d.specs.model import ModelSpec
 from plan3d.specs.training import TrainingSpec
 from plan3d.vocab import MEMORY_TERMS, RECOMPUTE_CODES, TIME_TERMS, UTILISATION
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """Every term of the prediction for one layout, SI units (bytes, seconds, FLOP/s)."""
-
-    step_time_s: float
-    tokens_per_s: float
-    model_tflops_per_gpu: float
-    mfu: float  # model FLOPs, causal attention (plan3d.vocab.UTILISATION)
-    mfu_noncausal: float
-    hfu: float
-    peak_memory_bytes: float
-    capacity_bytes: float
-    fits: bool
-    bubble_fraction: float
-    memory_bytes: dict  # categories of the most-loaded rank
-    stage_memory_bytes: list  # total per pipeline rank
-    time_s: dict
-    tiers: dict  # tp, pp, dp (and cp, dp_cp when cp > 1; ep, edp when ep > 1) -> name of the tier the group spans
-    worst_pp_rank: int
-    warnings: list = field(default_factory=list)
-    layout: dict = field(default_factory=dict)
-    engine: str = ""  # the engine predicted for ("" : the cluster's values alone)
-    provenance: list = field(default_factory=list)  # which fitted values were used, from what data
-    cp_comm: str = ""  # context parallelism's K/V exchange priced (p2p, all_gather, a2a); "" with cp = 1
-    ep_dispatcher: str = ""  # the MoE token dispatcher priced (alltoall, deepep, hybridep); "" with ep = 1
-    ep_overlap: str = ""  # how the all-to-alls were taken to hide (none, combined-1f1b); "" with ep = 1
-    act_offload: str = ""  # the activations offloaded to host memory (none, experts, all: RunsAs.act_offload)
-    host_offload_bytes: float = 0.0  # host memory the most-offloading rank's activations take (memory.host_offload_bytes)
-    step_time_s_band: list = field(default_factory=list)  # [fast end, slow end] of the measured step (plan3d.cost.bands)
-    validated: bool = False  # inside a region of measured runs (no feature extrapolated)
-    region: dict = field(default_factory=dict)  # the band's region, runs, sources and what is extrapolated
-    grad_dtype: str = ""  # the gradients budgeted: fp32, bf16, fp16, or "fp32 + bf16 .grad" (context.gradient_extras)
-    recompute_layers: int = 0  # partial recompute: layers per virtual chunk recomputed (--recompute-num-layers)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def estimate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, layout: Layout,
@@ -76,7 +37,7 @@ def estimate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, lay
     if engine is not None:
         notes = [n for n in (engine.zero_note(layout), engine.split_note(layout, model)) if n]
         layout = engine.resolve_split(layout, model)
-        problems = engine.layout_problems(layout, model) + engine.training_problems(training)
+        problems = engine.job_problems(layout, model, training)
         if problems:
             raise LayoutError("; ".join(problems))
     check_layout(layout, model, training, cluster.world_size)
@@ -98,7 +59,7 @@ def estimate(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, lay
     require_finite(_numbers(result), cluster, model, training, engine)
     trust = provenance(cluster, engine, training, layout.zero)
     band = layout_band(cluster, model, training, layout, engine)
-    return replace(result, engine=engine.name if engine else "", provenance=trust.lines,
+    return result.with_values(engine=engine.name if engine else "", provenance=trust.lines,
                    warnings=result.warnings + trust.warnings, cp_comm=ctx.cp_comm if layout.cp > 1 else "",
                    ep_dispatcher=(engine.runs_as.ep_dispatcher if engine else "alltoall") if layout.ep > 1 else "",
                    ep_overlap=(engine.runs_as.ep_overlap if engine else "none") if layout.ep > 1 else "",
@@ -140,7 +101,7 @@ def _to_estimate(out: dict, layout: Layout, tiers: dict, warnings: list[str]) ->
     if peak > capacity:
         warnings = warnings + [f"does not fit: pipeline rank {worst} needs {peak / 2**30:.1f} GiB of "
                                f"{capacity / 2**30:.1f} GiB usable"]
-    return Estimate(
+    return Estimate.fresh(
         step_time_s=scalar(out["step_time_s"]), tokens_per_s=scalar(out["tokens_per_s"]),
         model_tflops_per_gpu=scalar(out["model_tflops_per_gpu"]), **{k: scalar(out[k]) for k in UTILISATION},
         peak_memory_bytes=peak, capacity_bytes=capacity, fits=peak <= capacity,

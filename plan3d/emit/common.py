@@ -75,7 +75,7 @@ def target_engine(plan: Plan, profile: str, versions: str) -> tuple[EngineSpec, 
     (`reestimate_note`); a plan of another engine whose layout would not fit under this one is
     refused."""
     engine = _as_planned(load_engine(profile), plan, versions)
-    problems = engine.layout_problems(plan.layout, plan.model) + engine.training_problems(plan.training)
+    problems = engine.job_problems(plan.layout, plan.model, plan.training)
     if problems:
         raise InfeasibleError(f"{profile} {versions} cannot run {plan.layout.short()}: " + "; ".join(problems))
     notes = []

@@ -58,7 +58,7 @@ def predicted_for_run(plan: Plan, precision: str | None = None, cluster=None) ->
     if plan.layout.cp > 1 and plan.cp_comm in runtime.can_run.cp_comm:  # the exchange the runtime runs (launch)
         runtime = runtime.with_cp_comm(plan.cp_comm)
     fresh = estimate(cluster or plan.cluster, plan.model, training, plan.layout, runtime)
-    return Estimate.unchecked(fresh.to_dict())
+    return fresh
 
 
 def engine_note(plan: Plan) -> str | None:

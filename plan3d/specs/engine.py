@@ -581,6 +581,11 @@ class EngineSpec(SpecModel):
                        "use --act-offload all or none")
         return out
 
+    def job_problems(self, layout: LayoutShape, model: ModelSpec, training: TrainingSpec) -> list[str]:
+        """Everything the engine refuses of a job: of its layout (`layout_problems`) and of its
+        training (`training_problems`). The one call every command makes."""
+        return self.layout_problems(layout, model) + self.training_problems(training)
+
     def training_problems(self, training: TrainingSpec) -> list[str]:
         """What the engine's run choices refuse of the training's precision: Megatron-Core's
         combined-1F1B overlap runs only a bf16 or fp16 model (TransformerConfig asserts it; fp8

@@ -104,7 +104,7 @@ INFORMED_BY = {
     "megatron-core.elementwise_bytes": lambda r: r.engine == "megatron-core",
     "deepspeed-0.19.zero3_overlap_fraction": lambda r: r.engine == "deepspeed-0.19" and r.knobs.get("zero") == 3,
     "deepspeed-0.19.gemm_efficiency_scale": lambda r: r.engine == "deepspeed-0.19",
-    "hopper.fp8_gemm_fraction": lambda r: False,  # no calibration run is fp8: fitted on the pairs (fit_fp8_fraction)
+    "hopper.fp8_gemm_fraction": lambda r: False,  # no calibration run is fp8: fitted on the pairs (fp8_fraction_fit)
 }
 ORDER_GAP = 0.10
 
@@ -505,8 +505,8 @@ def print_held_out(rep: dict, title: str) -> None:
     fit = rep.get("fp8_fit")
     if fit:
         print(f"fp8 GEMM fraction (hopper; of the bf16 GEMM efficiency, against the fp8 peak), fitted on the "
-              f"pairs' speed-ups: {fit['fitted']:.2f} (bundled {fit['bundled']:.2f}, prior {fit['prior']:.2f}); "
-              f"mean speed-up error at the bundled value {fit['error_at_bundled_pct']:.1f}%")
+              f"pairs' speed-ups: {fit['fitted']:.2f} (used here {fit['bundled']:.2f}, prior {fit['prior']:.2f}); "
+              f"mean speed-up error at the value used {fit['error_at_bundled_pct']:.1f}%")
         for src, s in fit["leave_one_source_out"].items():
             print(f"  left out {src}: fitted on the others {s['fitted_on_others']:.2f}, its speed-up error "
                   f"{s['error_pct']:.1f}% (at the prior {s['error_at_prior_pct']:.1f}%)")
@@ -678,8 +678,8 @@ def main(argv: list[str] | None = None) -> int:
         more, more_excluded, _ = load_extra(args.extra, role="calibration")
         runs, excluded = runs + more, excluded + more_excluded
     params = bundled_params()
-    if args.fit:
-        params = fit(runs, PRIORS)
+    if args.fit:  # no calibration run informs the Hopper fp8 fraction: it keeps its pair-fitted value
+        params = fit(runs, PRIORS | {FP8_KEY: params[FP8_KEY]})
     elif args.fit_only:
         params = fit_only(runs, params, args.fit_only)
     out = {"fitted" if args.fit or args.fit_only else "bundled": report(runs, predict(runs, params), params),

@@ -157,8 +157,9 @@ def rankmap_dict(rankmap: RankMap) -> dict[str, Any]:
 
 def build_plan(cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, layout: Layout,
                estimate: Estimate | dict[str, Any] | None = None, engine: EngineSpec | None = None) -> Plan:
-    """The plan of `layout` with its rank map; `estimate`: `plan3d.cost.estimate.Estimate.to_dict()`
-    (or its record), None or {} for a plan made without one (the runtime's tests, calibrate)."""
+    """The plan of `layout` with its rank map; `estimate`: what `plan3d.cost.estimate.estimate`
+    returns (a `plan3d.records.Estimate`) or its `to_dict()`, None or {} for a plan made without one
+    (the runtime's tests, calibrate)."""
 
     record = Estimate.unchecked(estimate) if isinstance(estimate, dict) and estimate else estimate or None
     rankmap = RankMapRecord.unchecked(rankmap_dict(rankmap_for(layout, cluster.gpus_per_node)))

@@ -278,3 +278,14 @@ def test_reevaluating_a_search_with_offload_matches_the_offloaded_search():
     assert mine.keys() == theirs.keys()
     for key, (t, c) in mine.items():
         assert t == pytest.approx(theirs[key][0], rel=1e-12) and c == theirs[key][1], key
+
+
+def test_the_offload_note_counts_a_memory_fraction_refusal_as_memory(capsys):
+    """A layout refused by --max-memory-fraction (not by the GPU) fits once offloading frees memory:
+    the note names it (the full offloaded search finds it too: tp1 pp1 dp8 ep2 zero3 moe-act)."""
+    code, out, _ = run_cli(capsys, "recommend", "-c", "gb200-nvl72", "--nodes", "2", "-m", "mixtral-8x7b",
+                           "--engine", "megatron-core", "--global-batch", "128", "--max-micro-batch", "4",
+                           "--max-memory-fraction", "0.6", "--json")
+    assert code == 0, out
+    note = next(n for n in json.loads(out)["notes"] if "--act-offload experts" in n)
+    assert "less than the fastest layout without" in note and "zero3" in note

@@ -233,8 +233,9 @@ def _offload_note(result, specs, thresholds: dict, chosen: str | None) -> str:
     the engine can and the user left it at the engine's none: memory changes, so the space is
     searched again with the offloading profile, and its fastest layout is named where nothing fit
     without or where it beats the fastest without by more than 3%. Offloading adds copy time and
-    frees memory, so only two kinds of layout can win: one refused for memory that was already
-    faster than that, and partial recompute, which recomputes fewer layers when memory frees;
+    frees memory, so only two kinds of layout can win: one refused for memory (the GPU's or
+    --max-memory-fraction) that was already faster than that, and partial recompute, which
+    recomputes fewer layers when memory frees (whatever refused it before);
     those are predicted again (`search.reevaluate`), not the whole space."""
     from plan3d import search
 
@@ -244,8 +245,8 @@ def _offload_note(result, specs, thresholds: dict, chosen: str | None) -> str:
         return ""
     step = result.metrics["step_time_s"]
     fastest = float(step[result.feasible].min()) if result.feasible_count else np.inf
-    memory = result.codes == search.MEMORY_CODE
-    partial = (result.layouts["recompute"] == RECOMPUTE_CODES["partial"]) & (memory | result.feasible)
+    memory = np.isin(result.codes, (search.MEMORY_CODE, search.MEMORY_FRACTION_CODE))  # both are memory
+    partial = result.layouts["recompute"] == RECOMPUTE_CODES["partial"]  # fewer layers redone: faster, higher MFU
     which = (memory & (step < 0.97 * fastest)) | partial
     index, metrics, codes = search.reevaluate(result, engine.with_act_offload("experts"), which,
                                               thresholds.get("min_mfu"), thresholds.get("max_memory_fraction"))

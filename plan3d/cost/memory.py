@@ -240,8 +240,9 @@ def moe_layer_activation_bytes(ctx: CostContext, la: LayoutArrays):
 
 
 def moe_block_bytes(ctx: CostContext, la: LayoutArrays):
-    """What the MoE block of a layer (MoELayer.forward) stores per micro-batch at 16 bits: the
-    shared and routed experts' FFN tensors, the permuted tokens each way and the router's logits
+    """What the MoE block of a layer (MoELayer.forward) stores per micro-batch: the shared and
+    routed experts' FFN tensors and the permuted tokens at the activation dtype, the experts'
+    output before the combine at the engine's `moe_combine_output_bytes`, and the router's logits
     and probabilities (`moe_layer_activation_bytes`)."""
     sb = ctx.seq * la.mb_share
     routed = routed_tokens(ctx, la)
@@ -325,7 +326,8 @@ def mla_up_discarded_elements(ctx: CostContext, la: LayoutArrays):
 def moe_block_discarded_bytes(ctx: CostContext, la: LayoutArrays):
     """Bytes per MoE layer and micro-batch that Megatron-Core's moe recompute (`--recompute-modules
     moe layernorm`) does not keep: everything the MoE block of `moe_layer_activation_bytes` stores
-    (the shared experts' and routed experts' FFN tensors, the permuted tokens each way, the router's
+    (the shared experts' and routed experts' FFN tensors, the permuted tokens, the experts' output
+    the combine keeps, the router's
     logits and probabilities: MoELayer.forward runs under one tensor_parallel.checkpoint, which
     keeps only its input) and that input, the pre-MLP norm's output (an output-discarding
     checkpoint of the layernorm module, as in moe-act). The attention half of the layer is kept."""

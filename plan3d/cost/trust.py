@@ -47,7 +47,7 @@ def provenance(cluster: ClusterSpec, engine: EngineSpec | None, training: Traini
     if not gpu_fit and not engine_on_gpu:
         warnings.append(f"{gpu.name} has no fitted efficiency values (datasheet only): treat times as a first guess")
     if training.precision == "fp8":
-        fitted = gpu.generation == "hopper"
+        fitted = gpu.generation == "hopper" and "fp8_gemm_fraction" in gpu.compute_efficiency.model_fields_set
         warnings.append(f"fp8: the linear-layer GEMMs run at the fp8 peak with "
                         f"{gpu.compute_efficiency.fp8_gemm_fraction:g} x the bf16 GEMM efficiency, plus the FP8 "
                         "casts; " + ("fitted on five published FP8/BF16 speed-ups on H100 (docs/cost-model.md, FP8)"

@@ -107,6 +107,7 @@ INFORMED_BY = {
     "hopper.fp8_gemm_fraction": lambda r: False,  # no calibration run is fp8: fitted on the pairs (fp8_fraction_fit)
 }
 ORDER_GAP = 0.10
+A100_MAMF = load_cluster("dgx-a100-80g").gpu.compute_efficiency.mamf_fraction
 
 
 # ---- prediction --------------------------------------------------------------------------------
@@ -127,13 +128,23 @@ def _cluster_with_gpu(gpu: str) -> str:
     return {"a100-80gb": "dgx-a100-80g", "a100-40gb": "dgx-a100-40g", "h100-sxm": "dgx-h100"}[gpu]
 
 
+def mamf_tied_ceiling(gpu, theta: dict) -> dict:
+    """A GPU generation no calibration run measures, with a measured MAMF share (gpu.py
+    ComputeEfficiency.mamf_fraction), gets the A100's fitted ceiling times its MAMF share over
+    the A100's: {"max_fraction": value}, or {} for an A100 or a GPU without one."""
+    mine, a100 = gpu.compute_efficiency.mamf_fraction, A100_MAMF
+    if mine is None or gpu.name in FIT_KEYS["a100.max_fraction"][1]:
+        return {}
+    return {"max_fraction": theta["a100.max_fraction"] * mine / a100}
+
+
 @lru_cache(maxsize=512)
 def _cluster(name: str, gpus: int, params: tuple):
     base = load_cluster(name)
     nodes = -(-gpus // base.gpus_per_node)
     theta = dict(params)
     updates = {field: theta[key] for key, (kind, names, field) in FIT_KEYS.items()
-               if kind == "gpu" and base.gpu.name in names}
+               if kind == "gpu" and base.gpu.name in names} | mamf_tied_ceiling(base.gpu, theta)
     gpu = base.gpu.model_copy(update={"compute_efficiency": base.gpu.compute_efficiency.model_copy(update=updates)})
     inner = {field: theta[key] for key, (kind, names, field) in FIT_KEYS.items() if kind == "tier" and name in names}
     network = [base.network[0].model_copy(update=inner)] + list(base.network[1:])

@@ -46,6 +46,13 @@ class ComputeEfficiency(SpecModel):
     shapes reach about 75% of 989: 0.68 / 0.75 is about 0.9. The Hopper GPU specs carry 0.73,
     fitted by benchmarks/published.py on five published FP8/BF16 speed-ups of Transformer Engine
     (cuBLAS FP8 GEMMs at training shapes, not DeepGEMM's); other generations keep the prior.
+    `mamf_fraction`: the share of the bf16 peak the best-shaped single GEMM reaches on this GPU
+    (Maximum Achievable Matmul FLOPS, Bekman's mamf-finder, ml-engineering compute/accelerator
+    table: A100 SXM 85.9%, H100 SXM 80.1%, GH200 83.0%, MI300X 60.1%). It is a measured property
+    of the device, not of training runs: a generation no training run calibrates gets
+    max_fraction = (the A100's fitted max_fraction) * its mamf_fraction / the A100's, the A100
+    ceiling carried over by the ratio of what each chip's GEMMs can reach at all
+    (benchmarks/published.py ties them the same way when it fits).
     Values are fitted by `benchmarks/accuracy.py` (and later `plan3d calibrate`).
     """
 
@@ -58,6 +65,7 @@ class ComputeEfficiency(SpecModel):
     dp_overlap_fraction: float = bounded(0.8, FRACTION)
     host_overlap: bool = True
     fp8_gemm_fraction: float = bounded(0.9, EFFICIENCY)
+    mamf_fraction: float | None = bounded(None, EFFICIENCY)
     fitted_on: Text = Field("", description="The measured data these values were fitted on (empty: datasheet "
                            "defaults, not calibrated).")
 

@@ -80,6 +80,7 @@ class Case:
     measured_gib: float | None = None
     reading: str = "nvidia-smi"
     ranks: str = "embedding"  # embedding: pipeline stages 0 and p-1; all: the most loaded rank
+    contradicted_by: str = ""  # the row of the same table whose reading this one contradicts, and how
 
 
 # ---- reading the data ---------------------------------------------------------------------------
@@ -100,7 +101,7 @@ def bloom_training(gbs: int, precision: str, grads: str | None) -> TrainingSpec:
 def bloom_layout(row: dict, recompute: str = "full") -> Layout:
     zero = int(row.get("zero", row.get("zero_stage", 1)))
     fields = dict(tp=int(row["tp"]), pp=int(row["pp"]), dp=int(row["dp"]), micro_batch=int(row["mbs"]),
-                  zero=0 if int(row["dp"]) == 1 else zero, recompute=recompute)
+                  zero=zero, recompute=recompute)  # as configured: ZeRO-1 over one rank is not ZeRO-0 to DeepSpeed (GradientBuffer.unsharded_step_cast_bytes)
     if row.get("pp_layers"):
         fields["pp_layers"] = tuple(row["pp_layers"])
     return Layout(**fields)
@@ -173,7 +174,7 @@ def memory_runs_cases(path: Path = MEMORY_RUNS) -> list[Case]:
                             location=table["source"]["location"], engine=table["engine"],
                             cluster=A100_CLUSTERS[table["gpu"]], gpus=layout.world_size, model=model,
                             training=bloom_training(int(r["gbs"]), r["precision"], r["grads"]), layout=layout,
-                            outcome=outcome, measured_gib=value))
+                            outcome=outcome, measured_gib=value, contradicted_by=row.get("contradicted_by", "")))
     return out
 
 
@@ -212,7 +213,8 @@ def peaks_report(cases: list[Case]) -> dict:
         row = {"id": case.id, "source": case.source, "engine": case.engine, "outcome": case.outcome,
                "reading": case.reading, "layout": case.layout.short(), "precision": case.training.precision,
                "measured_gib": case.measured_gib, "predicted_gib": predicted, "fits": est.fits,
-               "capacity_gib": est.capacity_bytes / GIB, "worst_pp_rank": est.worst_pp_rank, "terms_gib": terms_gib(est)}
+               "capacity_gib": est.capacity_bytes / GIB, "worst_pp_rank": est.worst_pp_rank, "terms_gib": terms_gib(est),
+               "contradicted_by": case.contradicted_by}
         if case.measured_gib is not None:
             row["error_pct"] = (predicted - case.measured_gib) / case.measured_gib * 100
         rows.append(row)
@@ -227,6 +229,7 @@ def peaks_summary(rows: list[dict]) -> dict:
             "worst_under_pct": float(np.min(err)) if len(err) else float("nan"),
             "worst_over_pct": float(np.max(err)) if len(err) else float("nan"),
             "under_by_more_than_10pct": int(np.sum(err < -10)),
+            "under_by_more_than_10pct_contradicted": sum(1 for r in rows if r.get("error_pct", 0) < -10 and r["contradicted_by"]),
             "measured_running_called_not_fitting": sum(1 for r in rows if r.get("outcome") in ("peak", "fits")
                                                        and r.get("fits") is False),
             "oom_rows": sum(1 for r in rows if r.get("outcome") == "oom"),
@@ -369,7 +372,11 @@ def print_peaks(rep: dict) -> None:
     s = rep["summary"]
     print(f"\n{s['peaks']} measured peaks: mean |error| {s['mean_abs_error_pct']:.1f}%, bias {s['bias_pct']:+.1f}%, "
           f"worst under-prediction {s['worst_under_pct']:+.1f}%, worst over-prediction {s['worst_over_pct']:+.1f}%, "
-          f"{s['under_by_more_than_10pct']} under-predicted by more than 10%")
+          f"{s['under_by_more_than_10pct']} under-predicted by more than 10% "
+          f"(of them {s['under_by_more_than_10pct_contradicted']} contradicted by another reading of the same source)")
+    for r in rep["rows"]:
+        if r.get("error_pct", 0) < -10 and r.get("contradicted_by"):
+            print(f"  contradicted: {r['id']}: {r['contradicted_by']}")
     print(f"runs that ran but are called not fitting: {s['measured_running_called_not_fitting']}; "
           f"out-of-memory rows called fitting: {s['oom_called_fitting']} of {s['oom_rows']}; "
           f"not estimated: {s['not_estimated']}")

@@ -169,7 +169,7 @@ def engine_of(source: str, row: dict) -> str:
     zero = str(row["parallelism"].get("zero", "")).lower()
     if "zero-3" in zero:
         return "deepspeed"
-    if source in ("narayanan2021", "korthikanti2022", "megatron_readme_2020"):
+    if source in ("narayanan2021", "korthikanti2022", "megatron_readme_2020", "megatron_readme_2019"):  # Megatron-LM's own code
         return "megatron-lm-2021"
     if source == "megatron_readme_h100":
         return "megatron-core"

@@ -66,6 +66,20 @@ def test_sixteen_bit_gradients_cost_an_fp32_copy_at_the_step():
     assert half.memory_bytes["buffers"] - full.memory_bytes["buffers"] == pytest.approx(4 * params_of(half) / 4)
 
 
+@pytest.mark.parametrize("engine,zero0_bytes", [("megatron-deepspeed", 8), ("deepspeed", 8), ("megatron-core", 4)])
+def test_without_zero_the_fp16_step_holds_what_the_engines_optimizer_copies(engine, zero0_bytes):
+    """ZeRO-0, fp16: DeepSpeed's FP16_Optimizer casts every .grad to fp32 and then flattens the list
+    (8 bytes per parameter alive at once); Megatron's Float16Optimizer one fp32 copy (4). ZeRO-1
+    over one rank casts its flat partition once (4): the configured stage counts, not dp."""
+    layout = Layout(dp=1, zero=0, recompute="full")
+    no_bucket = {"reduce_bucket_elements": 0.0}  # its dtype would follow the gradients'
+    zero0 = run(engine, layout, "fp16", **no_bucket)
+    zero1 = run(engine, layout.model_copy(update={"zero": 1}), "fp16", **no_bucket)
+    none = run(engine, layout, "fp16", fp32_grads=True, **no_bucket)  # fp32 gradients: no cast at all
+    assert zero0.memory_bytes["buffers"] - none.memory_bytes["buffers"] == pytest.approx(zero0_bytes * params_of(zero0))
+    assert zero1.memory_bytes["buffers"] - none.memory_bytes["buffers"] == pytest.approx(4 * params_of(zero1))
+
+
 def test_deepspeed_reduces_through_a_bucket_of_its_gradients():
     """reduce_bucket_elements in the gradient dtype, at most the rank's gradients (fp32 with bf16)."""
     layout = Layout(pp=2, dp=4, zero=1, recompute="full")

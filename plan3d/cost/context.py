@@ -82,6 +82,7 @@ class CostContext:
     grad_label: str = "fp32"  # the gradients as budgeted, for display: "fp32", "bf16", "fp32 + bf16 .grad"
     grad_copy_bytes: int = 0  # 16-bit .grad tensors kept next to an fp32 buffer (DeepSpeed BF16_Optimizer), per parameter
     step_grad_cast_bytes: int = 0  # fp32 copy of 16-bit gradients the optimizer step makes, per parameter it updates
+    unsharded_step_cast_bytes: int = 0  # the same at ZeRO-0, where the engine's step may hold two (GradientBuffer)
     reduce_bucket_elements: float = 0.0  # flat bucket the gradient reduction copies into (DeepSpeed), in elements
     pipeline_outputs_kept: bool = False  # each stage keeps its output of every micro-batch in flight (DeepSpeed)
     zero3_collectives_per_layer: float = 1.0  # ZeRO-3 gathers / reduce-scatters per layer and pass
@@ -143,14 +144,18 @@ def gradient_extras(training: TrainingSpec, engine: EngineSpec | None) -> dict:
     - step_grad_cast_bytes: 4 where mixed-precision gradients are 16-bit: the fp32 optimizer step
       reads an fp32 copy of the gradients it updates (Megatron's Float16Optimizer
       `main_param.grad = model_param.main_grad.float()`, its distributed optimizer per shard;
-      DeepSpeed stage_1_and_2.py `single_grad_partition = ... .to(fp32)`), sharded as the optimizer."""
+      DeepSpeed stage_1_and_2.py `single_grad_partition = ... .to(fp32)`), sharded as the optimizer;
+    - unsharded_step_cast_bytes: that copy without ZeRO, 8 where the engine's step holds two
+      (`GradientBuffer.unsharded_step_cast_bytes`: DeepSpeed's FP16_Optimizer)."""
     dtype = grad_dtype(training, engine)
     mixed = training.precision != "fp32"
+    cast = 4 if mixed and dtype != "fp32" else 0
     keeps = bool(engine and engine.runs_as.gradients.keeps_16bit_grads)
     copy = mixed and dtype == "fp32" and keeps
     half = "fp16" if training.precision == "fp16" else "bf16"
     return {"grad_dtype": dtype, "grad_copy_bytes": 2 if copy else 0, "grad_label": f"{dtype} + {half} .grad" if copy else dtype,
-            "step_grad_cast_bytes": 4 if mixed and dtype != "fp32" else 0}
+            "step_grad_cast_bytes": cast,
+            "unsharded_step_cast_bytes": engine.runs_as.gradients.unsharded_step_cast_bytes if engine and cast else cast}
 
 
 def tp_overlap_off_zero(runs_as, generation: str) -> tuple:

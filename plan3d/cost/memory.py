@@ -103,12 +103,12 @@ def sharded_bytes(per_param, stage, params, dp, zero, expert_params=0.0, edp=1.0
 def gradient_work_bytes(ctx: CostContext, la: LayoutArrays, params, expert_params=0.0):
     """Gradient memory outside the model states (`CostContext` fields, from the engine profile):
     the optimizer step's fp32 copy of 16-bit gradients, sharded as the optimizer states
-    (`step_grad_cast_bytes`), and the flat bucket the engine's reduction copies gradients into
+    (`step_grad_cast_bytes`; `unsharded_step_cast_bytes` without ZeRO), and the flat bucket the engine's reduction copies gradients into
     (`reduce_bucket_elements` in the gradient dtype, at most the rank's gradients: DeepSpeed
     stage_1_and_2.py allocates `ipg_buffer` of reduce_bucket_size elements for a pipeline's
     reduction, and its engine's buffered all-reduce flattens buckets of 5e8 elements)."""
-    cast = sharded_bytes(ctx.step_grad_cast_bytes, 1, params, la.grad_ranks, la.zero, expert_params,
-                         la.expert_grad_ranks)
+    per_param = np.where(la.zero == 0, ctx.unsharded_step_cast_bytes, ctx.step_grad_cast_bytes)
+    cast = sharded_bytes(per_param, 1, params, la.grad_ranks, la.zero, expert_params, la.expert_grad_ranks)
     bucket = np.minimum(ctx.reduce_bucket_elements, params + expert_params) * ctx.grad_bytes
     return cast + bucket
 

@@ -311,6 +311,12 @@ class GradientBuffer(SpecModel):
                                     "tensors stay allocated (2 more bytes per parameter): DeepSpeed's BF16_Optimizer "
                                     "adds each bf16 grad into its fp32 flat buffer and zeroes it, never frees it; "
                                     "Megatron writes the weight gradients straight into main_grad (no 16-bit copy).")
+    unsharded_step_cast_bytes: Literal[4, 8] = Field(
+        4, description="Without ZeRO, 16-bit gradients: the bytes per parameter the optimizer step's fp32 gradient "
+        "copy takes at its peak. 4: one fp32 copy (Megatron's Float16Optimizer, main_param.grad = main_grad.float()). "
+        "8: DeepSpeed's FP16_Optimizer (runtime/fp16/fused_optimizer.py step()) casts every parameter's .grad of a group "
+        "to fp32 and then flattens that list, so the per-parameter copies and the flat copy are both alive. ZeRO-1/2 "
+        "cast the rank's flat partition once (stage_1_and_2.py): 4, sharded.")
 
     def dtype(self, precision: str) -> str:
         if precision == "fp32":

@@ -34,11 +34,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from collections import defaultdict
-from concurrent.futures import ProcessPoolExecutor
 from functools import lru_cache
 from itertools import combinations, product
 from pathlib import Path
@@ -290,42 +288,21 @@ def ordering_pairs(runs: list[Run], predicted: np.ndarray) -> list[dict]:
 
 
 # ---- fitting -----------------------------------------------------------------------------------
-FIT_ROUNDS = 3  # layouts re-resolved under the previous round's values, at most this often
-RESTARTS = 2  # fresh, smaller simplices around the best point: Nelder-Mead stalls on a non-smooth MAPE
-
-
 def fit(runs: list[Run], start: dict) -> dict:
-    """The FIT_KEYS values (those the runs inform) minimising the mean per-source MAPE.
-
-    Each round resolves every run's unstated knobs under the current values, then minimises with
-    those layouts fixed (Nelder-Mead, restarted RESTARTS times around its best point); it stops
-    when a round no longer lowers the objective by 0.01 points. One pass from the priors, as
-    before, stopped on a worse point than the bundled values on the same runs (Korthikanti left
-    out: 6.29% against 4.79%), which made the leave-one-source-out errors partly optimiser error."""
+    """The FIT_KEYS values (those the runs inform) minimising the mean per-source MAPE."""
     keys = [k for k in FIT_KEYS if any(INFORMED_BY[k](r) for r in runs)]
-    theta, best = dict(start), source_mape_mean(runs, predict(runs, start))
-    for _ in range(FIT_ROUNDS):
-        candidate = _minimise(runs, resolve(runs, theta), theta, keys)
-        value = source_mape_mean(runs, predict(runs, candidate))
-        if value >= best:
-            break
-        theta, gain, best = candidate, best - value, value
-        if gain < 0.01:
-            break
-    return pool_engine_scales(theta, keys)
 
-
-def _minimise(runs: list[Run], layouts: list, start: dict, keys: list[str]) -> dict:
     def decode(x):
-        return dict(start) | {k: float(np.clip(v * SCALE[k], *BOUNDS[k])) for k, v in zip(keys, x)}
+        theta = dict(start)
+        for k, v in zip(keys, x):
+            lo, hi = BOUNDS[k]
+            theta[k] = float(np.clip(v * SCALE[k], lo, hi))
+        return theta
 
-    def objective(x):
-        return source_mape_mean(runs, predict_fixed(runs, layouts, decode(x)))
-
-    x = np.array([start[k] / SCALE[k] for k in keys])
-    for step in (0.15,) + (0.05,) * RESTARTS:
-        x = nelder_mead(objective, x, step=step, iters=120, tol=1e-3, relative=True)
-    return decode(x)
+    layouts = resolve(runs, start)
+    x = nelder_mead(lambda x: source_mape_mean(runs, predict_fixed(runs, layouts, decode(x))),
+                    np.array([start[k] / SCALE[k] for k in keys]), step=0.15, iters=120, tol=1e-3, relative=True)
+    return pool_engine_scales(decode(x), keys)
 
 
 def fit_only(runs: list[Run], start: dict, keys: list[str]) -> dict:
@@ -354,21 +331,13 @@ def pool_engine_scales(theta: dict, informed: list[str]) -> dict:
 
 
 def leave_one_source_out(runs: list[Run], start: dict) -> tuple[np.ndarray, dict]:
-    """Predicted step time of every run by a fit that never saw its source, and those fits
-    (one process per source, as many at once as there are cores)."""
+    """Predicted step time of every run by a fit that never saw its source, and those fits."""
     predicted, fits = np.full(len(runs), np.nan), {}
-    groups = by_source(runs)
-    with ProcessPoolExecutor(max_workers=min(len(groups), os.cpu_count() or 1)) as pool:
-        futures = {source: pool.submit(_fold, runs, idx, start) for source, idx in groups.items()}
-        for source, future in futures.items():
-            fits[source], predicted[groups[source]] = future.result()
+    for source, idx in by_source(runs).items():
+        train = [r for i, r in enumerate(runs) if i not in set(idx)]
+        fits[source] = fit(train, start)
+        predicted[idx] = predict([runs[i] for i in idx], fits[source])
     return predicted, fits
-
-
-def _fold(runs: list[Run], idx: list[int], start: dict) -> tuple[dict, np.ndarray]:
-    left_out = set(idx)
-    values = fit([r for i, r in enumerate(runs) if i not in left_out], start)
-    return values, predict([runs[i] for i in idx], values)
 
 
 def vtrain_with_engine(params: dict) -> dict:
